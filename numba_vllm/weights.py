@@ -1,0 +1,182 @@
+"""Safetensors checkpoints, read and written by hand into NumPy (no torch).
+
+A `.safetensors` file is: 8 bytes (little-endian u64) giving the header length N, N bytes of JSON
+mapping each tensor name to `{"dtype", "shape", "data_offsets": [begin, end]}` (offsets relative to
+the end of the header), then the raw little-endian tensor bytes. Reading is a memory map: a tensor is
+a view into the file, copied only when the caller converts it. Large checkpoints are split into
+shards listed by `model.safetensors.index.json` (`weight_map`: tensor name -> shard file).
+
+Every tensor the config asks for must be present with the exact shape; a truncated or corrupt file,
+a missing tensor or a wrong shape raises `WeightsError` with one line naming the file or tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from .bf16 import BF16
+from .config import ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
+
+# safetensors dtype tag <-> NumPy dtype (little-endian). BF16 goes through ml_dtypes.
+_DTYPES: dict[str, np.dtype] = {
+    "BF16": BF16,
+    "F16": np.dtype("<f2"),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+    "I8": np.dtype("i1"),
+    "U8": np.dtype("u1"),
+    "I16": np.dtype("<i2"),
+    "I32": np.dtype("<i4"),
+    "I64": np.dtype("<i8"),
+    "BOOL": np.dtype("?"),
+}
+_TAGS = {v: k for k, v in _DTYPES.items()}
+FLOAT_TAGS = ("BF16", "F16", "F32")
+
+
+class WeightsError(ValueError):
+    """A checkpoint file is missing, corrupt, or does not match the model config."""
+
+
+def read_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """Memory-map every tensor of one `.safetensors` file: name -> read-only array view."""
+    path = Path(path)
+    header, data_start, size = _read_header(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors: dict[str, np.ndarray] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape, begin, end = _entry(path, name, info)
+        nbytes = math.prod(shape) * dtype.itemsize
+        if end - begin != nbytes:
+            raise WeightsError(f"{path}: tensor {name!r} claims {end - begin} bytes, its shape {shape} needs {nbytes}")
+        if data_start + end > size:
+            raise WeightsError(f"{path}: truncated (tensor {name!r} ends at byte {data_start + end}, file has {size})")
+        tensors[name] = mm[data_start + begin : data_start + end].view(dtype).reshape(shape)
+    return tensors
+
+
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The free-form `__metadata__` string map of a `.safetensors` file."""
+    header, _, _ = _read_header(Path(path))
+    return dict(header.get("__metadata__", {}))
+
+
+def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
+    """Write tensors (float32 / float16 / bf16 / ints) to one `.safetensors` file, in name order."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    arrays = []
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        tag = _TAGS.get(a.dtype.newbyteorder("<") if a.dtype.byteorder == ">" else a.dtype)
+        if tag is None:
+            raise WeightsError(f"tensor {name!r}: dtype {a.dtype} cannot be stored in safetensors")
+        header[name] = {"dtype": tag, "shape": list(a.shape), "data_offsets": [offset, offset + a.nbytes]}
+        offset += a.nbytes
+        arrays.append(a)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # pad so tensor data starts 8-byte aligned
+    path = Path(path)
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for a in arrays:
+            f.write(a.tobytes())
+    tmp.replace(path)  # never leave a half-written checkpoint under the real name
+
+
+def load_weights(model_dir: str | Path, config: ModelConfig) -> dict[str, np.ndarray]:
+    """All weights the config needs, by Hugging Face name, memory-mapped in their stored dtype.
+
+    Reads `model.safetensors`, or the shards named by `model.safetensors.index.json`. Checks every
+    expected tensor's presence, float dtype and shape. A tied model gets no `lm_head.weight` (the
+    embedding is the head); an untied one must have it.
+    """
+    model_dir = Path(model_dir)
+    tensors = _read_checkpoint(model_dir)
+    expected = config.tensor_shapes()
+    weights: dict[str, np.ndarray] = {}
+    for name, shape in expected.items():
+        t = tensors.get(name)
+        if t is None:
+            raise WeightsError(f"{model_dir}: tensor {name!r} is missing from the checkpoint")
+        if tuple(t.shape) != shape:
+            raise WeightsError(f"{model_dir}: tensor {name!r} has shape {tuple(t.shape)}, the config expects {shape}")
+        if t.dtype not in (BF16, np.dtype("<f2"), np.dtype("<f4")):
+            raise WeightsError(f"{model_dir}: tensor {name!r} has dtype {t.dtype}; expected bf16, f16 or f32")
+        weights[name] = t
+    return weights
+
+
+def _read_checkpoint(model_dir: Path) -> dict[str, np.ndarray]:
+    index = model_dir / INDEX_FILE
+    single = model_dir / SINGLE_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightsError(f"{index}: not a valid safetensors index ({e})") from None
+        tensors: dict[str, np.ndarray] = {}
+        for shard in sorted(set(weight_map.values())):
+            shard_path = model_dir / shard
+            if not shard_path.is_file():
+                raise WeightsError(f"{index}: shard {shard!r} is missing")
+            tensors.update(read_safetensors(shard_path))
+        missing = [n for n in weight_map if n not in tensors]
+        if missing:
+            raise WeightsError(f"{index}: tensor {missing[0]!r} is not in its shard {weight_map[missing[0]]!r}")
+        return tensors
+    if single.is_file():
+        return read_safetensors(single)
+    raise WeightsError(f"{model_dir}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def _read_header(path: Path) -> tuple[dict, int, int]:
+    """(header dict, byte offset where tensor data starts, file size)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise WeightsError(f"{path}: not a safetensors file (only {len(head)} bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise WeightsError(f"{path}: corrupt or truncated safetensors header (claims {n} bytes, file has {size})")
+            raw = f.read(n)
+    except OSError as e:
+        raise WeightsError(f"{path}: cannot read ({e.strerror})") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise WeightsError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise WeightsError(f"{path}: corrupt safetensors header (not a JSON object)")
+    return header, 8 + n, size
+
+
+def _entry(path: Path, name: str, info: object) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    try:
+        tag = info["dtype"]  # type: ignore[index]
+        shape = tuple(int(s) for s in info["shape"])  # type: ignore[index]
+        begin, end = (int(o) for o in info["data_offsets"])  # type: ignore[index]
+    except (TypeError, KeyError, ValueError):
+        raise WeightsError(f"{path}: corrupt header entry for tensor {name!r}") from None
+    if tag not in _DTYPES:
+        raise WeightsError(f"{path}: tensor {name!r} has unsupported dtype {tag!r}")
+    if begin < 0 or end < begin or any(s < 0 for s in shape):
+        raise WeightsError(f"{path}: corrupt offsets or shape for tensor {name!r}")
+    return _DTYPES[tag], shape, begin, end
