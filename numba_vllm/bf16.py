@@ -30,3 +30,22 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
 def bf16_from_bits(bits: np.ndarray) -> np.ndarray:
     """The bf16 view of raw uint16 bits (no copy)."""
     return bits.view(BF16)
+
+
+def upload_bf16(x: np.ndarray):
+    """Copy a bf16 (or any float, rounded) host array to the GPU as a bf16 device array.
+
+    `cuda.to_device` cannot take ml_dtypes' type directly, so the raw uint16 bits travel and the
+    device array is viewed back as bf16; kernels read elements with `float32(w[i])` (exact).
+    """
+    from numba import cuda
+
+    bits = np.ascontiguousarray(bf16_bits(x if x.dtype == BF16 else to_bf16(x)))
+    return cuda.to_device(bits).view(BF16)
+
+
+def empty_bf16_device(shape):
+    """An uninitialised bf16 device array (e.g. a KV cache pool)."""
+    from numba import cuda
+
+    return cuda.device_array(shape, np.uint16).view(BF16)

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+PAGE_SIZE = 16  # tokens per KV-cache page (one page holds K and V of 16 positions of one layer)
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM",)
 SUPPORTED_MODEL_TYPES = ("llama",)
 SUPPORTED_ACTIVATIONS = ("silu",)

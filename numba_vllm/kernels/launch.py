@@ -1,0 +1,48 @@
+"""Launching kernels: input checks every launcher shares, and errors that name the kernel.
+
+Every launcher in this package checks its arguments with `check_array` before the launch (a wrong
+shape, dtype or a non-contiguous view is a bug in the caller, reported in one line), then calls
+`launch`, which configures the kernel at this call (the simulator aliases configured kernels, see
+`jit.py`) and turns any failure of the launch into a `KernelError` naming the kernel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class KernelError(RuntimeError):
+    """A kernel launch failed, or a launcher was given arrays it cannot work on."""
+
+
+def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
+    """Run `kernel[grid, block, 0, shared_bytes](*args)`; a failure names the kernel."""
+    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "py_func", None), "__name__", repr(kernel))
+    try:
+        kernel[grid, block, 0, shared_bytes](*args)
+    except Exception as e:  # a CUDA driver, compile or simulator error: say which kernel
+        raise KernelError(f"{name} (grid {grid}, block {block}): {type(e).__name__}: {e}") from e
+
+
+def check_array(name: str, a, dtype=None, shape: tuple | None = None, ndim: int | None = None) -> None:
+    """Check a device (or host) array's dtype, shape (None entries are free) and C-contiguity."""
+    if dtype is not None and np.dtype(a.dtype) != np.dtype(dtype):
+        raise KernelError(f"{name}: dtype {a.dtype}, expected {np.dtype(dtype)}")
+    if ndim is not None and len(a.shape) != ndim:
+        raise KernelError(f"{name}: {len(a.shape)} dimensions {tuple(a.shape)}, expected {ndim}")
+    if shape is not None:
+        if len(a.shape) != len(shape) or any(e is not None and e != s for s, e in zip(a.shape, shape)):
+            want = tuple("*" if e is None else e for e in shape)
+            raise KernelError(f"{name}: shape {tuple(a.shape)}, expected {want}")
+    if not _c_contiguous(a):
+        raise KernelError(f"{name}: must be C-contiguous")
+
+
+def _c_contiguous(a) -> bool:
+    flags = getattr(a, "flags", None)
+    if flags is None:
+        return True
+    try:
+        return bool(flags["C_CONTIGUOUS"])
+    except (KeyError, TypeError):
+        return bool(getattr(flags, "c_contiguous", True))
