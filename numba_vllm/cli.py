@@ -1,7 +1,8 @@
 """The `numba-vllm` command: `run` a model on prompts, `convert` a GGUF file to a model directory.
 
-User mistakes (bad path, bad config, bad sampling values, prompt too long, unknown backend) end in one
-line on stderr starting with `error:` and exit status 2 — never a traceback.
+User mistakes end in one line on stderr starting with `Error:`, never a traceback: exit status 2 for a
+bad option or argument, 1 for a model or prompt that cannot be run (bad path, corrupt checkpoint,
+unsupported config, prompt too long).
 """
 
 from __future__ import annotations
