@@ -62,12 +62,7 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
         from .gguf import load_gguf
 
         g = load_gguf(path)
-        tokenizer = None
-        if g.tokenizer_json is not None:
-            tokenizer = Tokenizer.from_json(
-                g.tokenizer_json, g.chat_template, g.bos_token, g.eos_token, g.add_bos_token
-            )
-        return Checkpoint(g.config, g.weights, tokenizer, path)
+        return Checkpoint(g.config, g.weights, g.tokenizer(), path)
     from .weights import load_weights
 
     config = ModelConfig.from_dir(path)

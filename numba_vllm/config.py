@@ -114,7 +114,7 @@ class ModelConfig:
 
     # ---- construction --------------------------------------------------------------------------
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         """Read `config.json` (required) and `generation_config.json` (optional) from a directory."""
         path = Path(path)
         cfg_path = path / "config.json"
@@ -126,7 +126,7 @@ class ModelConfig:
         return cls.from_dict(cfg, gen)
 
     @classmethod
-    def from_dict(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None) -> "ModelConfig":
+    def from_dict(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None) -> ModelConfig:
         """Build and validate a config from parsed `config.json` (and `generation_config.json`)."""
         if not isinstance(cfg, dict):
             raise ConfigError("config.json: expected a JSON object")

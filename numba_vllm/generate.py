@@ -8,8 +8,8 @@ turn out to be the start of a stop string is held back until it cannot.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
 
 import numpy as np
 

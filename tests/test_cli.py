@@ -4,11 +4,11 @@ import json
 
 import pytest
 from click.testing import CliRunner
+from test_smollm2 import HAVE_MODEL, REF
+from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm.cli import main
 from numba_vllm.config import ModelConfig
-from test_smollm2 import HAVE_MODEL, REF
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 
 @pytest.fixture(scope="module")

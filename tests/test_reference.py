@@ -2,8 +2,8 @@
 
 import numpy as np
 import pytest
-
 from hf_tiny import hf_tiny_case
+
 from numba_vllm.reference import KVCache, ReferenceModel, apply_rope, attention, rms_norm
 
 
