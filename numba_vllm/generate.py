@@ -38,7 +38,9 @@ def check_prompt(prompt_ids: Sequence[int], config: ModelConfig, max_model_len: 
     if len(prompt_ids) == 0:
         raise PromptError("the prompt is empty")
     if len(prompt_ids) >= max_model_len:
-        raise PromptError(f"the prompt has {len(prompt_ids)} tokens; the model's limit is {max_model_len} (prompt plus at least one new token)")
+        raise PromptError(
+            f"the prompt has {len(prompt_ids)} tokens; the model's limit is {max_model_len} (prompt plus at least one new token)"
+        )
     bad = [t for t in prompt_ids if not 0 <= t < config.vocab_size]
     if bad:
         raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
@@ -103,7 +105,13 @@ def generate_stream(
         logits = model.forward(np.asarray([token]), len(prompt_ids) + len(out.token_ids) - 1, cache)
 
 
-def generate(model: ReferenceModel, prompt_ids: Sequence[int], params: SamplingParams, tokenizer: Tokenizer | None = None, max_model_len: int | None = None) -> Generation:
+def generate(
+    model: ReferenceModel,
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    tokenizer: Tokenizer | None = None,
+    max_model_len: int | None = None,
+) -> Generation:
     """Run one request to completion and return it."""
     out = None
     for _, out in generate_stream(model, prompt_ids, params, tokenizer, max_model_len):

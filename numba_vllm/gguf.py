@@ -464,7 +464,7 @@ def _byte_level_bpe(gf: GGUFFile, tokens: list[str]) -> HFTokenizer:
     """GPT-2 style byte-level BPE: vocab and merges as stored, the pre-tokenizer llama.cpp would use."""
     merges = gf.metadata.get("tokenizer.ggml.merges") or []
     pairs = [tuple(m.split(" ")) for m in merges]
-    bad = next((m for m, p in zip(merges, pairs) if len(p) != 2), None)
+    bad = next((m for m, p in zip(merges, pairs, strict=True) if len(p) != 2), None)
     if bad is not None:
         raise GGUFError(f"{gf.path}: malformed merge {bad!r} in tokenizer.ggml.merges")
     pre = _meta(gf, "tokenizer.ggml.pre", str)

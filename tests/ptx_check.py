@@ -41,7 +41,9 @@ F64_OP = re.compile(r"^\s*[a-z][\w.]*\.f64\b", re.M)  # an instruction working o
 def compile_ptx(specs: list[tuple[str, str, str]]) -> dict[str, dict]:
     """{'module.kernel': {'ptx': text} or {'error': message}} for (module, kernel attr, signature) specs."""
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    proc = subprocess.run([sys.executable, "-c", _CHILD], input=json.dumps(specs), capture_output=True, text=True, env=env, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHILD], input=json.dumps(specs), capture_output=True, text=True, env=env, timeout=600
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"PTX compilation child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -74,7 +74,14 @@ def test_round_trip_through_to_dict():
 
 def test_single_eos_and_defaults():
     c = ModelConfig.from_dict(
-        {"hidden_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4, "intermediate_size": 128, "vocab_size": 100, "eos_token_id": 2}
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 1,
+            "num_attention_heads": 4,
+            "intermediate_size": 128,
+            "vocab_size": 100,
+            "eos_token_id": 2,
+        }
     )
     assert c.eos_token_ids == (2,) and c.num_key_value_heads == 4 and c.head_dim == 16 and c.rope_scaling is None
 

@@ -14,7 +14,11 @@ from numba_vllm.weights import WeightsError, load_weights, read_metadata, read_s
 
 def test_reads_what_the_safetensors_package_writes(tmp_path):
     rng = np.random.default_rng(0)
-    tensors = {"a": rng.standard_normal((3, 5)).astype(np.float32), "b": rng.standard_normal(7).astype(np.float16), "c": np.arange(4, dtype=np.int64)}
+    tensors = {
+        "a": rng.standard_normal((3, 5)).astype(np.float32),
+        "b": rng.standard_normal(7).astype(np.float16),
+        "c": np.arange(4, dtype=np.int64),
+    }
     save_file(tensors, tmp_path / "x.safetensors", metadata={"format": "pt"})
     got = read_safetensors(tmp_path / "x.safetensors")
     assert set(got) == set(tensors)
@@ -69,7 +73,10 @@ def test_sharded_checkpoint(tmp_path):
     config = ModelConfig.from_dict(cfg)
     w = random_weights(config, dtype="bf16")
     names = sorted(w)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2], "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for shard, members in shards.items():
         save_safetensors(tmp_path / shard, {n: w[n] for n in members})
     weight_map = {n: shard for shard, members in shards.items() for n in members}
@@ -88,7 +95,9 @@ def test_wrong_shape_names_tensor_and_shapes(tmp_path):
     w = random_weights(config)
     w["model.layers.1.mlp.up_proj.weight"] = w["model.layers.1.mlp.up_proj.weight"][:-1]
     write_checkpoint(tmp_path, cfg, w)
-    with pytest.raises(WeightsError, match=r"'model.layers.1.mlp.up_proj.weight' has shape \(95, 64\), the config expects \(96, 64\)"):
+    with pytest.raises(
+        WeightsError, match=r"'model.layers.1.mlp.up_proj.weight' has shape \(95, 64\), the config expects \(96, 64\)"
+    ):
         load_weights(tmp_path, config)
 
 

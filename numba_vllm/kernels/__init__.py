@@ -1,0 +1,6 @@
+"""GPU kernels (Numba CUDA). Importing the package installs the simulator's warp intrinsics
+and pooled block manager when ``NUMBA_ENABLE_CUDASIM=1`` (see ``simulator.py``)."""
+
+from numba_vllm.kernels import simulator
+
+simulator.install()
