@@ -16,9 +16,12 @@ import subprocess
 import sys
 
 _CHILD = r"""
-import importlib, json, sys
+import importlib, json, sys, types as pytypes
 from numba import cuda
-from numba.cuda import types
+from numba.cuda import dispatcher, types
+# Device functions are compiled for the current device's compute capability; there is no device
+# here, so answer for the Hopper target the PTX is built for.
+dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
 def _arr(dt):
     return lambda n: types.Array(dt, n, "C")
 ns = dict(types=types, f32=_arr(types.float32), bf16=_arr(types.bfloat16), i32=_arr(types.int32),

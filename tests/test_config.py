@@ -9,19 +9,18 @@ import pytest
 from numba_vllm.config import ConfigError, ModelConfig
 from numba_vllm.rope_scaling import rope_inv_freq
 
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "models" / "llama-3.2-1b-instruct"
 DATA = Path(__file__).parent / "data"
+LLAMA_DIR = DATA / "llama-3.2-1b-instruct"  # the published config of Llama 3.2 1B Instruct
 
 
 def llama_dict(**overrides):
-    d = json.loads((SHARED / "config.json").read_text())
+    d = json.loads((LLAMA_DIR / "config.json").read_text())
     d.update(overrides)
     return d
 
 
-@pytest.mark.skipif(not SHARED.is_dir(), reason="shared Llama 3.2 config not present")
 def test_llama_3_2_1b_config():
-    c = ModelConfig.from_dir(SHARED)
+    c = ModelConfig.from_dir(LLAMA_DIR)
     assert (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads) == (2048, 16, 32, 8)
     assert (c.head_dim, c.intermediate_size, c.vocab_size) == (64, 8192, 128256)
     assert c.rms_norm_eps == 1e-5 and c.rope_theta == 500000.0
