@@ -1,0 +1,343 @@
+"""Continuous batching: which requests run this step, on which tokens, in which pages.
+
+State: ``max_num_seqs`` batch slots, the ``running`` requests (in admission order) each holding a
+slot and pages, and a FIFO ``waiting`` queue. Policy, each step, under one token budget
+(``max_num_batched_tokens``) shared by prefill and decode, as in vLLM v1:
+
+1. Running requests first, oldest admitted first: each gets its next tokens, one for decode or
+   the next chunk of a prompt still being prefilled. Serving them first means admitting a new
+   request can never stall the ones already generating.
+2. If a running request needs a page and none is free, the *newest* running request is preempted
+   by recompute: its pages and slot are freed, ``num_computed_tokens`` goes back to 0, its
+   generated tokens are kept, and it goes to the *front* of the waiting queue, to re-prefill
+   prompt + generated tokens when pages allow. The newest has the least work to redo and the
+   oldest keeps making progress, so the batch can never deadlock. Repeat until the request fits;
+   if it is itself the newest, it is simply not scheduled this step.
+3. Only if nobody was preempted this step (pages are scarce otherwise), admit waiting requests in
+   FIFO order into free slots while budget and pages allow. A prompt longer than the remaining
+   budget is prefilled in chunks over several steps (chunked prefill); only the step that reaches
+   the last known token samples.
+
+The scheduler advances requests in `update` after the step has run; stopping rules (EOS, stop
+strings, max_tokens, and `max_model_len` below) are the engine's, which calls `finish`.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from numba_vllm.config import PAGE_SIZE
+from numba_vllm.engine.kv_cache import PageAllocator, block_table_array, kv_indices, pages_for_tokens
+from numba_vllm.engine.request import Request, RequestStatus
+
+
+class RequestTooLongError(ValueError):
+    """A request that could never run: its prompt leaves no room for an output token within the
+    model length, or needs more pages than the whole cache. Rejected alone, at `Scheduler.add`."""
+
+
+class SchedulerStalledError(RuntimeError):
+    """Unfinished requests exist but none could be scheduled: an engine bug (e.g. a request was
+    not finished at `Scheduler.max_model_len`), raised instead of looping forever."""
+
+
+@dataclass
+class ScheduledSequence:
+    """One request's share of a step: compute K/V for ``token_ids`` at ``start_position`` onwards."""
+
+    request: Request
+    slot: int  # batch slot, 0 .. max_num_seqs - 1
+    start_position: int  # request.num_computed_tokens before the step; token_ids[i] sits at start_position + i
+    token_ids: list[int]  # (num_new_tokens,) tokens whose K/V are computed (and written) this step
+    kv_indices: np.ndarray  # (num_new_tokens,) int32: page_id * PAGE_SIZE + offset, where each new token's K/V goes
+    page_ids: list[int]  # block table after this step's allocation, covering start_position + num_new_tokens tokens
+    samples: bool  # the step reaches the last known token, so a new token is sampled from its logits
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens the last new token attends to (itself included)."""
+        return self.start_position + len(self.token_ids)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """(num_new_tokens,) int32 positions of the new tokens."""
+        return np.arange(self.start_position, self.context_len, dtype=np.int32)
+
+    @property
+    def is_decode(self) -> bool:
+        """One generated token in, one sampled token out (as opposed to a prompt or recompute chunk)."""
+        return self.samples and len(self.token_ids) == 1 and self.start_position >= self.request.num_prompt_tokens
+
+
+@dataclass
+class StepPlan:
+    """Everything the runner needs for one forward pass, and what `--verbose` prints."""
+
+    sequences: list[ScheduledSequence]  # ordered by slot
+    preempted_request_ids: list[str]  # preempted this step, oldest admitted first
+    num_free_pages: int  # after this step's allocations
+    num_waiting: int  # requests left in the waiting queue
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.sequences
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.sequences)
+
+    def token_ids_array(self) -> np.ndarray:
+        """(T,) int32: every sequence's new tokens, concatenated in plan order."""
+        return np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32)
+
+    def positions_array(self) -> np.ndarray:
+        """(T,) int32 positions matching `token_ids_array`."""
+        return np.concatenate([s.positions for s in self.sequences]) if self.sequences else np.zeros(0, np.int32)
+
+    def kv_indices_array(self) -> np.ndarray:
+        """(T,) int32 kv indices matching `token_ids_array`."""
+        return np.concatenate([s.kv_indices for s in self.sequences]) if self.sequences else np.zeros(0, np.int32)
+
+    def context_lens_array(self) -> np.ndarray:
+        """(B,) int32 tokens each sequence attends to after this step."""
+        return np.array([s.context_len for s in self.sequences], dtype=np.int32)
+
+    def block_table(self, max_pages: int | None = None) -> np.ndarray:
+        """(B, max_pages) int32 block tables padded with the null page (default width: the longest)."""
+        if max_pages is None:
+            max_pages = max((len(s.page_ids) for s in self.sequences), default=0)
+        return block_table_array([s.page_ids for s in self.sequences], max_pages)
+
+    def describe(self) -> list[str]:
+        """One line per slot and a summary line, for `--verbose`."""
+        lines = []
+        for s in self.sequences:
+            kind = "decode " if s.is_decode else "prefill"
+            end = "" if s.samples else " (chunk)"
+            lines.append(
+                f"  slot {s.slot:3d}  {s.request.request_id:<12} {kind} {s.num_new_tokens:5d} tok"
+                f"  pos {s.start_position}..{s.context_len - 1}{end}  pages {len(s.page_ids)}"
+            )
+        summary = f"  {self.num_batched_tokens} tokens, {self.num_free_pages} free pages, {self.num_waiting} waiting"
+        if self.preempted_request_ids:
+            summary += f", preempted {', '.join(self.preempted_request_ids)}"
+        return lines + [summary]
+
+
+class Scheduler:
+    """Batch slots, a FIFO waiting queue and the step policy described in the module docstring."""
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, allocator: PageAllocator, max_model_len: int) -> None:
+        limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len}
+        for name, value in limits.items():
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens  # token budget of one step
+        self.allocator = allocator
+        self.requested_max_model_len = max_model_len
+        # The longest a request may grow (prompt + output). A request must fit the whole cache on
+        # its own, or preempting everyone else would not let it proceed: the engine finishes a
+        # request (FINISHED_LENGTH) once num_tokens reaches this.
+        self.max_model_len = min(max_model_len, allocator.num_usable_pages * PAGE_SIZE)
+        self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
+        self.running: list[Request] = []  # admission order: the last is the newest, preempted first
+        self._free_slots: list[int] = list(range(max_num_seqs))  # min-heap: lowest free slot first
+        self._requests: dict[str, Request] = {}  # every unfinished request, by id
+        self._plan_in_flight: StepPlan | None = None  # scheduled, not yet passed to update
+
+    # ---- queries -------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free_slots)
+
+    def get(self, request_id: str) -> Request | None:
+        """The unfinished request with this id, or None."""
+        return self._requests.get(request_id)
+
+    # ---- requests in and out -------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        """Queue a new request, or reject it alone with `RequestTooLongError` if it could never run."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.page_ids or request.num_computed_tokens:
+            raise ValueError(f"request {request.request_id}: only a new request can be added")
+        num_tokens = request.num_tokens
+        if num_tokens + 1 > self.requested_max_model_len:  # +1: room for at least one output token
+            raise RequestTooLongError(
+                f"request {request.request_id}: prompt of {num_tokens} tokens leaves no room to generate within "
+                f"max_model_len={self.requested_max_model_len}"
+            )
+        if num_tokens + 1 > self.max_model_len:
+            raise RequestTooLongError(
+                f"request {request.request_id}: prompt of {num_tokens} tokens (+1 to generate) does not fit the whole "
+                f"KV cache of {self.allocator.num_usable_pages} pages ({self.max_model_len} tokens)"
+            )
+        self._requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a waiting or running request with a finished status, freeing its pages and slot."""
+        if not status.is_finished:
+            raise ValueError(f"finish needs a finished status, got {status}")
+        if self._requests.get(request.request_id) is not request:
+            raise ValueError(f"request {request.request_id} is not an unfinished request of this scheduler")
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._release(request)
+        else:
+            self.waiting.remove(request)
+        request.status = status
+        del self._requests[request.request_id]
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if there is no unfinished request with this id."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return False
+        self.finish(request, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Plan the next step (see the module docstring), allocating the pages it writes."""
+        if self._plan_in_flight is not None:
+            raise RuntimeError("schedule() called again before update() of the previous plan")
+        token_budget = self.max_num_batched_tokens
+        scheduled: list[ScheduledSequence] = []
+        preempted: list[Request] = []
+
+        # 1. Running requests, oldest first; preempting the newest when pages run out.
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_new_pages = pages_for_tokens(request.num_computed_tokens + num_new_tokens) - len(request.page_ids)
+            while not self.allocator.can_allocate(num_new_pages) and request.status is RequestStatus.RUNNING:
+                victim = self.running[-1]  # the newest; possibly the request itself
+                self._preempt(victim)
+                preempted.append(victim)
+            if request.status is not RequestStatus.RUNNING:
+                break  # it was the newest: nobody after it is left
+            scheduled.append(self._schedule_tokens(request, num_new_tokens))
+            token_budget -= num_new_tokens
+            i += 1
+
+        # 2. Admit waiting requests in FIFO order, unless pages were just too scarce to keep everyone.
+        while not preempted and self.waiting and self._free_slots and token_budget > 0:
+            request = self.waiting[0]
+            num_new_tokens = min(request.num_tokens, token_budget)  # a waiting request has nothing computed
+            if not self.allocator.can_allocate(pages_for_tokens(num_new_tokens)):
+                break  # strict FIFO: later requests do not overtake the head
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.slot = heapq.heappop(self._free_slots)
+            self.running.append(request)
+            scheduled.append(self._schedule_tokens(request, num_new_tokens))
+            token_budget -= num_new_tokens
+
+        if not scheduled and not preempted and self.has_unfinished():
+            raise SchedulerStalledError(
+                f"{len(self.running)} running / {len(self.waiting)} waiting requests but none can be scheduled "
+                f"({self.allocator.num_free_pages} free pages); was a request not finished at max_model_len="
+                f"{self.max_model_len}?"
+            )
+        scheduled.sort(key=lambda s: s.slot)
+        plan = StepPlan(
+            sequences=scheduled,
+            preempted_request_ids=[r.request_id for r in reversed(preempted)],
+            num_free_pages=self.allocator.num_free_pages,
+            num_waiting=len(self.waiting),
+        )
+        self._plan_in_flight = plan
+        return plan
+
+    def update(self, plan: StepPlan, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Record that ``plan`` ran: advance each request's computed tokens and append its sampled
+        token where the step sampled. Returns those requests, in plan order, for the engine to check
+        stopping rules on. Requests aborted while the step ran are skipped."""
+        if plan is not self._plan_in_flight:
+            raise ValueError("update() needs the plan returned by the last schedule()")
+        # Check everything before changing anything, so a bad call changes nothing.
+        live = [seq for seq in plan.sequences if not seq.request.is_finished]
+        sampling_ids = {seq.request.request_id for seq in plan.sequences if seq.samples}
+        unexpected = sorted(set(sampled_token_ids) - sampling_ids)
+        if unexpected:
+            raise ValueError(f"sampled tokens given for {', '.join(unexpected)}, which did not reach their last token this step")
+        missing = [seq.request.request_id for seq in live if seq.samples and seq.request.request_id not in sampled_token_ids]
+        if missing:
+            raise ValueError(f"no sampled token given for {', '.join(missing)}, which reached their last token")
+        self._plan_in_flight = None
+        sampled_requests = []
+        for seq in live:
+            request = seq.request
+            assert request.num_computed_tokens == seq.start_position, f"request {request.request_id} moved during the step"
+            request.num_computed_tokens += seq.num_new_tokens
+            if seq.samples:
+                request.output_token_ids.append(int(sampled_token_ids[request.request_id]))
+                sampled_requests.append(request)
+        return sampled_requests
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _schedule_tokens(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
+        """Allocate the pages ``num_new_tokens`` more tokens need and describe the request's step."""
+        start = request.num_computed_tokens
+        end = start + num_new_tokens
+        request.page_ids.extend(self.allocator.allocate(pages_for_tokens(end) - len(request.page_ids)))
+        return ScheduledSequence(
+            request=request,
+            slot=request.slot,
+            start_position=start,
+            token_ids=request.token_ids_between(start, end),
+            kv_indices=kv_indices(request.page_ids, np.arange(start, end)),
+            page_ids=list(request.page_ids),  # a snapshot: the request's list keeps growing
+            samples=end == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        """Preemption by recompute: drop the request's cache, keep its tokens, queue it first."""
+        self.running.remove(request)
+        self._release(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        """Give back a running request's pages and slot."""
+        self.allocator.free(request.page_ids)
+        request.page_ids = []
+        heapq.heappush(self._free_slots, request.slot)
+        request.slot = None
+
+    def check_invariants(self) -> None:
+        """Page and slot accounting is exact (for tests: cheap enough to call every step)."""
+        self.allocator.check_invariants()
+        assert len(set(map(id, self.running))) == len(self.running), "a request runs twice"
+        assert {id(r) for r in self.running}.isdisjoint(map(id, self.waiting)), "a request both runs and waits"
+        assert len(self.running) + len(self.waiting) == len(self._requests), "a request is lost or duplicated"
+        assert all(self._requests.get(r.request_id) is r for r in [*self.running, *self.waiting])
+        page_ids: list[int] = []
+        for r in self.running:
+            assert r.status is RequestStatus.RUNNING and r.slot is not None
+            assert 0 <= r.num_computed_tokens < r.num_tokens <= self.max_model_len
+            assert pages_for_tokens(r.num_computed_tokens) <= len(r.page_ids) <= pages_for_tokens(r.num_tokens)
+            page_ids += r.page_ids
+        for r in self.waiting:
+            assert r.status is RequestStatus.WAITING and r.slot is None
+            assert r.num_computed_tokens == 0 and not r.page_ids
+        assert len(set(page_ids)) == len(page_ids), "two requests share a page"
+        assert set(page_ids) == self.allocator.allocated_page_ids, "allocated pages differ from the block tables"
+        slots = [r.slot for r in self.running]
+        assert sorted(slots + self._free_slots) == list(range(self.max_num_seqs)), "slot accounting is off"
