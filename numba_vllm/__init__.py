@@ -1,0 +1,13 @@
+"""numba-vllm: LLM inference in Python with Numba CUDA kernels.
+
+    from numba_vllm import LLM, SamplingParams
+    llm = LLM()                                    # SmolLM2-135M-Instruct; backend: GPU if usable
+    out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0))
+    print(out[0].text)
+"""
+
+from .engine.llm_engine import LLM, LLMEngine
+from .output import RequestOutput
+from .sampling import SamplingParams
+
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]

@@ -14,10 +14,13 @@ from pathlib import Path
 
 import click
 
+from .checkpoint import load_checkpoint
+from .config import BACKENDS, EngineConfig
+from .engine.llm_engine import LLMEngine, prepare_backend, resolve_backend
+from .errors import KernelError
 from .sampling import SamplingParams
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
-BACKENDS = ("auto", "cuda", "sim", "numpy")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -53,26 +56,27 @@ def main() -> None:
 @click.option("--prompt-ids", multiple=True, help='A prompt as token ids, e.g. "1,2,3" (repeatable).')
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read prompts from a file, one per line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
-def run(
-    prompts,
-    model,
-    backend,
-    max_tokens,
-    temperature,
-    top_p,
-    top_k,
-    seed,
-    ignore_eos,
-    chat,
-    system,
-    prompt_ids,
-    prompt_file,
-    as_json,
-):
-    """Generate answers to PROMPTS (default: a sample question)."""
+@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Batch slots: requests running at once.")
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True, help="Tokens per step.")
+@click.option("--max-model-len", type=int, default=None, help="Prompt + output cap (default: the model's, capped by the cache).")
+@click.option("--num-pages", type=int, default=None, help="KV-cache pages of 16 tokens (default: sized from memory).")
+@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="GPU memory share for the KV cache.")
+@click.option("--verbose", "-v", is_flag=True, help="Print every step's slots and free pages to stderr.")
+def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ignore_eos, chat, system, prompt_ids, prompt_file,
+        as_json, max_num_seqs, max_num_batched_tokens, max_model_len, num_pages, gpu_memory_utilization, verbose):  # fmt: skip
+    """Generate answers to PROMPTS (default: a sample question), all batched together."""
     try:
         params = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos
+        )
+        engine_config = EngineConfig(
+            backend=backend,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_pages=num_pages,
+            gpu_memory_utilization=gpu_memory_utilization,
+            verbose=verbose,
         )
         texts = list(prompts)
         if prompt_file is not None:
@@ -80,13 +84,10 @@ def run(
         id_prompts = [_parse_ids(s) for s in prompt_ids]
         if not texts and not id_prompts:
             texts = [DEFAULT_QUESTION]
-        backend = _resolve_backend(backend)
+        prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
+        resolve_backend(backend)  # an unusable backend fails now, before the model loads
         t0 = time.perf_counter()
-        ckpt = _load(model)
-        from .reference import ReferenceModel
-
-        engine = ReferenceModel(ckpt.config, ckpt.weights)
-        load_s = time.perf_counter() - t0
+        ckpt = load_checkpoint(model)
         tok = ckpt.tokenizer
         if texts and tok is None:
             raise click.UsageError(f"{ckpt.source} has no tokenizer; give prompts as token ids with --prompt-ids")
@@ -94,53 +95,78 @@ def run(
         if use_chat and texts and not tok.has_chat_template:
             raise click.UsageError(f"{ckpt.source} has no chat template; use --no-chat")
         encoded = [_encode(tok, t, use_chat, system) for t in texts] + id_prompts
+        engine = LLMEngine(ckpt, engine_config)
         _log(
             f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
-            f"loaded in {load_s:.1f} s, backend {backend}"
+            f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}"
         )
-        for ids in encoded:
-            _run_one(engine, tok, ids, params, as_json)
+        ok = _run_batch(engine, encoded, params, as_json)
     except click.ClickException:
         raise
-    except (ValueError, OSError) as e:
+    except (ValueError, OSError, KernelError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         _log("interrupted")
         sys.exit(130)
+    if not ok:
+        sys.exit(1)
 
 
-def _run_one(engine, tok, ids, params, as_json) -> None:
-    from .generate import generate_stream
-
+def _run_batch(engine, encoded: list[list[int]], params, as_json: bool) -> bool:
+    """Run every prompt through the engine at once; print outputs in prompt order, streaming the
+    earliest unfinished one. A prompt the engine rejects is reported alone; the rest still run."""
+    outputs, errors = [], {}
+    for i, ids in enumerate(encoded):
+        try:
+            outputs.append(engine.add_request(str(i), ids, params))
+        except ValueError as e:
+            outputs.append(None)
+            errors[i] = f"prompt {i + 1}: {e}"
+            _log(f"Error: {errors[i]}")
     t0 = time.perf_counter()
-    first = None
-    out = None
-    for delta, out in generate_stream(engine, ids, params, tok):
-        if first is None:
-            first = time.perf_counter() - t0
-        if not as_json and delta:
-            click.echo(delta, nl=False)
-            sys.stdout.flush()
+    first_token_at: dict[int, float] = {}
+    shown = 0  # characters of outputs[current] already printed
+    current = 0
+    try:
+        while True:
+            while current < len(outputs) and (outputs[current] is None or outputs[current].finished):
+                current, shown = _finish_one(outputs, errors, current, shown, as_json)
+            if not engine.has_unfinished_requests():
+                break
+            for out in engine.step():
+                first_token_at.setdefault(int(out.request_id), time.perf_counter() - t0)
+            if not as_json and current < len(outputs) and outputs[current] is not None:
+                text = outputs[current].text
+                click.echo(text[shown:], nl=False)
+                sys.stdout.flush()
+                shown = len(text)
+    finally:
+        for out in outputs:  # Ctrl-C or a failure: free what is still running
+            if out is not None and not out.finished:
+                engine.abort_request(out.request_id)
     total = time.perf_counter() - t0
-    if as_json:
-        click.echo(
-            json.dumps(
-                {
-                    "prompt_token_ids": out.prompt_token_ids,
-                    "token_ids": out.token_ids,
-                    "text": out.text,
-                    "finish_reason": out.finish_reason,
-                }
-            )
-        )
-    else:
-        click.echo()
-    n = len(out.token_ids)
-    rate = (n - 1) / (total - first) if n > 1 and total > first else 0.0
+    done = [o for o in outputs if o is not None]
+    num_generated = sum(len(o.token_ids) for o in done)
+    ttft = min(first_token_at.values(), default=0.0)
     _log(
-        f"[{len(ids)} prompt tokens, {n} generated, finish {out.finish_reason}, "
-        f"first token {first * 1000:.0f} ms, {rate:.1f} tokens/s]"
+        f"[{len(done)} prompts, {sum(len(o.prompt_token_ids) for o in done)} prompt tokens, {num_generated} generated, "
+        f"first token {ttft * 1000:.0f} ms, {num_generated / total if total > 0 else 0:.1f} tokens/s, {engine.num_steps} steps]"
     )
+    return not errors
+
+
+def _finish_one(outputs, errors, current: int, shown: int, as_json: bool) -> tuple[int, int]:
+    """Print the rest of prompt `current`'s output (or its error); move on to the next prompt."""
+    out = outputs[current]
+    if as_json:
+        if out is None:
+            obj = {"error": errors[current]}
+        else:
+            obj = {k: getattr(out, k) for k in ("prompt_token_ids", "token_ids", "text", "finish_reason")}
+        click.echo(json.dumps(obj))
+    elif out is not None:
+        click.echo(out.text[shown:])
+    return current + 1, 0
 
 
 @main.command()
@@ -155,19 +181,6 @@ def convert(gguf_file, out_dir):
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     _log(f"wrote {out_dir}")
-
-
-def _resolve_backend(backend: str) -> str:
-    """The backend to use; `auto` is numpy until the GPU engine lands."""
-    if backend in ("cuda", "sim"):
-        raise click.UsageError(f"backend {backend!r} is not available in this version yet; use --backend numpy")
-    return "numpy"
-
-
-def _load(model):
-    from .checkpoint import load_checkpoint
-
-    return load_checkpoint(model)
 
 
 def _encode(tok, text: str, use_chat: bool, system: str | None) -> list[int]:

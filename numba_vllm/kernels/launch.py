@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..errors import KernelError
 
-class KernelError(RuntimeError):
-    """A kernel launch failed, or a launcher was given arrays it cannot work on."""
+__all__ = ["KernelError", "check_array", "launch"]
 
 
 def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:

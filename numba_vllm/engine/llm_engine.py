@@ -1,0 +1,226 @@
+"""The engine: requests in, tokens out, many at once over a paged KV cache.
+
+`LLMEngine` is the streaming core (vLLM's names): `add_request`, `step`, `abort_request`. Each step
+the scheduler picks what runs (`StepPlan`), the runner executes it and samples, the scheduler
+advances the requests, and each request's `OutputBuilder` turns its new token into text and decides
+whether it stops; finished requests give back their pages and slot. `LLM` is the offline API on
+top: hand it all prompts, get all outputs back in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+from collections.abc import Sequence
+
+from ..checkpoint import Checkpoint, load_checkpoint
+from ..config import EngineConfig
+from ..output import OutputBuilder, RequestOutput, check_prompt
+from ..sampling import SamplingParams
+from .kv_cache import PageAllocator, pages_for_tokens
+from .request import Request, RequestStatus
+from .scheduler import Scheduler
+
+HOST_CACHE_SEQUENCES = 4  # numpy / sim default: a cache that holds this many full-length sequences
+DEFAULT_MAX_MODEL_LEN_CPU = 4096  # numpy / sim default length cap (the model's own may be 128k)
+
+_STATUS_OF_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+class LLMEngine:
+    """Continuous batching over batch slots and a waiting queue, with one of three runners."""
+
+    def __init__(self, checkpoint: Checkpoint, engine_config: EngineConfig | None = None):
+        self.checkpoint = checkpoint
+        self.config = checkpoint.config
+        self.tokenizer = checkpoint.tokenizer
+        self.engine_config = ec = engine_config or EngineConfig()
+        self.backend = resolve_backend(ec.backend)
+        max_len = min(ec.max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
+        if self.backend == "cuda":
+            from .kernel_runner import KernelRunner
+
+            self.runner = KernelRunner.for_gpu(checkpoint, ec, max_len)
+            num_pages = self.runner.num_pages
+        else:
+            if ec.max_model_len is None:
+                max_len = min(max_len, DEFAULT_MAX_MODEL_LEN_CPU)
+            num_pages = ec.num_pages or 1 + HOST_CACHE_SEQUENCES * pages_for_tokens(max_len)
+            if self.backend == "sim":
+                from .kernel_runner import KernelRunner
+
+                self.runner = KernelRunner.for_simulator(checkpoint, ec, num_pages)
+            else:
+                from .runner import NumpyRunner
+
+                self.runner = NumpyRunner(self.config, checkpoint.weights, num_pages)
+        self.scheduler = Scheduler(ec.max_num_seqs, ec.max_num_batched_tokens, PageAllocator(num_pages), max_len)
+        self.max_model_len = self.scheduler.max_model_len  # may be below max_len when the cache is small
+        self._builders: dict[str, OutputBuilder] = {}
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+
+    # ---- requests ------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestOutput:
+        """Queue a prompt (text, or token ids); returns its output, filled in as steps run.
+
+        A prompt the model cannot run (empty, too long for `max_model_len` or for the whole cache,
+        ids outside the vocabulary) raises ValueError for this request alone.
+        """
+        if request_id in self._builders:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        text = prompt if isinstance(prompt, str) else None
+        if text is not None:
+            if self.tokenizer is None:
+                raise ValueError(f"{self.checkpoint.source} has no tokenizer; give prompts as token ids")
+            ids = self.tokenizer.encode(text)
+        else:
+            ids = [int(t) for t in prompt]
+        check_prompt(ids, self.config, self.max_model_len)
+        request = Request(request_id, ids, params, next(self._arrivals))
+        self.scheduler.add(request)  # raises RequestTooLongError (a ValueError) if no cache could hold it
+        output = RequestOutput(request_id, ids, prompt=text)
+        self._builders[request_id] = OutputBuilder(output, params, self.config, self.tokenizer, self.max_model_len)
+        return output
+
+    def abort_request(self, request_id: str) -> None:
+        """Stop a request now (queued or running); its pages and slot are freed."""
+        builder = self._builders.pop(request_id, None)
+        if builder is not None and self.scheduler.abort(request_id):
+            builder.abort()
+            self.runner.release(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one forward pass over the scheduled batch; return the outputs that got a token."""
+        plan = self.scheduler.schedule()
+        if self.engine_config.verbose:
+            print(f"step {self.num_steps}:", *plan.describe(), sep="\n", file=sys.stderr)
+        sampled = self.runner.execute(plan) if not plan.is_empty else {}
+        self.num_steps += 1
+        updated = []
+        for request in self.scheduler.update(plan, sampled):
+            builder = self._builders[request.request_id]
+            builder.add(request.output_token_ids[-1])
+            output = builder.output
+            if output.finish_reason is None and request.num_tokens >= self.max_model_len:
+                output.finish_reason = "length"  # the cache cannot hold another token of it
+            if output.finished:
+                self.scheduler.finish(request, _STATUS_OF_REASON[output.finish_reason])
+                self.runner.release(request.request_id)
+                del self._builders[request.request_id]
+            updated.append(output)
+        return updated
+
+
+class LLM:
+    """Offline inference: `LLM(model).generate(prompts, params)` -> outputs in prompt order."""
+
+    def __init__(self, model: str | None = None, backend: str = "auto", **engine_args):
+        engine_config = EngineConfig(backend=backend, **engine_args)
+        prepare_backend(engine_config.backend)
+        self.engine = LLMEngine(load_checkpoint(model), engine_config)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt (text or token ids) to completion, batched; outputs in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _per_prompt(sampling_params, len(prompts))
+        outputs = [self.engine.add_request(f"gen-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params, strict=True)]
+        self._run(outputs, use_tqdm)
+        return outputs
+
+    def chat(
+        self,
+        conversations: Sequence[dict] | Sequence[Sequence[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the chat template to each conversation (a list of {role, content}) and generate."""
+        if self.tokenizer is None or not self.tokenizer.has_chat_template:
+            raise ValueError(f"{self.engine.checkpoint.source} has no chat template")
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        ids = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
+        return self.generate(ids, sampling_params, use_tqdm)
+
+    def _run(self, outputs: list[RequestOutput], use_tqdm: bool) -> None:
+        show = use_tqdm and sys.stderr.isatty()
+        done = 0
+        try:
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+                if show:
+                    now = sum(o.finished for o in outputs)
+                    if now != done:
+                        done = now
+                        print(f"\rProcessed prompts: {done}/{len(outputs)}", end="", file=sys.stderr, flush=True)
+        except BaseException:
+            for o in outputs:  # Ctrl-C or a failure: leave the engine clean for the next call
+                if not o.finished:
+                    self.engine.abort_request(o.request_id)
+            raise
+        finally:
+            if show:
+                print(file=sys.stderr)
+
+
+def _per_prompt(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def resolve_backend(backend: str) -> str:
+    """`auto` -> `cuda` when a GPU is usable, else `numpy`; `sim` requires the simulator to be on."""
+    if backend == "auto":
+        return "cuda" if gpu_available() else "numpy"
+    if backend == "sim" and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        raise ValueError("backend 'sim' needs NUMBA_ENABLE_CUDASIM=1 before numba.cuda is imported (numba-vllm run does this)")
+    if backend == "cuda":
+        if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+            raise ValueError("backend 'cuda' cannot run with NUMBA_ENABLE_CUDASIM=1 set; use --backend sim")
+        if not gpu_available():
+            raise ValueError("backend 'cuda' needs an NVIDIA GPU with a working driver; none is usable here")
+    return backend
+
+
+def prepare_backend(backend: str) -> None:
+    """Turn the simulator on for `sim` if numba's CUDA module is not imported yet (it reads the
+    variable once, at import)."""
+    if backend == "sim" and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        if "numba.cuda" in sys.modules:
+            raise ValueError("backend 'sim' must be chosen before numba.cuda is imported; set NUMBA_ENABLE_CUDASIM=1")
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+
+
+def gpu_available() -> bool:
+    """Whether numba can use a real CUDA GPU here (never true under the simulator)."""
+    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
+        return False
+    try:
+        from numba import cuda
+
+        return bool(cuda.is_available())
+    except Exception:  # no driver, broken install: no GPU
+        return False

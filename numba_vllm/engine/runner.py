@@ -1,0 +1,93 @@
+"""Runners: turn a `StepPlan` into one forward pass and one sampled token per sampling sequence.
+
+Three executors behind one interface (`execute(plan) -> {request_id: token_id}`), so the engine,
+its pages and its scheduler are the same whatever runs the model:
+- `NumpyRunner`: the float32 reference model (`reference.py`) over a paged K/V pool in host memory.
+  Runs anywhere; the oracle the other two are tested against.
+- `KernelRunner` (`kernel_runner.py`): the Numba CUDA kernels, on the GPU (`cuda`) or, unchanged,
+  in the Numba simulator (`sim`).
+Sampling is per request: each request keeps its own random generator (seeded by its
+`SamplingParams.seed`), so its tokens do not depend on what else shares the batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..config import PAGE_SIZE, ModelConfig
+from ..reference import ReferenceModel
+from ..sampling import sample
+from .kv_cache import kv_indices
+from .scheduler import StepPlan
+
+
+class RequestSamplers:
+    """Each request's random generator, created at its first sample and dropped when it finishes."""
+
+    def __init__(self):
+        self._rngs: dict[str, np.random.Generator] = {}
+
+    def sample(self, request, logits: np.ndarray) -> int:
+        """One token for `request` from its logits row (V,)."""
+        params = request.sampling_params
+        rng = self._rngs.get(request.request_id)
+        if rng is None:
+            rng = self._rngs[request.request_id] = params.make_rng()
+        return sample(logits, params, rng)
+
+    def release(self, request_id: str) -> None:
+        self._rngs.pop(request_id, None)
+
+
+class PagedHostCache:
+    """The K/V pool in host memory: k, v (num_layers, num_pages * PAGE_SIZE, KVH, HD) f32.
+
+    Row `page_id * PAGE_SIZE + offset` holds one token's K (or V) of one layer: the same kv index the
+    GPU pool uses, so the NumPy backend exercises the engine's page bookkeeping exactly.
+    """
+
+    def __init__(self, config: ModelConfig, num_pages: int):
+        shape = (config.num_hidden_layers, num_pages * PAGE_SIZE, config.num_key_value_heads, config.head_dim)
+        self.k = np.zeros(shape, np.float32)  # untouched pages cost no memory until written
+        self.v = np.zeros(shape, np.float32)
+
+    def sequence(self, page_ids: list[int]) -> _SequenceCache:
+        return _SequenceCache(self, page_ids)
+
+
+class _SequenceCache:
+    """One sequence's window onto the pool, with `reference.KVCache`'s write/read interface."""
+
+    def __init__(self, pool: PagedHostCache, page_ids: list[int]):
+        self.pool = pool
+        self.page_ids = page_ids
+
+    def write(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        idx = kv_indices(self.page_ids, positions)  # (T,)
+        self.pool.k[layer, idx] = k
+        self.pool.v[layer, idx] = v
+
+    def read(self, layer: int, length: int) -> tuple[np.ndarray, np.ndarray]:
+        idx = kv_indices(self.page_ids, np.arange(length))  # (L,): gathers the pages in token order
+        return self.pool.k[layer, idx], self.pool.v[layer, idx]
+
+
+class NumpyRunner:
+    """The reference model, one sequence at a time, over the paged host cache."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray], num_pages: int):
+        self.model = ReferenceModel(config, weights)
+        self.cache = PagedHostCache(config, num_pages)
+        self.samplers = RequestSamplers()
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        sampled = {}
+        for seq in plan.sequences:
+            cache = self.cache.sequence(seq.page_ids)
+            logits = self.model.forward(np.asarray(seq.token_ids), seq.start_position, cache)  # (V,)
+            if seq.samples:
+                sampled[seq.request.request_id] = self.samplers.sample(seq.request, logits)
+        return sampled
+
+    def release(self, request_id: str) -> None:
+        self.samplers.release(request_id)
