@@ -60,6 +60,7 @@ class LLMEngine:
         self._builders: dict[str, OutputBuilder] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
+        self.num_preemptions = 0  # requests that lost their pages and recomputed, over the engine's life
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestOutput:
@@ -103,6 +104,7 @@ class LLMEngine:
             print(f"step {self.num_steps}:", *plan.describe(), sep="\n", file=sys.stderr)
         sampled = self.runner.execute(plan) if not plan.is_empty else {}
         self.num_steps += 1
+        self.num_preemptions += len(plan.preempted_request_ids)
         updated = []
         for request in self.scheduler.update(plan, sampled):
             builder = self._builders[request.request_id]
