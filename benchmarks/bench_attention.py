@@ -1,0 +1,136 @@
+"""Benchmark cases for the attention kernels (paged decode, paged causal prefill), for kernels.py.
+
+Shapes are Llama 3.2 1B's attention (32 query heads, 8 kv heads, head dim 64) over a bf16 paged
+KV cache whose pages are a random permutation of the pool, as after a while of serving.
+
+``bytes`` is the least a kernel must move: every cached K/V element of the sequences once (bf16),
+q read and out written once (f32); the block tables are noise. ``flops``: 2 per multiply-add of
+Q K^T and of P V (causal: only the visible keys). The ``torch`` callables run PyTorch's
+``scaled_dot_product_attention`` (flash kernels, tensor cores) in bf16 on K/V gathered into
+contiguous tensors beforehand (gather not timed): the best case a paged kernel is compared with.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from numba_vllm.bf16 import bf16_from_bits, upload_bf16
+from numba_vllm.config import PAGE_SIZE
+from numba_vllm.kernels.decode_attention import decode_attention
+from numba_vllm.kernels.prefill_attention import prefill_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64  # Llama 3.2 1B
+
+
+def _torch():
+    try:
+        import torch
+
+        return torch if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def _random_cache(rng, seq_lens):
+    """Device (k_cache, v_cache, block_tables) with random bf16 data and shuffled page ids."""
+    pages = [-(-n // PAGE_SIZE) for n in seq_lens]
+    num_pages = 1 + sum(pages)
+    page_ids = rng.permutation(np.arange(1, num_pages)).astype(np.int32)
+    block_tables = np.zeros((len(seq_lens), max(pages)), np.int32)
+    used = 0
+    for s, n in enumerate(pages):
+        block_tables[s, :n] = page_ids[used : used + n]
+        used += n
+    shape = (num_pages, PAGE_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    caches = []
+    for _ in range(2):
+        bits = (rng.standard_normal(shape, np.float32).view(np.uint32) >> 16).astype(np.uint16)  # truncated to bf16
+        caches.append(upload_bf16(bf16_from_bits(bits)))
+    return caches[0], caches[1], block_tables
+
+
+def _gathered_torch(torch, k_cache, v_cache, block_tables, seq_len):
+    """K/V of each sequence contiguous, (S, KVH, seq_len, HD) bf16 torch tensors (all of one length)."""
+    def gather(cache):
+        pool = torch.as_tensor(cache.view(np.uint16), device="cuda").view(torch.bfloat16)
+        idx = torch.as_tensor(block_tables, device="cuda").long()  # (S, pages)
+        seq = pool[idx].flatten(1, 2)[:, :seq_len]  # (S, seq_len, KVH, HD)
+        return seq.transpose(1, 2).contiguous()
+    return gather(k_cache), gather(v_cache)
+
+
+def decode_case(batch: int, context: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    k_cache, v_cache, tables = _random_cache(rng, [context] * batch)
+    q = cuda.to_device(rng.standard_normal((batch, NUM_HEADS, HEAD_DIM), np.float32))
+    out = cuda.device_array((batch, NUM_HEADS, HEAD_DIM), np.float32)
+    block_tables = cuda.to_device(tables)
+    context_lens = cuda.to_device(np.full(batch, context, np.int32))
+    scale = 1.0 / np.sqrt(HEAD_DIM)
+
+    def run():
+        decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+
+    torch_run = None
+    torch = _torch()
+    if torch is not None:
+        kt, vt = _gathered_torch(torch, k_cache, v_cache, tables, context)
+        qt = torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+
+        def torch_run():
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, scale=scale, enable_gqa=True)
+
+    kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
+    return {
+        "name": f"decode_attention_{batch}x{context}",
+        "shape": f"B{batch} ctx{context} H{NUM_HEADS}/{NUM_KV_HEADS} HD{HEAD_DIM}",
+        "run": run,
+        "bytes": kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * 4,
+        "flops": 4 * batch * NUM_HEADS * context * HEAD_DIM,
+        "torch": torch_run,
+    }
+
+
+def prefill_case(num_seqs: int, prompt: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    k_cache, v_cache, tables = _random_cache(rng, [prompt] * num_seqs)
+    tokens = num_seqs * prompt
+    q = cuda.to_device(rng.standard_normal((tokens, NUM_HEADS, HEAD_DIM), np.float32))
+    out = cuda.device_array((tokens, NUM_HEADS, HEAD_DIM), np.float32)
+    block_tables = cuda.to_device(tables)
+    cu_seqlens = cuda.to_device(np.arange(0, tokens + 1, prompt, dtype=np.int32))
+    start_pos = cuda.to_device(np.zeros(num_seqs, np.int32))
+    scale = 1.0 / np.sqrt(HEAD_DIM)
+
+    def run():
+        prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, out, max_new_tokens=prompt)
+
+    torch_run = None
+    torch = _torch()
+    if torch is not None:
+        kt, vt = _gathered_torch(torch, k_cache, v_cache, tables, prompt)
+        qt = torch.randn(num_seqs, NUM_HEADS, prompt, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+
+        def torch_run():
+            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+
+    visible = num_seqs * prompt * (prompt + 1) // 2  # (query, key) pairs under the causal mask
+    return {
+        "name": f"prefill_attention_{num_seqs}x{prompt}",
+        "shape": f"S{num_seqs} new{prompt} H{NUM_HEADS}/{NUM_KV_HEADS} HD{HEAD_DIM}",
+        "run": run,
+        "bytes": 2 * tokens * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * tokens * NUM_HEADS * HEAD_DIM * 4,
+        "flops": 4 * NUM_HEADS * HEAD_DIM * visible,
+        "torch": torch_run,
+    }
+
+
+def cases() -> list[dict]:
+    return [
+        decode_case(64, 1024),
+        decode_case(1, 1024),
+        decode_case(256, 512),
+        prefill_case(1, 2048),
+        prefill_case(8, 512),
+    ]

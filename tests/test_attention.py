@@ -1,0 +1,273 @@
+"""Attention kernels against the NumPy reference: cache_write, paged decode, paged causal prefill.
+
+Every case builds a paged KV cache the way the engine does: each sequence's pages are drawn from a
+random permutation of the pool (so block tables are neither contiguous nor ordered), page 0 is the
+null page, and every cache slot no sequence owns (page 0, unused pages, the tail of each last
+page) holds NaN, so a kernel that reads a token it should not, or leaves an output unwritten
+(outputs are poisoned with NaN too), fails.
+
+Oracle: ``reference.attention`` in float64 over the same bf16-rounded K/V the kernels read. The
+kernels compute in float32 (products, exp, sums), so they differ from it by float32 rounding:
+``RTOL``/``ATOL`` below (measured: ~1e-6 at a few dozen keys, a few 1e-6 at 1024).
+
+Under the simulator the shapes are small (context lengths 1/15/16/17/33 around the 16-token page
+edges, GQA ratios 1/3/4/8, head dims 64 and small ones) and the whole file takes well under a
+minute; the ``gpu`` tests run Llama 3.2 1B's heads at 64 sequences x 1024 tokens with fresh random
+inputs (the seed is in the failure message).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_vllm import reference
+from numba_vllm.bf16 import bf16_bits, to_bf16, upload_bf16
+from numba_vllm.config import PAGE_SIZE
+from numba_vllm.kernels import decode_attention as decode_attention_module
+from numba_vllm.kernels.cache_write import cache_write
+from numba_vllm.kernels.decode_attention import decode_attention
+from numba_vllm.kernels.launch import KernelError
+from numba_vllm.kernels.prefill_attention import prefill_attention
+
+RTOL = 1e-5  # float32 kernel vs float64 reference on the same bf16 K/V
+ATOL = 1e-5  # outputs are averages of N(0, 1) values: O(0.1 .. 1)
+
+EDGE_LENGTHS = [1, 15, 16, 17, 33]  # around page edges, all in one launch
+
+
+class PagedCache:
+    """K/V of several sequences in a bf16 page pool with shuffled page ids, plus the same K/V
+    contiguous in float32 (after bf16 rounding) for the reference."""
+
+    def __init__(self, rng, seq_lens, num_kv_heads, head_dim, spare_pages=2):
+        self.seq_lens = list(seq_lens)
+        pages = [-(-n // PAGE_SIZE) for n in self.seq_lens]
+        self.num_pages = 1 + sum(pages) + spare_pages  # page 0 is the null page
+        page_ids = rng.permutation(np.arange(1, self.num_pages)).astype(np.int32)
+        shape = (self.num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+        self.k_pool = np.full(shape, np.nan, np.float32)  # NaN wherever no token lives
+        self.v_pool = np.full(shape, np.nan, np.float32)
+        self.block_tables = np.zeros((len(self.seq_lens), max(pages) + 1), np.int32)  # padded with 0
+        self.k, self.v = [], []  # per sequence (n, KVH, HD) float32, bf16-exact
+        used = 0
+        for s, n in enumerate(self.seq_lens):
+            self.block_tables[s, : pages[s]] = page_ids[used : used + pages[s]]
+            used += pages[s]
+            k = to_bf16(rng.standard_normal((n, num_kv_heads, head_dim))).astype(np.float32)
+            v = to_bf16(rng.standard_normal((n, num_kv_heads, head_dim))).astype(np.float32)
+            self.k.append(k)
+            self.v.append(v)
+            pos = np.arange(n)
+            self.k_pool[self.block_tables[s, pos // PAGE_SIZE], pos % PAGE_SIZE] = k
+            self.v_pool[self.block_tables[s, pos // PAGE_SIZE], pos % PAGE_SIZE] = v
+
+    def kv_indices(self, s, positions):
+        """kv indices (page_id * PAGE_SIZE + offset) of sequence s's positions, int32."""
+        positions = np.asarray(positions)
+        return (self.block_tables[s, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE).astype(np.int32)
+
+    def device(self):
+        """(k_cache, v_cache, block_tables) on the device."""
+        return upload_bf16(self.k_pool), upload_bf16(self.v_pool), cuda.to_device(self.block_tables)
+
+
+def nan_device(shape):
+    return cuda.to_device(np.full(shape, np.nan, np.float32))
+
+
+def reference_attention(q, k, v, positions, scale):
+    """reference.attention in float64 with an arbitrary scale (it uses 1/sqrt(HD): rescale q)."""
+    head_dim = q.shape[-1]
+    q64 = q.astype(np.float64) * (scale * np.sqrt(head_dim))
+    return reference.attention(q64, k.astype(np.float64), v.astype(np.float64), np.asarray(positions))
+
+
+# ---- cache_write ---------------------------------------------------------------------------------
+
+
+def check_cache_write(rng, num_tokens, num_kv_heads, head_dim, num_pages):
+    pool_shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
+    k_pool = to_bf16(rng.standard_normal(pool_shape))  # what must survive outside the written slots
+    v_pool = to_bf16(rng.standard_normal(pool_shape))
+    slots = rng.choice(np.arange(PAGE_SIZE, num_pages * PAGE_SIZE), num_tokens, replace=False).astype(np.int32)
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
+    k_cache, v_cache = upload_bf16(k_pool), upload_bf16(v_pool)
+    cache_write(cuda.to_device(k), cuda.to_device(v), cuda.to_device(slots), k_cache, v_cache)
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    want_k[slots // PAGE_SIZE, slots % PAGE_SIZE] = to_bf16(k)  # round to nearest even, like the GPU
+    want_v[slots // PAGE_SIZE, slots % PAGE_SIZE] = to_bf16(v)
+    got_k = k_cache.view(np.uint16).copy_to_host()
+    got_v = v_cache.view(np.uint16).copy_to_host()
+    np.testing.assert_array_equal(got_k, bf16_bits(want_k))  # bit-exact
+    np.testing.assert_array_equal(got_v, bf16_bits(want_v))
+
+
+@pytest.mark.parametrize("num_tokens, num_kv_heads, head_dim", [(5, 2, 16), (3, 1, 64)])
+def test_cache_write(num_tokens, num_kv_heads, head_dim):
+    check_cache_write(np.random.default_rng(0), num_tokens, num_kv_heads, head_dim, num_pages=4)
+
+
+@pytest.mark.gpu
+def test_cache_write_gpu():
+    check_cache_write(np.random.default_rng(), 2048, 8, 64, num_pages=1024)
+
+
+# ---- decode --------------------------------------------------------------------------------------
+
+
+def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None):
+    num_heads = group * num_kv_heads
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    cache = PagedCache(rng, seq_lens, num_kv_heads, head_dim)
+    q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
+    out = nan_device(q.shape)
+    k_cache, v_cache, block_tables = cache.device()
+    context_lens = cuda.to_device(np.array(seq_lens, np.int32))
+    decode_attention(cuda.to_device(q), k_cache, v_cache, block_tables, context_lens, scale, out)
+    got = out.copy_to_host()
+    for s, n in enumerate(seq_lens):
+        want = reference_attention(q[s : s + 1], cache.k[s], cache.v[s], [n - 1], scale)
+        np.testing.assert_allclose(got[s : s + 1], want, rtol=RTOL, atol=ATOL, err_msg=f"sequence {s} of {n} tokens")
+
+
+@pytest.mark.parametrize(
+    "group, num_kv_heads, head_dim",
+    [(1, 2, 64), (3, 1, 64), (4, 2, 64), (8, 1, 64), (2, 2, 16), (2, 1, 8), (2, 1, 128)],
+)
+def test_decode(group, num_kv_heads, head_dim):
+    check_decode(np.random.default_rng(1), EDGE_LENGTHS, group, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize("large_grid", [False, True])
+def test_decode_several_steps_per_warp_and_scale(monkeypatch, large_grid):
+    """150 tokens: each warp walks several pages; a scale other than 1/sqrt(HD). Small grids get
+    blocks of SMALL_GRID_WARPS warps, large ones NUM_WARPS: pretend the grid is large to run both."""
+    if large_grid:
+        monkeypatch.setattr(decode_attention_module, "SMALL_GRID_BLOCKS", 0)
+    check_decode(np.random.default_rng(2), [150, 3], 4, 1, 32, scale=0.3)
+
+
+@pytest.mark.gpu
+def test_decode_gpu():
+    """Llama 3.2 1B heads (H 32, KVH 8, HD 64), 64 sequences up to 1024 tokens."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    seq_lens = [1024, 1, 16, 17] + list(rng.integers(1, 1025, 60))
+    try:
+        check_decode(rng, seq_lens, 4, 8, 64)
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}: {e}") from None
+
+
+# ---- prefill -------------------------------------------------------------------------------------
+
+
+def check_prefill(rng, seqs, group, num_kv_heads, head_dim, scale=None):
+    """seqs: (start_pos, num_new) per sequence; the first start_pos tokens are a cached prefix."""
+    num_heads = group * num_kv_heads
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    cache = PagedCache(rng, [start + n for start, n in seqs], num_kv_heads, head_dim)
+    cu_seqlens = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    start_pos = np.array([start for start, _ in seqs], np.int32)
+    q = rng.standard_normal((cu_seqlens[-1], num_heads, head_dim)).astype(np.float32)
+    out = nan_device(q.shape)
+    k_cache, v_cache, block_tables = cache.device()
+    prefill_attention(cuda.to_device(q), k_cache, v_cache, block_tables, cuda.to_device(cu_seqlens),
+                      cuda.to_device(start_pos), scale, out)
+    got = out.copy_to_host()
+    for s, (start, n) in enumerate(seqs):
+        rows = slice(cu_seqlens[s], cu_seqlens[s + 1])
+        want = reference_attention(q[rows], cache.k[s], cache.v[s], start + np.arange(n), scale)
+        np.testing.assert_allclose(got[rows], want, rtol=RTOL, atol=ATOL, err_msg=f"sequence {s}: {start} cached + {n} new")
+
+
+# (start_pos, new tokens): whole prompts of 1, 17 and 33 tokens; chunks after a cached prefix,
+# ending at 17 (15 + 2), 32 (16 + 16) and 33 (5 + 28) tokens.
+PREFILL_SEQS = [(0, 1), (0, 17), (15, 2), (16, 16), (5, 28), (0, 33)]
+
+
+@pytest.mark.parametrize(
+    "group, num_kv_heads, head_dim",
+    [(1, 2, 16), (3, 1, 16), (4, 1, 64), (8, 1, 8), (2, 1, 128)],
+)
+def test_prefill(group, num_kv_heads, head_dim):
+    check_prefill(np.random.default_rng(3), PREFILL_SEQS, group, num_kv_heads, head_dim)
+
+
+def test_prefill_scale():
+    check_prefill(np.random.default_rng(4), [(3, 20)], 2, 1, 32, scale=0.3)
+
+
+@pytest.mark.gpu
+def test_prefill_gpu():
+    """Llama 3.2 1B heads; 8 prompts, some after a cached prefix, up to 1024 tokens in all."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    seqs = [(0, 512), (0, 1), (100, 412), (511, 1), (0, 333), (64, 64), (17, 300), (0, 1024)]
+    try:
+        check_prefill(rng, seqs, 4, 8, 64)
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}: {e}") from None
+
+
+# ---- the three together, as a model step runs them ----------------------------------------------
+
+
+def test_write_prefill_then_decode():
+    """cache_write the prompt, prefill it, cache_write one more token, decode it; against the
+    reference on the same bf16-rounded K/V."""
+    rng = np.random.default_rng(5)
+    group, num_kv_heads, head_dim, prompt = 2, 2, 16, 19
+    num_heads = group * num_kv_heads
+    scale = 1.0 / np.sqrt(head_dim)
+    num_pages = 6
+    page_ids = np.array([4, 1, 5], np.int32)  # the sequence's pages, out of order
+    block_tables = cuda.to_device(page_ids.reshape(1, -1).copy())
+    k = rng.standard_normal((prompt + 1, num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((prompt + 1, num_kv_heads, head_dim)).astype(np.float32)
+    q = rng.standard_normal((prompt + 1, num_heads, head_dim)).astype(np.float32)
+    pos = np.arange(prompt + 1)
+    slots = (page_ids[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE).astype(np.int32)
+    nan_pool = to_bf16(np.full((num_pages, PAGE_SIZE, num_kv_heads, head_dim), np.nan, np.float32))
+    k_cache, v_cache = upload_bf16(nan_pool), upload_bf16(nan_pool)
+
+    cache_write(cuda.to_device(k[:prompt]), cuda.to_device(v[:prompt]), cuda.to_device(slots[:prompt]), k_cache, v_cache)
+    out = nan_device((prompt, num_heads, head_dim))
+    prefill_attention(cuda.to_device(q[:prompt]), k_cache, v_cache, block_tables,
+                      cuda.to_device(np.array([0, prompt], np.int32)), cuda.to_device(np.zeros(1, np.int32)), scale, out)
+    kb, vb = to_bf16(k).astype(np.float32), to_bf16(v).astype(np.float32)
+    want = reference_attention(q[:prompt], kb[:prompt], vb[:prompt], pos[:prompt], scale)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=RTOL, atol=ATOL)
+
+    cache_write(cuda.to_device(k[prompt:]), cuda.to_device(v[prompt:]), cuda.to_device(slots[prompt:]), k_cache, v_cache)
+    out = nan_device((1, num_heads, head_dim))
+    decode_attention(cuda.to_device(q[prompt:]), k_cache, v_cache, block_tables,
+                     cuda.to_device(np.array([prompt + 1], np.int32)), scale, out)
+    want = reference_attention(q[prompt:], kb, vb, [prompt], scale)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=RTOL, atol=ATOL)
+
+
+# ---- launcher checks -----------------------------------------------------------------------------
+
+
+def test_launchers_reject_bad_inputs():
+    q = cuda.to_device(np.zeros((1, 4, 48), np.float32))
+    pool = upload_bf16(np.zeros((2, PAGE_SIZE, 2, 48), np.float32))
+    tables = cuda.to_device(np.ones((1, 1), np.int32))
+    lens = cuda.to_device(np.ones(1, np.int32))
+    with pytest.raises(KernelError, match="head_dim 48"):
+        decode_attention(q, pool, pool, tables, lens, 1.0, cuda.to_device(np.zeros((1, 4, 48), np.float32)))
+    q = cuda.to_device(np.zeros((1, 3, 16), np.float32))
+    pool = upload_bf16(np.zeros((2, PAGE_SIZE, 2, 16), np.float32))
+    with pytest.raises(KernelError, match="not a multiple"):
+        decode_attention(q, pool, pool, tables, lens, 1.0, cuda.to_device(np.zeros((1, 3, 16), np.float32)))
+    q = cuda.to_device(np.zeros((1, 4, 16), np.float32))
+    with pytest.raises(KernelError, match="block_tables"):
+        prefill_attention(q, pool, pool, cuda.to_device(np.ones((1, 1), np.int64)), cuda.to_device(np.array([0, 1], np.int32)),
+                          cuda.to_device(np.zeros(1, np.int32)), 1.0, cuda.to_device(np.zeros((1, 4, 16), np.float32)))
+    with pytest.raises(KernelError, match="k_cache"):
+        cache_write(cuda.to_device(np.zeros((1, 2, 16), np.float32)), cuda.to_device(np.zeros((1, 2, 16), np.float32)),
+                    cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(np.zeros((2, PAGE_SIZE, 2, 16), np.float32)), pool)
