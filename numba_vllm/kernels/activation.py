@@ -1,0 +1,82 @@
+"""SwiGLU's elementwise part: out = silu(gate) * up, with gate and up side by side in one array.
+
+    gate_up (T, 2F) float32: columns [0, F) are the gate projection, [F, 2F) the up projection
+    out     (T, F)  float32: out[t, j] = silu(gate_up[t, j]) * gate_up[t, F + j],
+                             silu(g) = g / (1 + exp(-g))
+
+The fused (T, 2F) layout is the one the model uses: gate_proj and up_proj are stacked into one
+(2F, D) weight and run as a single matmul, which reads the activations once and launches once.
+Separate gate and up arrays are not supported; a caller that has them can stack the weights.
+
+Thread mapping: a 2-D grid. ``blockIdx.y`` picks rows ``y, y + gridDim.y, ...``. Along a row, a
+block covers tiles of ``ACTIVATION_THREADS * ACTIVATION_COLS_PER_THREAD`` (1024) columns: thread
+``x`` takes columns ``tile + x + c * ACTIVATION_THREADS`` for ``c < ACTIVATION_COLS_PER_THREAD``, so
+each warp instruction still reads or writes 32 neighbouring floats (coalesced). The thread first
+loads all 4 gate and 4 up values into registers, then computes and stores: 8 loads in flight per
+thread. With one element per thread, each thread would wait out a full memory latency for 8 bytes,
+and an SM (2048 threads) would keep ~16 KB in flight where ~32 KB are needed to stream at the
+H200's bandwidth. Rows and columns come from the grid, not from dividing a flat index by F (64-bit
+integer division costs ~100 instructions). The launcher sizes the grid to cover the array in one
+pass (``ceil(F / 1024)`` x T blocks) up to the caps ``ACTIVATION_MAX_COL_BLOCKS`` and
+``ACTIVATION_MAX_ROW_BLOCKS`` (65535 is the hardware limit of gridDim.y); past them the loops
+stride. Shared memory: none. The two (4,) per-thread arrays live in registers: their loops have a
+constant trip count, so the compiler unrolls them and every index is a constant.
+
+Numerics: precise ``expf`` (no fastmath; the kernel is memory-bound, approximate math buys
+nothing). For g < -88, exp(-g) overflows to inf and silu(g) = g / inf = -0, the correct limit.
+"""
+
+import math
+
+from numba import cuda, float32
+
+from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.launch import KernelError, check_array, launch
+
+ACTIVATION_THREADS = 256  # threads per block, all along one row
+ACTIVATION_COLS_PER_THREAD = 4  # columns a thread loads before computing (a compile-time constant)
+ACTIVATION_MAX_COL_BLOCKS = 256  # blocks along a row: F up to 262144 in one pass; wider rows loop
+ACTIVATION_MAX_ROW_BLOCKS = 65535  # blocks across rows (gridDim.y limit); more rows loop
+
+
+@kernel
+def silu_and_mul_kernel(gate_up, out):
+    """out[t, j] = silu(gate_up[t, j]) * gate_up[t, F + j]. 2-D grid: (column blocks, row blocks).
+
+    gate_up (T, 2F) float32; out (T, F) float32.
+    """
+    gate = cuda.local.array(ACTIVATION_COLS_PER_THREAD, float32)  # (4,) this thread's gate values
+    up = cuda.local.array(ACTIVATION_COLS_PER_THREAD, float32)  # (4,) and up values
+    num_rows, num_cols = out.shape
+    tile_width = cuda.blockDim.x * ACTIVATION_COLS_PER_THREAD
+    for t in range(cuda.blockIdx.y, num_rows, cuda.gridDim.y):
+        for tile in range(cuda.blockIdx.x * tile_width, num_cols, cuda.gridDim.x * tile_width):
+            first = tile + cuda.threadIdx.x
+            for c in range(ACTIVATION_COLS_PER_THREAD):  # every load first: they overlap in flight
+                j = first + c * cuda.blockDim.x
+                if j < num_cols:
+                    gate[c] = gate_up[t, j]
+                    up[c] = gate_up[t, num_cols + j]
+            for c in range(ACTIVATION_COLS_PER_THREAD):
+                j = first + c * cuda.blockDim.x
+                if j < num_cols:
+                    g = gate[c]
+                    out[t, j] = g / (float32(1.0) + math.exp(-g)) * up[c]
+
+
+def silu_and_mul(gate_up, out) -> None:
+    """out = silu(gate) * up for gate_up = [gate | up] (device arrays).
+
+    gate_up: (T, 2F) float32, gate in columns [0, F), up in [F, 2F); out: (T, F) float32, overwritten.
+    """
+    check_array("gate_up", gate_up, dtype="float32", ndim=2)
+    num_rows, width = gate_up.shape
+    if width % 2:
+        raise KernelError(f"gate_up: shape {tuple(gate_up.shape)} has an odd width, expected (T, 2F)")
+    check_array("out", out, dtype="float32", shape=(num_rows, width // 2))
+    num_cols = width // 2
+    if num_rows == 0 or num_cols == 0:
+        return
+    tile_width = ACTIVATION_THREADS * ACTIVATION_COLS_PER_THREAD
+    grid = (min(ACTIVATION_MAX_COL_BLOCKS, -(-num_cols // tile_width)), min(ACTIVATION_MAX_ROW_BLOCKS, num_rows))
+    launch(silu_and_mul_kernel, grid, ACTIVATION_THREADS, gate_up, out)

@@ -1,0 +1,207 @@
+"""RoPE (numba_vllm.kernels.rope) against reference.apply_rope, with Llama 3.2's scaled frequencies.
+
+Two references:
+- the same float32 angle as the kernel (``float32(pos) * inv_freq``, one rounding), with cos and
+  sin taken in float64: only the kernel's own sin/cos and the rotation's roundings differ, so the
+  tolerance is tight: 1e-6 * max|x| absolute (a few float32 ulps of the largest input; an output
+  channel is a difference of two products, so its error is not relative to itself);
+- the float64 oracle (``rope_scaling.rope_cos_sin``: exact angles): here the float32 angle's
+  rounding adds up to ``|angle32 - angle| <= 2**-24 * angle`` (half an ulp) of rotation error,
+  times the pair's length. At position 131071 with inv_freq 1 that is up to 0.0039 rad. The test
+  computes each angle's actual rounding and allows exactly that, plus the tight tolerance.
+``_sin_cos`` (the kernel's float32-only sin/cos) is also tested alone against float64 sin/cos.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_vllm import reference
+from numba_vllm.config import ModelConfig
+from numba_vllm.kernels import rope as rope_module
+from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.launch import KernelError
+from numba_vllm.kernels.rope import rope
+from numba_vllm.rope_scaling import rope_cos_sin, rope_inv_freq
+
+gpu = pytest.mark.gpu
+
+# Llama 3.2 1B's config.json (/work/shared/models/llama-3.2-1b-instruct), inlined so that the test
+# also runs on machines without the model directory.
+LLAMA_3_2_1B = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": True,
+    "torch_dtype": "bfloat16",
+    "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009],
+}
+MAX_POSITION = 131072
+EDGE_POSITIONS = [0, 1, 2, 15, 16, 17, 5000, 8191, 8192, 100000, MAX_POSITION - 1]
+
+
+def _rng():
+    seed = np.random.SeedSequence().entropy % 2**32
+    print(f"random seed {seed}")  # shown by pytest when the test fails
+    return np.random.default_rng(seed)
+
+
+def _inv_freq(head_dim):
+    """Llama 3.2's llama3-scaled inverse frequencies for this head_dim: (head_dim // 2,) float32."""
+    config = ModelConfig.from_dict(LLAMA_3_2_1B)
+    return rope_inv_freq(dataclasses.replace(config, head_dim=head_dim))
+
+
+def _positions(rng, num_tokens):
+    """(T,) int32: the edge positions first (small and large), then random ones, in no order."""
+    positions = rng.integers(0, MAX_POSITION, num_tokens).astype(np.int32)
+    edges = rng.permutation(EDGE_POSITIONS)[:num_tokens]
+    positions[: len(edges)] = edges
+    return positions
+
+
+def _run(q, k, positions, inv_freq):
+    d_q, d_k = cuda.to_device(q), cuda.to_device(k)
+    rope(d_q, d_k, cuda.to_device(positions), cuda.to_device(inv_freq))
+    return d_q.copy_to_host(), d_k.copy_to_host()
+
+
+def _angles32(positions, inv_freq):
+    """(T, HD/2) float32: the kernel's angles, float32(pos) * inv_freq rounded once."""
+    return positions.astype(np.float32)[:, None] * inv_freq[None, :]
+
+
+SHAPES = [  # (T, H, KVH, HD)
+    (1, 1, 1, 8),
+    (5, 3, 1, 16),
+    (3, 4, 2, 64),
+    (2, 33, 1, 16),  # 34 heads: more than 32 warps, the head loop runs twice
+    (2, 1, 1, 256),  # HD/2 = 128: each lane rotates 4 channel pairs
+    pytest.param(1, 32, 8, 64, marks=gpu),
+    pytest.param(64, 32, 8, 64, marks=gpu),
+    pytest.param(4096, 32, 8, 64, marks=gpu),
+]
+
+
+@pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", SHAPES)
+def test_rope_matches_reference_at_the_same_float32_angles(num_tokens, num_heads, num_kv_heads, head_dim):
+    rng = _rng()
+    q = rng.standard_normal((num_tokens, num_heads, head_dim), dtype=np.float32)
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
+    positions = _positions(rng, num_tokens)
+    inv_freq = _inv_freq(head_dim)
+    q_out, k_out = _run(q, k, positions, inv_freq)
+
+    angles = _angles32(positions, inv_freq).astype(np.float64)
+    cos, sin = np.cos(angles), np.sin(angles)
+    for x, out in ((q, q_out), (k, k_out)):
+        expected = reference.apply_rope(x, cos, sin)
+        np.testing.assert_allclose(out, expected, rtol=0, atol=1e-6 * np.abs(x).max())
+
+
+@pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", SHAPES)
+def test_rope_matches_the_float64_oracle_within_angle_rounding(num_tokens, num_heads, num_kv_heads, head_dim):
+    rng = _rng()
+    q = rng.standard_normal((num_tokens, num_heads, head_dim), dtype=np.float32)
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
+    positions = _positions(rng, num_tokens)
+    inv_freq = _inv_freq(head_dim)
+    q_out, k_out = _run(q, k, positions, inv_freq)
+
+    exact = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]  # (T, HD/2)
+    angle_error = np.abs(_angles32(positions, inv_freq) - exact)  # the float32 angle's rounding
+    assert (angle_error <= 2.0**-24 * exact).all()  # at most half an ulp
+    cos, sin = rope_cos_sin(inv_freq, positions)  # (T, HD/2) of the exact angles, rounded to float32
+    half = head_dim // 2
+    for x, out in ((q, q_out), (k, k_out)):
+        expected = reference.apply_rope(x, cos, sin)
+        pair_length = np.hypot(x[..., :half], x[..., half:])  # (T, heads, HD/2)
+        allowed = angle_error[:, None, :] * pair_length + 1e-6 * np.abs(x).max()
+        err = np.abs(out - expected)
+        assert (err[..., :half] <= allowed).all() and (err[..., half:] <= allowed).all(), err.max()
+
+
+@kernel
+def sin_cos_kernel(angles, sin_out, cos_out):
+    """sin_out[i], cos_out[i] = rope._sin_cos(angles[i]); grid-stride."""
+    for i in range(cuda.grid(1), angles.shape[0], cuda.gridsize(1)):
+        s, c = rope_module._sin_cos(angles[i])
+        sin_out[i] = s
+        cos_out[i] = c
+
+
+def _sin_cos(angles):
+    sin_out = cuda.to_device(np.full(angles.shape, np.nan, np.float32))
+    cos_out = cuda.to_device(np.full(angles.shape, np.nan, np.float32))
+    sin_cos_kernel[min(64, -(-len(angles) // 128)), 128](cuda.to_device(angles), sin_out, cos_out)
+    return sin_out.copy_to_host(), cos_out.copy_to_host()
+
+
+@pytest.mark.parametrize("num_random", [200, pytest.param(1_000_000, marks=gpu)])
+def test_sin_cos_is_accurate_over_llama3_angles(num_random):
+    """Within 2.5e-7 of float64 sin/cos of the same float32 angle (cosf's own error is ~1e-7)."""
+    rng = _rng()
+    quarter_turns = np.arange(-3, 200, dtype=np.float64) * (np.pi / 4)  # where the quadrant changes
+    special = np.concatenate([
+        [0.0, 1e-30, 1e-7, 0.5, 1.0, 105615.0, 131071.0, 131072.0, 205000.0],
+        quarter_turns, np.nextafter(quarter_turns.astype(np.float32), np.float32(np.inf)),
+    ]).astype(np.float32)
+    random = rng.uniform(0, MAX_POSITION, num_random).astype(np.float32)
+    angles = np.concatenate([special, -special, random])
+    s, c = _sin_cos(angles)
+    np.testing.assert_allclose(s, np.sin(angles.astype(np.float64)), rtol=0, atol=2.5e-7)
+    np.testing.assert_allclose(c, np.cos(angles.astype(np.float64)), rtol=0, atol=2.5e-7)
+
+
+def test_sin_cos_beyond_the_exact_range_errs_less_than_the_angle_rounding():
+    """Past 2**17 quarter turns the reduction is no longer exact: the error stays below ulp(angle)."""
+    angles = np.array([3e5, 1e6, 4e6, 2.0**24 - 1], np.float32)
+    s, c = _sin_cos(angles)
+    ulp = np.spacing(angles).astype(np.float64)
+    assert (np.abs(s - np.sin(angles.astype(np.float64))) <= ulp).all()
+    assert (np.abs(c - np.cos(angles.astype(np.float64))) <= ulp).all()
+
+
+def test_bad_arguments_are_named():
+    q = cuda.to_device(np.zeros((2, 4, 8), np.float32))
+    k = cuda.to_device(np.zeros((2, 2, 8), np.float32))
+    positions = cuda.to_device(np.zeros(2, np.int32))
+    inv_freq = cuda.to_device(np.ones(4, np.float32))
+    with pytest.raises(KernelError, match="positions: dtype int64"):
+        rope(q, k, cuda.to_device(np.zeros(2, np.int64)), inv_freq)
+    with pytest.raises(KernelError, match="k: shape"):
+        rope(q, cuda.to_device(np.zeros((2, 2, 6), np.float32)), positions, inv_freq)
+    with pytest.raises(KernelError, match="inv_freq: shape"):
+        rope(q, k, positions, cuda.to_device(np.ones(8, np.float32)))
+    with pytest.raises(KernelError, match="head_dim 7"):
+        rope(cuda.to_device(np.zeros((2, 4, 7), np.float32)), cuda.to_device(np.zeros((2, 2, 7), np.float32)), positions, inv_freq)
+
+
+def test_the_inlined_config_is_the_shared_one():
+    path = "/work/shared/models/llama-3.2-1b-instruct"
+    try:
+        shared = ModelConfig.from_dir(path)
+    except ValueError:
+        pytest.skip(f"{path} is not on this machine")
+    inlined = ModelConfig.from_dict(LLAMA_3_2_1B)
+    assert dataclasses.replace(shared, generation=inlined.generation) == inlined  # generation_config.json aside
