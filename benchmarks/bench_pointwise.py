@@ -120,7 +120,8 @@ def cases() -> list[dict]:
             tq, tk = trandn(t, H, HD), trandn(t, KVH, HD)
             tpos = torch.randint(0, 131072, (t,), device="cuda", dtype=torch.int32)
             tinv = torch.as_tensor(inv_freq_host, device="cuda")
-            torch_rope = lambda q=tq, k=tk, p=tpos, f=tinv: _torch_rope(torch, q, k, p, f)
+            def torch_rope(q=tq, k=tk, p=tpos, f=tinv):
+                return _torch_rope(torch, q, k, p, f)
         out.append({
             "name": f"rope T={t}", "shape": {"T": t, "H": H, "KVH": KVH, "HD": HD},
             "run": lambda q=q, k=k, p=positions: rope(q, k, p, inv_freq),

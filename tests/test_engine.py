@@ -2,12 +2,12 @@
 simulator) agreeing with NumPy across page edges and with GQA."""
 
 import pytest
+from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.checkpoint import load_checkpoint
 from numba_vllm.config import EngineConfig, ModelConfig
 from numba_vllm.engine.llm_engine import LLMEngine
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PAGE_EDGE_PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 20)), list(range(1, 34))]  # 1/15/16/17/33
@@ -48,10 +48,8 @@ def test_preempted_and_recomputed_equals_alone(tiny_dir, alone):
     # produce the same tokens.
     llm = LLM(str(tiny_dir), backend="numpy", max_num_seqs=5, num_pages=6)
     outs = llm.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    full_alone = [
-        LLM(str(tiny_dir), backend="numpy").generate([p], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0].token_ids
-        for p in PAGE_EDGE_PROMPTS
-    ]
+    longer = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    full_alone = [LLM(str(tiny_dir), backend="numpy").generate([p], longer)[0].token_ids for p in PAGE_EDGE_PROMPTS]
     assert [o.token_ids for o in outs] == full_alone
     assert llm.engine.num_preemptions > 0
 

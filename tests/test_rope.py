@@ -194,7 +194,8 @@ def test_bad_arguments_are_named():
     with pytest.raises(KernelError, match="inv_freq: shape"):
         rope(q, k, positions, cuda.to_device(np.ones(8, np.float32)))
     with pytest.raises(KernelError, match="head_dim 7"):
-        rope(cuda.to_device(np.zeros((2, 4, 7), np.float32)), cuda.to_device(np.zeros((2, 2, 7), np.float32)), positions, inv_freq)
+        q, k = np.zeros((2, 4, 7), np.float32), np.zeros((2, 2, 7), np.float32)
+        rope(cuda.to_device(q), cuda.to_device(k), positions, inv_freq)
 
 
 def test_the_inlined_config_is_the_shared_one():

@@ -31,7 +31,7 @@ def check_array(name: str, a, dtype=None, shape: tuple | None = None, ndim: int 
     if ndim is not None and len(a.shape) != ndim:
         raise KernelError(f"{name}: {len(a.shape)} dimensions {tuple(a.shape)}, expected {ndim}")
     if shape is not None:
-        if len(a.shape) != len(shape) or any(e is not None and e != s for s, e in zip(a.shape, shape)):
+        if len(a.shape) != len(shape) or any(e is not None and e != s for s, e in zip(a.shape, shape, strict=True)):
             want = tuple("*" if e is None else e for e in shape)
             raise KernelError(f"{name}: shape {tuple(a.shape)}, expected {want}")
     if not _c_contiguous(a):

@@ -1,0 +1,129 @@
+"""The kernel runner: a StepPlan -> device arrays -> `DeviceModel.forward` -> sampled tokens.
+
+The same code runs on the GPU (`cuda` backend) and, unchanged, in the Numba simulator (`sim`).
+Sequences are reordered so prefilling ones (prompts or chunks) come first and decoding ones last,
+matching the two attention kernels. Sampling happens on the device where it can: greedy rows by an
+argmax kernel, temperature-only rows by the Gumbel-max kernel (noise from the request's seed and
+output index, so a request's tokens do not depend on its batch); rows with top-k or top-p copy
+their logits to the host sampler.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ..checkpoint import Checkpoint
+from ..config import EngineConfig
+from ..kernels.sample import argmax, sample_gumbel
+from ..model import DeviceModel, StepInputs
+from .kv_cache import block_table_array, num_pages_for_memory
+from .runner import RequestSamplers
+from .scheduler import StepPlan
+
+SEED_MASK = 0xFFFFFFFF  # the device sampler takes 32-bit seeds
+
+
+class KernelRunner:
+    """Owns the device model, its KV pool and activation buffers; executes steps."""
+
+    def __init__(self, model: DeviceModel, num_pages: int, engine_config: EngineConfig):
+        self.model = model
+        self.num_pages = num_pages
+        self.max_num_seqs = engine_config.max_num_seqs
+        max_tokens = engine_config.max_num_batched_tokens + engine_config.max_num_seqs  # chunks + decodes
+        model.allocate(num_pages, max_tokens, engine_config.max_num_seqs)
+        self.host_samplers = RequestSamplers()
+        self._seeds: dict[str, int] = {}
+        self._seed_rng = np.random.default_rng()
+
+    @classmethod
+    def for_gpu(cls, checkpoint: Checkpoint, engine_config: EngineConfig, max_model_len: int) -> KernelRunner:
+        """Upload the weights, then give the KV cache a share of the GPU memory left (or `num_pages`)."""
+        model = DeviceModel(checkpoint.config, checkpoint.weights)
+        num_pages = engine_config.num_pages
+        if num_pages is None:
+            free, _ = cuda.current_context().get_memory_info()
+            workspace = _workspace_bytes(checkpoint.config, engine_config)
+            num_pages = num_pages_for_memory(free - workspace, checkpoint.config, engine_config.gpu_memory_utilization)
+            if num_pages < 2:
+                raise ValueError(f"not enough GPU memory for a KV cache ({free / 2**30:.1f} GiB free after the weights)")
+        return cls(model, num_pages, engine_config)
+
+    @classmethod
+    def for_simulator(cls, checkpoint: Checkpoint, engine_config: EngineConfig, num_pages: int) -> KernelRunner:
+        return cls(DeviceModel(checkpoint.config, checkpoint.weights), num_pages, engine_config)
+
+    def execute(self, plan: StepPlan) -> dict[str, int]:
+        seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)
+        inputs = self._inputs(seqs)
+        logits = self.model.forward(inputs)  # (B, V) device
+        sampling = [s.request for s in seqs if s.samples]
+        return dict(zip((r.request_id for r in sampling), self._sample(sampling, logits), strict=True))
+
+    def release(self, request_id: str) -> None:
+        self.host_samplers.release(request_id)
+        self._seeds.pop(request_id, None)
+
+    # ---- building the step -------------------------------------------------------------------
+    def _inputs(self, seqs) -> StepInputs:
+        prefill = [s for s in seqs if not s.is_decode]
+        decode = [s for s in seqs if s.is_decode]
+        lens = [s.num_new_tokens for s in seqs]
+        ends = np.cumsum(lens, dtype=np.int32)
+        cu = np.zeros(len(prefill) + 1, np.int32)
+        cu[1:] = ends[: len(prefill)]
+        width = max(len(s.page_ids) for s in seqs)
+
+        def dev(a):
+            return cuda.to_device(np.ascontiguousarray(a, dtype=np.int32))
+
+        return StepInputs(
+            token_ids=dev([t for s in seqs for t in s.token_ids]),
+            positions=dev(np.concatenate([s.positions for s in seqs])),
+            kv_indices=dev(np.concatenate([s.kv_indices for s in seqs])),
+            num_prefill_tokens=int(cu[-1]),
+            prefill_cu_seqlens=dev(cu),
+            prefill_start_pos=dev([s.start_position for s in prefill]),
+            prefill_block_tables=dev(block_table_array([s.page_ids for s in prefill], width)),
+            prefill_max_new_tokens=max((s.num_new_tokens for s in prefill), default=0),
+            decode_block_tables=dev(block_table_array([s.page_ids for s in decode], width)),
+            decode_context_lens=dev([s.context_len for s in decode]),
+            sample_rows=dev([end - 1 for s, end in zip(seqs, ends, strict=True) if s.samples]),
+        )
+
+    # ---- sampling ------------------------------------------------------------------------------
+    def _sample(self, requests, logits) -> list[int]:
+        """One token per row of `logits` (B, V): on the device unless a request needs top-k / top-p."""
+        if not requests:
+            return []
+        params = [r.sampling_params for r in requests]
+        tokens = cuda.device_array(len(requests), np.int32)
+        if all(p.greedy for p in params):
+            argmax(logits, tokens)
+        else:
+            temperatures = np.array([p.temperature for p in params], np.float32)
+            seeds = np.array([self._seed(r) for r in requests], np.uint32)
+            steps = np.array([len(r.output_token_ids) for r in requests], np.int32)
+            sample_gumbel(logits, cuda.to_device(temperatures), cuda.to_device(seeds), cuda.to_device(steps), tokens)
+        out = [int(t) for t in tokens.copy_to_host()]
+        for i, (r, p) in enumerate(zip(requests, params, strict=True)):
+            if not p.greedy and (p.top_k or p.top_p < 1):
+                out[i] = self.host_samplers.sample(r, logits[i].copy_to_host())
+        return out
+
+    def _seed(self, request) -> int:
+        """The request's 32-bit sampling seed: its own, or one drawn once for it."""
+        seed = self._seeds.get(request.request_id)
+        if seed is None:
+            given = request.sampling_params.seed
+            seed = given & SEED_MASK if given is not None else int(self._seed_rng.integers(0, SEED_MASK))
+            self._seeds[request.request_id] = seed
+        return seed
+
+
+def _workspace_bytes(config, engine_config: EngineConfig) -> int:
+    """Activation buffers DeviceModel.allocate will take (float32)."""
+    t = engine_config.max_num_batched_tokens + engine_config.max_num_seqs
+    per_token = 3 * config.hidden_size + 2 * config.q_size + 2 * config.kv_size + 3 * config.intermediate_size
+    return 4 * (t * per_token + engine_config.max_num_seqs * (config.hidden_size + config.vocab_size))

@@ -1,0 +1,36 @@
+"""Gathering rows: out[i, :] = x[row_ids[i], :] (float32).
+
+Used after the last layer: of the T tokens a step computes, only the last token of each sequence
+that samples needs logits, so those rows are gathered before the final norm and the vocabulary-sized
+head (for a 2048-token prefill that skips 2047 rows of a 128k-wide product).
+
+Thread mapping: block i copies row i; its threads stride over the D columns (coalesced).
+No shared memory.
+"""
+
+from __future__ import annotations
+
+from numba import cuda
+
+from .jit import kernel
+from .launch import check_array, launch
+
+GATHER_THREADS = 256
+
+
+@kernel
+def gather_rows_kernel(x, row_ids, out):
+    """x (T, D) f32; row_ids (B,) int32; out (B, D) f32."""
+    i = cuda.blockIdx.x
+    src = row_ids[i]
+    for j in range(cuda.threadIdx.x, x.shape[1], cuda.blockDim.x):
+        out[i, j] = x[src, j]
+
+
+def gather_rows(x, row_ids, out) -> None:
+    """out = x[row_ids] (device arrays): x (T, D) f32, row_ids (B,) int32 in [0, T), out (B, D) f32."""
+    check_array("x", x, "float32", ndim=2)
+    check_array("row_ids", row_ids, "int32", ndim=1)
+    check_array("out", out, "float32", shape=(row_ids.shape[0], x.shape[1]))
+    if row_ids.shape[0]:
+        launch(gather_rows_kernel, row_ids.shape[0], GATHER_THREADS, x, row_ids, out)

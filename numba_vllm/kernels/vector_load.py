@@ -1,0 +1,202 @@
+"""16-byte loads from global memory, and bf16 bits to float32, for bandwidth-bound kernels.
+
+Why: Numba turns ``a[i]`` into one load of one element. A warp reading bf16 weights two bytes per
+lane moves 64 bytes per instruction, and such a kernel stays far below the memory bandwidth
+(~1.1 TB/s on an H200 against ~3 TB/s with 16-byte loads). The hardware can load 16 bytes per lane
+(``ld.global.nc.v4``: 512 bytes per warp instruction), but Numba never emits it from plain indexing,
+so ``load_u32x4`` and ``load_f32x4`` below emit it as inline PTX. ``.nc`` reads through the
+read-only (non-coherent) data cache: only for arrays that no thread of the same kernel writes.
+
+Rules for callers:
+
+- The 16 bytes start at ``array[index]`` and must be 16-byte aligned: the array's base address
+  (device allocations are 256-byte aligned; a view may not be) plus the index's byte offset. In a
+  row-major 2-D array that means the row length in bytes and the column offset are multiples of 16.
+  A misaligned address faults on the GPU ("misaligned address"), and the simulator does not check.
+- ``load_u32x4(a, index)``: ``a`` is a uint32 or uint16 array (1-D with an integer index, 2-D with a
+  ``(row, col)`` tuple). It returns the 16 bytes as 4 uint32 words; on a uint16 array that is 8
+  elements, word ``j`` holding element ``2j`` in its low half and ``2j + 1`` in its high half (the
+  GPU is little-endian). bf16 weights are read through their uint16 view, 8 at a time.
+- ``load_f32x4(a, index)``: ``a`` is a float32 array; returns ``a[index .. index + 3]`` (the last
+  axis) as 4 float32.
+
+Shared memory: ``load_shared_f32x4(a, index)`` reads 4 float32 of a shared array as one 16-byte
+``ld.shared.v4.f32`` (a plain load of a 4-vector in the shared address space, which the compiler
+schedules like any load). The shared array must be declared with ``SHARED_ALIGN`` as its alignment
+(``cuda.shared.array(shape, float32, SHARED_ALIGN)``: 16 on the GPU; None in the simulator, which
+rejects any alignment argument) and the index's byte offset must be a multiple of 16.
+
+bf16 -> float32: a bf16 value is the top half of a float32, so the conversion is a shift and a
+bit-cast (``u32_as_f32``), which is exact. ``bf16x2_to_f32`` unpacks one word into the two values
+it holds, ``bf16_bits_to_f32`` converts one uint16 element.
+
+Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) the same names are plain Python functions doing
+the same thing element by element, so kernels call them unchanged.
+"""
+
+import numpy as np
+from numba import uint32
+
+from numba_vllm.kernels.jit import device_function
+from numba_vllm.kernels.simulator import simulator_enabled
+
+VECTOR_BYTES = 16  # bytes per vector load: 4 uint32 words, 8 bf16, 4 float32
+BF16_PER_VECTOR = 8
+F32_PER_VECTOR = 4
+SHARED_ALIGN = None if simulator_enabled() else VECTOR_BYTES  # alignment of vector-read shared arrays
+
+
+def _index_tuple(index):
+    return index if isinstance(index, tuple) else (index,)
+
+
+if simulator_enabled():
+
+    def load_u32x4(array, index):
+        """The 16 bytes at ``array[index]`` onward as 4 uint32 words (simulator version)."""
+        *lead, col = _index_tuple(index)
+        if array.dtype == np.uint32:
+            return tuple(np.uint32(array[(*lead, col + j)]) for j in range(4))
+        if array.dtype == np.uint16:
+            return tuple(
+                np.uint32(int(array[(*lead, col + 2 * j)]) | int(array[(*lead, col + 2 * j + 1)]) << 16)
+                for j in range(4)
+            )
+        raise TypeError(f"load_u32x4: expected a uint32 or uint16 array, got {array.dtype}")
+
+    def load_f32x4(array, index):
+        """``array[index .. index + 3]`` (along the last axis) as 4 float32 (simulator version)."""
+        if array.dtype != np.float32:
+            raise TypeError(f"load_f32x4: expected a float32 array, got {array.dtype}")
+        *lead, col = _index_tuple(index)
+        return tuple(np.float32(array[(*lead, col + j)]) for j in range(4))
+
+    load_shared_f32x4 = load_f32x4
+
+    def u32_as_f32(bits):
+        """The float32 whose bits are the low 32 bits of ``bits`` (simulator version)."""
+        return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    _SHARED_ADDRSPACE = 3  # NVPTX address space of shared memory
+
+    def _check_array_and_index(name, array, index, dtypes):
+        if not isinstance(array, types.Array) or array.dtype not in dtypes:
+            raise TypingError(f"{name}: expected an array of {', '.join(map(str, dtypes))}, got {array}")
+        if isinstance(index, types.Integer):
+            count = 1
+        elif isinstance(index, types.BaseTuple) and all(isinstance(t, types.Integer) for t in index):
+            count = len(index)
+        else:
+            raise TypingError(f"{name}: index must be an integer or a tuple of integers, got {index}")
+        if count != array.ndim:
+            raise TypingError(f"{name}: {array.ndim}-D array indexed with {count} indices")
+
+    def _element_pointer(context, builder, array_type, array, index_type, index):
+        """Address of ``array[index]`` (no wraparound, no bounds check)."""
+        if isinstance(index_type, types.Integer):
+            index_types, indices = [index_type], [index]
+        else:
+            index_types, indices = list(index_type), cgutils.unpack_tuple(builder, index, len(index_type))
+        indices = [context.cast(builder, i, t, types.intp) for i, t in zip(indices, index_types, strict=True)]
+        ary = context.make_array(array_type)(context, builder, value=array)
+        return cgutils.get_item_pointer(context, builder, array_type, ary, indices)
+
+    def _vector_load(context, builder, sig, args, ptx_type, constraint, lane_type):
+        """Emit ``ld.global.nc.v4.<ptx_type>`` of the 16 bytes at the indexed element."""
+        array_type, index_type = sig.args
+        array, index = args
+        ptr = _element_pointer(context, builder, array_type, array, index_type, index)
+        result_type = ir.LiteralStructType([lane_type] * 4)
+        asm = ir.InlineAsm(
+            ir.FunctionType(result_type, [ptr.type]),
+            f"ld.global.nc.v4.{ptx_type} {{$0, $1, $2, $3}}, [$4];",
+            f"={constraint},={constraint},={constraint},={constraint},l",
+        )
+        loaded = builder.call(asm, [ptr])
+        values = [builder.extract_value(loaded, j) for j in range(4)]
+        return context.make_tuple(builder, sig.return_type, values)
+
+    @intrinsic
+    def load_u32x4(typingctx, array, index):
+        """The 16 bytes at ``array[index]`` onward as 4 uint32 words (one ``ld.global.nc.v4.u32``)."""
+        _check_array_and_index("load_u32x4", array, index, (types.uint32, types.uint16))
+        sig = types.UniTuple(types.uint32, 4)(array, index)
+
+        def codegen(context, builder, sig, args):
+            return _vector_load(context, builder, sig, args, "u32", "r", ir.IntType(32))
+
+        return sig, codegen
+
+    @intrinsic
+    def load_f32x4(typingctx, array, index):
+        """``array[index .. index + 3]`` as 4 float32 (one ``ld.global.nc.v4.f32``)."""
+        _check_array_and_index("load_f32x4", array, index, (types.float32,))
+        sig = types.UniTuple(types.float32, 4)(array, index)
+
+        def codegen(context, builder, sig, args):
+            return _vector_load(context, builder, sig, args, "f32", "f", ir.FloatType())
+
+        return sig, codegen
+
+    @intrinsic
+    def load_shared_f32x4(typingctx, array, index):
+        """``array[index .. index + 3]`` of a shared float32 array, as one ``ld.shared.v4.f32``."""
+        _check_array_and_index("load_shared_f32x4", array, index, (types.float32,))
+        sig = types.UniTuple(types.float32, 4)(array, index)
+
+        def codegen(context, builder, sig, args):
+            array_type, index_type = sig.args
+            array, index = args
+            ptr = _element_pointer(context, builder, array_type, array, index_type, index)
+            vector_type = ir.VectorType(ir.FloatType(), 4)
+            shared_ptr = builder.addrspacecast(ptr, ir.PointerType(ir.FloatType(), _SHARED_ADDRSPACE))
+            vector = builder.load(builder.bitcast(shared_ptr, ir.PointerType(vector_type, _SHARED_ADDRSPACE)), align=16)
+            values = [builder.extract_element(vector, ir.Constant(ir.IntType(32), j)) for j in range(4)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return sig, codegen
+
+    @intrinsic
+    def u32_as_f32(typingctx, bits):
+        """The float32 whose bits are the low 32 bits of the integer ``bits`` (no instruction)."""
+        if not isinstance(bits, types.Integer):
+            raise TypingError(f"u32_as_f32: expected an integer, got {bits}")
+        sig = types.float32(bits)
+
+        def codegen(context, builder, sig, args):
+            (value,) = args
+            i32 = ir.IntType(32)
+            if value.type.width > 32:
+                value = builder.trunc(value, i32)
+            elif value.type.width < 32:
+                value = builder.zext(value, i32)
+            return builder.bitcast(value, ir.FloatType())
+
+        return sig, codegen
+
+
+def vector_aligned(a) -> bool:
+    """Host side: True when a device (or simulator) array's data starts on a 16-byte boundary."""
+    interface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
+    return interface["data"][0] % VECTOR_BYTES == 0
+
+
+@device_function
+def bf16x2_to_f32(word):
+    """The two bf16 values packed in a uint32 word as float32: (low half, high half)."""
+    low = u32_as_f32(word << uint32(16))
+    high = u32_as_f32(word & uint32(0xFFFF0000))
+    return low, high
+
+
+@device_function
+def bf16_bits_to_f32(bits):
+    """One bf16 value, given as its uint16 bits, as float32."""
+    return u32_as_f32(uint32(bits) << uint32(16))

@@ -1,0 +1,160 @@
+"""The Llama forward pass on the device: the layer loop, calling the kernel launchers in order.
+
+One call runs one engine step: a ragged batch of T new tokens in which the prefilling sequences'
+tokens come first (prompts or prompt chunks, attended by the prefill kernel) and the decoding
+sequences' single tokens last (attended by the paged decode kernel). Activations are float32, weights
+bf16, the KV cache bf16 in 16-token pages. Per layer:
+
+    h = rmsnorm(x)                       attn_norm
+    q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T
+    rope(q, k) at each token's position  (Llama-3 scaled frequencies from the host)
+    cache_write(k, v) at the tokens' kv indices
+    a = prefill_attention(q[:Tp]) | decode_attention(q[Tp:])   over the pages in the block tables
+    x += a @ Wo.T                        (the residual add is fused into the product)
+    h = rmsnorm(x)                       mlp_norm
+    x += silu(h @ Wg.T) * (h @ Wu.T) @ Wd.T   (gate and up as one product, the add fused again)
+
+then the last token of every sampling sequence is gathered, normed and multiplied by the head.
+Sizes: T tokens, Tp of them prefill; D hidden, H heads, KVH kv heads, HD head dim, F MLP width,
+V vocabulary, B sampled rows.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from .bf16 import empty_bf16_device, to_bf16, upload_bf16
+from .config import PAGE_SIZE, ModelConfig
+from .kernels.activation import silu_and_mul
+from .kernels.cache_write import cache_write
+from .kernels.decode_attention import decode_attention
+from .kernels.embedding import embedding
+from .kernels.gather import gather_rows
+from .kernels.matmul import linear
+from .kernels.prefill_attention import prefill_attention
+from .kernels.rmsnorm import rms_norm
+from .kernels.rope import rope
+from .rope_scaling import rope_inv_freq
+
+
+@dataclass
+class StepInputs:
+    """One step's device arrays (int32), built by the runner from a StepPlan."""
+
+    token_ids: object  # (T,) prefill tokens first, then one token per decoding sequence
+    positions: object  # (T,)
+    kv_indices: object  # (T,) page_id * PAGE_SIZE + offset: where each token's K/V is written
+    num_prefill_tokens: int  # Tp
+    prefill_cu_seqlens: object  # (Sp + 1,) offsets of each prefilling sequence's tokens in [0, Tp)
+    prefill_start_pos: object  # (Sp,) position of each prefilling sequence's first new token
+    prefill_block_tables: object  # (Sp, max_pages)
+    prefill_max_new_tokens: int  # the longest prefill chunk (sizes the prefill grid)
+    decode_block_tables: object  # (Sd, max_pages)
+    decode_context_lens: object  # (Sd,) cached tokens each decoding sequence attends to, itself included
+    sample_rows: object  # (B,) rows of the T tokens whose logits are needed
+
+
+class DeviceModel:
+    """A Llama model's bf16 weights on the device, its KV cache, and `forward`."""
+
+    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
+        self.config = c = config
+        self.embed = upload_bf16(to_bf16(weights["model.embed_tokens.weight"]))  # (V, D)
+        self.lm_head = self.embed if c.tie_word_embeddings else upload_bf16(to_bf16(weights["lm_head.weight"]))
+        self.final_norm = upload_bf16(to_bf16(weights["model.norm.weight"]))  # (D,)
+        self.layers = []
+        for i in range(c.num_hidden_layers):
+            w = {name: weights[f"model.layers.{i}.{name}.weight"] for name in _LAYER_WEIGHTS}
+            gate_up = np.concatenate([to_bf16(w["mlp.gate_proj"]), to_bf16(w["mlp.up_proj"])])  # (2F, D): one product
+            self.layers.append(
+                {
+                    "attn_norm": upload_bf16(to_bf16(w["input_layernorm"])),  # (D,)
+                    "q": upload_bf16(to_bf16(w["self_attn.q_proj"])),  # (H*HD, D)
+                    "k": upload_bf16(to_bf16(w["self_attn.k_proj"])),  # (KVH*HD, D)
+                    "v": upload_bf16(to_bf16(w["self_attn.v_proj"])),  # (KVH*HD, D)
+                    "o": upload_bf16(to_bf16(w["self_attn.o_proj"])),  # (D, H*HD)
+                    "mlp_norm": upload_bf16(to_bf16(w["post_attention_layernorm"])),  # (D,)
+                    "gate_up": upload_bf16(gate_up),  # (2F, D)
+                    "down": upload_bf16(to_bf16(w["mlp.down_proj"])),  # (D, F)
+                }
+            )
+        self.inv_freq = cuda.to_device(rope_inv_freq(c))  # (HD/2,) f32, Llama-3 scaling applied on the host
+        self.scale = 1.0 / math.sqrt(c.head_dim)
+        self.k_cache = self.v_cache = None
+        self.buffers = None
+
+    def allocate(self, num_pages: int, max_num_tokens: int, max_num_seqs: int) -> None:
+        """The KV pools (L, num_pages, PAGE_SIZE, KVH, HD) bf16 and activation buffers for up to
+        `max_num_tokens` tokens and `max_num_seqs` sampled rows, allocated once and reused."""
+        c = self.config
+        shape = (c.num_hidden_layers, num_pages, PAGE_SIZE, c.num_key_value_heads, c.head_dim)
+        self.k_cache, self.v_cache = empty_bf16_device(shape), empty_bf16_device(shape)
+        t = max_num_tokens
+        f32 = np.float32
+        self.buffers = {
+            "x": cuda.device_array((t, c.hidden_size), f32),  # residual stream
+            "h": cuda.device_array((t, c.hidden_size), f32),  # normed input of a block
+            "q": cuda.device_array((t, c.num_attention_heads, c.head_dim), f32),
+            "k": cuda.device_array((t, c.num_key_value_heads, c.head_dim), f32),
+            "v": cuda.device_array((t, c.num_key_value_heads, c.head_dim), f32),
+            "attn": cuda.device_array((t, c.num_attention_heads, c.head_dim), f32),
+            "gate_up": cuda.device_array((t, 2 * c.intermediate_size), f32),
+            "act": cuda.device_array((t, c.intermediate_size), f32),
+            "last": cuda.device_array((max_num_seqs, c.hidden_size), f32),
+            "logits": cuda.device_array((max_num_seqs, c.vocab_size), f32),
+        }
+
+    def forward(self, s: StepInputs):
+        """Run one step; returns the logits (B, V) f32 device array of the sampled rows."""
+        c, b = self.config, self.buffers
+        t, tp = s.token_ids.shape[0], s.num_prefill_tokens
+        x, h = b["x"][:t], b["h"][:t]  # (T, D)
+        q, k, v, attn = b["q"][:t], b["k"][:t], b["v"][:t], b["attn"][:t]  # (T, heads, HD)
+        q2, k2, v2, attn2 = (a.reshape(t, a.shape[1] * a.shape[2]) for a in (q, k, v, attn))  # (T, heads*HD)
+        gate_up, act = b["gate_up"][:t], b["act"][:t]  # (T, 2F), (T, F)
+
+        embedding(s.token_ids, self.embed, x)
+        for i, w in enumerate(self.layers):
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # (P, PAGE_SIZE, KVH, HD) this layer's pages
+            rms_norm(x, w["attn_norm"], h, c.rms_norm_eps)
+            linear(h, w["q"], q2)
+            linear(h, w["k"], k2)
+            linear(h, w["v"], v2)
+            rope(q, k, s.positions, self.inv_freq)
+            cache_write(k, v, s.kv_indices, k_cache, v_cache)
+            if tp:
+                prefill_attention(
+                    q[:tp], k_cache, v_cache, s.prefill_block_tables, s.prefill_cu_seqlens, s.prefill_start_pos,
+                    self.scale, attn[:tp], s.prefill_max_new_tokens,
+                )  # fmt: skip
+            if tp < t:
+                decode_attention(q[tp:], k_cache, v_cache, s.decode_block_tables, s.decode_context_lens, self.scale, attn[tp:])
+            linear(attn2, w["o"], x, accumulate=True)  # x += attention output
+            rms_norm(x, w["mlp_norm"], h, c.rms_norm_eps)
+            linear(h, w["gate_up"], gate_up)
+            silu_and_mul(gate_up, act)
+            linear(act, w["down"], x, accumulate=True)  # x += MLP output
+
+        nb = s.sample_rows.shape[0]
+        last, logits = b["last"][:nb], b["logits"][:nb]
+        gather_rows(x, s.sample_rows, last)
+        rms_norm(last, self.final_norm, last, c.rms_norm_eps)
+        linear(last, self.lm_head, logits)
+        return logits
+
+
+_LAYER_WEIGHTS = (
+    "input_layernorm",
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "post_attention_layernorm",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)

@@ -1,0 +1,204 @@
+"""gemv (decode-sized x @ w.T), the ``linear`` dispatcher, and the 16-byte load helpers under them.
+
+Reference: NumPy in float64 on the same inputs (the bf16-rounded weights), so the only error left
+is the kernel's float32 accumulation. Tolerance, per element: |out - ref| <= RTOL * (|x| @ |w|.T)
+(+ |out before| when accumulating), i.e. relative to the sum of the magnitudes of the products,
+which bounds the rounding error of any summation order; RTOL = 1e-5 is ~100 float32 ulps.
+
+Simulator cases are small and awkward: M in {1, 2, 3, 5, 17} (every token tile, and several token
+blocks), N not a multiple of the rows per block, K = 40/72 (fast path: K % 8 == 0 but not a multiple
+of the 256 elements a warp covers) and K = 48 via a misaligned view, K = 100 (K % 8 != 0: the
+unaligned kernel). The output is poisoned with NaN, so an unwritten element fails. ``gpu`` tests
+run Llama 3.2 1B shapes with fresh random inputs.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+from numba import cuda, float32
+
+from numba_vllm.bf16 import BF16, upload_bf16
+from numba_vllm.kernels.gemv import gemv, plan_gemv
+from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.launch import KernelError
+from numba_vllm.kernels.matmul import linear
+from numba_vllm.kernels.vector_load import (
+    SHARED_ALIGN,
+    bf16_bits_to_f32,
+    bf16x2_to_f32,
+    load_f32x4,
+    load_shared_f32x4,
+    load_u32x4,
+)
+
+RTOL = 1e-5
+
+
+def random_case(rng, m, n, k, accumulate):
+    """Host inputs: x (m, k) f32, w (n, k) bf16, out0 (m, n) f32 (NaN unless accumulating)."""
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.05).astype(BF16)
+    out0 = rng.standard_normal((m, n)).astype(np.float32) if accumulate else np.full((m, n), np.nan, np.float32)
+    return x, w, out0
+
+
+def check_product(got, x, w, out0, accumulate):
+    """Compare a kernel's out with float64 NumPy on the same (bf16-rounded) inputs."""
+    x64, w64 = x.astype(np.float64), w.astype(np.float32).astype(np.float64)
+    ref = x64 @ w64.T
+    scale = np.abs(x64) @ np.abs(w64).T
+    if accumulate:
+        ref += out0
+        scale += np.abs(out0)
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} outputs unwritten (NaN)"
+    err = np.abs(got - ref)
+    worst = np.unravel_index(np.argmax(err / (scale + 1e-30)), err.shape)
+    assert np.all(err <= RTOL * scale + 1e-30), f"at {worst}: got {got[worst]}, want {ref[worst]}"
+
+
+def run_gemv(m, n, k, accumulate, seed=0, x_offset=0, launcher=gemv):
+    """Launch on fresh random data and check. x_offset > 0 views x at a misaligned address."""
+    rng = np.random.default_rng(seed)
+    x, w, out0 = random_case(rng, m, n, k, accumulate)
+    if x_offset:
+        x_big = np.zeros(m * k + x_offset, np.float32)
+        x_big[x_offset:] = x.ravel()
+        d_x = cuda.to_device(x_big)[x_offset:].reshape(m, k)
+    else:
+        d_x = cuda.to_device(x)
+    d_out = cuda.to_device(out0)
+    launcher(d_x, upload_bf16(w), d_out, accumulate)
+    check_product(d_out.copy_to_host(), x, w, out0, accumulate)
+
+
+# (M, N, K, accumulate): N = 33, 70 are not multiples of 32 or 16 rows per block.
+SIM_CASES = [
+    (1, 33, 72, False),  # batch 1, 1 token a block; 9 chunks: lanes 9..31 idle
+    (1, 70, 40, True),
+    (2, 33, 40, True),  # 2 tokens a block
+    (3, 70, 72, False),  # 4 tokens a block, token 3 clamped
+    (17, 33, 40, True),  # 4 tokens a block, 5 token blocks, the last one has 1 token
+    (3, 33, 100, True),  # K % 8 != 0: unaligned kernel
+    (5, 70, 100, False),
+]
+
+
+@pytest.mark.parametrize("m,n,k,accumulate", SIM_CASES)
+def test_gemv_small(m, n, k, accumulate):
+    run_gemv(m, n, k, accumulate)
+
+
+def test_gemv_misaligned_x_uses_unaligned_kernel():
+    run_gemv(2, 33, 48, True, x_offset=1)
+
+
+def test_gemv_splits_k_across_warps():
+    """A long row with few rows: the launcher splits K over warps; the cross-warp sum is tested."""
+    assert plan_gemv(1, 5, 512)[1] == 2
+    run_gemv(1, 5, 512, False)
+
+
+def test_linear_dispatches_both_ways():
+    run_gemv(2, 33, 40, False, launcher=linear)  # gemv
+    run_gemv(65, 33, 40, True, launcher=linear)  # gemm
+
+
+def test_gemv_rejects_bad_arguments():
+    x = cuda.to_device(np.zeros((2, 16), np.float32))
+    w = upload_bf16(np.zeros((8, 16), np.float32))
+    with pytest.raises(KernelError, match="out: shape"):
+        gemv(x, w, cuda.to_device(np.zeros((2, 9), np.float32)))
+    with pytest.raises(KernelError, match="w: dtype"):
+        gemv(x, cuda.to_device(np.zeros((8, 16), np.float32)), cuda.to_device(np.zeros((2, 8), np.float32)))
+    with pytest.raises(KernelError, match="tokens"):
+        gemv(cuda.to_device(np.zeros((65, 16), np.float32)), w, cuda.to_device(np.zeros((65, 8), np.float32)))
+
+
+def test_plan_gemv_splits_k_only_while_warps_are_few():
+    assert plan_gemv(1, 128256, 2048)[1] == 1  # the vocabulary head has warps to spare
+    assert plan_gemv(1, 2048, 8192)[1] == 8  # down_proj: 512 row groups
+    assert plan_gemv(8, 8192, 2048)[1] == 1  # 4 tokens a block: one warp per group
+    tokens, _, grid = plan_gemv(17, 33, 72)
+    assert (tokens, grid) == (4, (5, 2))
+
+
+# ---- vector_load ---------------------------------------------------------------------------------
+
+
+@kernel
+def vector_load_kernel(words16, words32, xf, out_u32, out_f32):
+    # words16 (2, 16) uint16; words32 (8,) uint32; xf (2, 8) f32
+    # out_u32 (3, 4) uint32; out_f32 (5, 8) f32
+    shared = cuda.shared.array(8, float32, SHARED_ALIGN)
+    if cuda.threadIdx.x == 0:
+        for j in range(8):
+            shared[j] = xf[1, j]
+    cuda.syncthreads()  # wait for shared to be filled
+    if cuda.threadIdx.x != 0:
+        return
+    a = load_u32x4(words16, (1, 8))  # elements 8..15 of row 1
+    b = load_u32x4(words32, 4)
+    for j in range(4):
+        out_u32[0, j] = a[j]
+        out_u32[1, j] = b[j]
+    c = load_f32x4(xf, (0, 4))
+    d = load_shared_f32x4(shared, 4)
+    for j in range(4):
+        out_f32[0, j] = c[j]
+        out_f32[1, j] = d[j]
+    for j in range(4):
+        lo, hi = bf16x2_to_f32(a[j])
+        out_f32[2, 2 * j] = lo
+        out_f32[2, 2 * j + 1] = hi
+    for j in range(8):
+        out_f32[3, j] = bf16_bits_to_f32(words16[0, j])
+
+
+def test_vector_load_helpers():
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((2, 16)).astype(ml_dtypes.bfloat16)
+    bits = w.view(np.uint16)
+    words = rng.integers(0, 2**32, 8, dtype=np.uint32)
+    xf = rng.standard_normal((2, 8)).astype(np.float32)
+    out_u32 = cuda.to_device(np.zeros((3, 4), np.uint32))
+    out_f32 = cuda.to_device(np.full((5, 8), np.nan, np.float32))
+    vector_load_kernel[1, 32](cuda.to_device(bits), cuda.to_device(words), cuda.to_device(xf), out_u32, out_f32)
+    got_u32, got_f32 = out_u32.copy_to_host(), out_f32.copy_to_host()
+    np.testing.assert_array_equal(got_u32[0], bits[1, 8:].view(np.uint32))  # little-endian pairs
+    np.testing.assert_array_equal(got_u32[1], words[4:])
+    np.testing.assert_array_equal(got_f32[0, :4], xf[0, 4:])
+    np.testing.assert_array_equal(got_f32[1, :4], xf[1, 4:])
+    np.testing.assert_array_equal(got_f32[2], w[1, 8:].astype(np.float32))  # exact conversion
+    np.testing.assert_array_equal(got_f32[3], w[0, :8].astype(np.float32))
+
+
+# ---- GPU: Llama 3.2 1B shapes --------------------------------------------------------------------
+
+GPU_CASES = [
+    (1, 2048, 2048, False),  # q_proj / o_proj
+    (1, 8192, 2048, False),  # gate / up
+    (1, 2048, 8192, True),  # down_proj + residual
+    (1, 128256, 2048, False),  # vocabulary head
+    (8, 512, 2048, False),  # k/v_proj
+    (8, 2048, 8192, True),
+    (32, 8192, 2048, False),
+    (64, 2048, 2048, True),
+    (3, 1000, 200, True),  # K % 8 == 0 but short rows
+    (5, 1000, 2050, False),  # K % 8 != 0: unaligned kernel at size
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k,accumulate", GPU_CASES)
+def test_gemv_gpu(m, n, k, accumulate):
+    run_gemv(m, n, k, accumulate, seed=m * 7 + k)
+
+
+@pytest.mark.gpu
+def test_gemv_gpu_misaligned_x():
+    run_gemv(4, 2048, 2048, True, x_offset=2)
+
+
+@pytest.mark.gpu
+def test_vector_load_helpers_gpu():
+    test_vector_load_helpers()
