@@ -43,7 +43,9 @@ F64_OP = re.compile(r"^\s*[a-z][\w.]*\.f64\b", re.M)  # an instruction working o
 
 def compile_ptx(specs: list[tuple[str, str, str]]) -> dict[str, dict]:
     """{'module.kernel': {'ptx': text} or {'error': message}} for (module, kernel attr, signature) specs."""
+    tests_dir = os.path.dirname(os.path.abspath(__file__))  # kernels bound to names in test modules
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD], input=json.dumps(specs), capture_output=True, text=True, env=env, timeout=600
     )

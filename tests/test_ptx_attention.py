@@ -9,9 +9,6 @@ register arrays were fully unrolled. Compiling also type-checks the GPU-only pat
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import ptx_check
 import pytest
 
@@ -46,13 +43,7 @@ SPECS = (  # (module, kernel name, signature, hot)
 
 @pytest.fixture(scope="module")
 def ptx():
-    patch = pytest.MonkeyPatch()
-    tests_dir = str(Path(__file__).resolve().parent)
-    patch.setenv("PYTHONPATH", os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p))
-    try:
-        yield ptx_check.compile_ptx([(module, name, sig) for module, name, sig, _ in SPECS])
-    finally:
-        patch.undo()
+    return ptx_check.compile_ptx([(module, name, sig) for module, name, sig, _ in SPECS])
 
 
 @pytest.mark.parametrize("module,name,sig,hot", SPECS, ids=[s[1] for s in SPECS])

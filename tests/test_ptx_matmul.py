@@ -22,28 +22,9 @@ SPECS = [  # (module, kernel, signature, hot)
     (GEMM, "gemm_kernel", LINEAR_SIG, True),
 ]
 
-# Device functions (``@device_function``, e.g. ``warp_sum``) are compiled for the current device's
-# compute capability, which fails on a machine without a GPU. Until ptx_check's child handles that,
-# give it a stand-in device of compute capability 9.0 when no GPU is there.
-_NO_GPU_DEVICE_STUB = """
-from numba import cuda as _cuda
-if not _cuda.is_available():
-    import numba.cuda.dispatcher as _dispatcher
-    class _Sm90:
-        compute_capability = (9, 0)
-    _dispatcher.get_current_device = lambda: _Sm90()
-"""
-
-
 @pytest.fixture(scope="module")
 def ptx():
-    patch = pytest.MonkeyPatch()
-    if "get_current_device" not in ptx_check._CHILD:
-        patch.setattr(ptx_check, "_CHILD", _NO_GPU_DEVICE_STUB + ptx_check._CHILD)
-    try:
-        yield ptx_check.compile_ptx([(module, name, sig) for module, name, sig, _ in SPECS])
-    finally:
-        patch.undo()
+    return ptx_check.compile_ptx([(module, name, sig) for module, name, sig, _ in SPECS])
 
 
 @pytest.mark.parametrize("module,name,sig,hot", SPECS, ids=[s[1] for s in SPECS])

@@ -155,6 +155,7 @@ def _make_gemv_kernel(tokens, rows=ROWS):
                 else:
                     out[token, row] = total
 
+    gemv_kernel.py_func.__name__ = f"gemv_t{tokens}_kernel"  # errors name the tile that failed
     return gemv_kernel
 
 

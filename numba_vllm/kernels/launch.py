@@ -17,7 +17,7 @@ __all__ = ["KernelError", "check_array", "launch"]
 
 def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
     """Run `kernel[grid, block, 0, shared_bytes](*args)`; a failure names the kernel."""
-    name = getattr(kernel, "__name__", None) or getattr(getattr(kernel, "py_func", None), "__name__", repr(kernel))
+    name = getattr(getattr(kernel, "py_func", None), "__name__", None) or getattr(kernel, "__name__", repr(kernel))
     try:
         kernel[grid, block, 0, shared_bytes](*args)
     except Exception as e:  # a CUDA driver, compile or simulator error: say which kernel

@@ -46,10 +46,10 @@ from numba import cuda, float32, int32
 
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.launch import KernelError, check_array, launch
+from numba_vllm.kernels.reductions import WARP_SIZE
 
 ROPE_MAX_WARPS = 32  # warps per block (one head each at a time); more heads than this loop
 ROPE_MAX_HALF_DIM = 128  # shared cos/sin table size: head_dim <= 256
-WARP_SIZE = 32
 
 
 def _split_pi_over_2(num_short_pieces: int = 3, bits: int = 7) -> tuple:

@@ -59,11 +59,10 @@ from numba import cuda, float32, int32, uint64
 
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.launch import check_array, launch
+from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
 
 SAMPLE_MAX_THREADS = 1024  # threads per block; a row longer than 4 columns a thread loops
 SAMPLE_COLS_PER_THREAD = 4  # columns a thread loads before comparing them (a compile-time constant)
-WARP_SIZE = 32
-FULL_MASK = 0xFFFFFFFF
 NO_INDEX = 2**31 - 1  # index of "no candidate yet": loses every tie against a real index
 MASK32 = uint64(0xFFFFFFFF)
 
