@@ -648,17 +648,17 @@ class _ThreadTracer:
             for bp in self.breakpoints:
                 if bp.code is frame.f_code and bp.line == frame.f_lineno and bp.armed:
                     bp.hits += 1
-                    self.stop(bp, frame)
-                    return self.on_event
+                    if bp.on_hit is not None:
+                        bp.on_hit(frame)  # an exception here fails the launch, like one in the kernel
+                    else:
+                        self.open_pdb(bp, frame)
+                        return self.on_event  # pdb has had this line
         if self.stepping:
             self.debugger.trace_dispatch(frame, event, arg)  # stops at the prompt when due
             self.after_prompt()
         return self.on_event
 
-    def stop(self, bp, frame):
-        if bp.on_hit is not None:
-            bp.on_hit(frame)
-            return
+    def open_pdb(self, bp, frame):
         if self.debugger is None:
             self.debugger = _KernelPdb(skip=_PDB_SKIP, nosigint=True)
         dbg = self.debugger
