@@ -13,6 +13,7 @@ Two references:
 """
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,34 +29,7 @@ from numba_vllm.rope_scaling import rope_cos_sin, rope_inv_freq
 
 gpu = pytest.mark.gpu
 
-# Llama 3.2 1B's config.json (/work/shared/models/llama-3.2-1b-instruct), inlined so that the test
-# also runs on machines without the model directory.
-LLAMA_3_2_1B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "intermediate_size": 8192,
-    "num_hidden_layers": 16,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 64,
-    "vocab_size": 128256,
-    "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-05,
-    "rope_theta": 500000.0,
-    "rope_scaling": {
-        "factor": 32.0,
-        "high_freq_factor": 4.0,
-        "low_freq_factor": 1.0,
-        "original_max_position_embeddings": 8192,
-        "rope_type": "llama3",
-    },
-    "tie_word_embeddings": True,
-    "torch_dtype": "bfloat16",
-    "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009],
-}
+LLAMA_3_2_1B_DIR = Path(__file__).parent / "data" / "llama-3.2-1b-instruct"  # the published config
 MAX_POSITION = 131072
 EDGE_POSITIONS = [0, 1, 2, 15, 16, 17, 5000, 8191, 8192, 100000, MAX_POSITION - 1]
 
@@ -68,7 +42,7 @@ def _rng():
 
 def _inv_freq(head_dim):
     """Llama 3.2's llama3-scaled inverse frequencies for this head_dim: (head_dim // 2,) float32."""
-    config = ModelConfig.from_dict(LLAMA_3_2_1B)
+    config = ModelConfig.from_dir(LLAMA_3_2_1B_DIR)
     return rope_inv_freq(dataclasses.replace(config, head_dim=head_dim))
 
 
@@ -196,13 +170,3 @@ def test_bad_arguments_are_named():
     with pytest.raises(KernelError, match="head_dim 7"):
         q, k = np.zeros((2, 4, 7), np.float32), np.zeros((2, 2, 7), np.float32)
         rope(cuda.to_device(q), cuda.to_device(k), positions, inv_freq)
-
-
-def test_the_inlined_config_is_the_shared_one():
-    path = "/work/shared/models/llama-3.2-1b-instruct"
-    try:
-        shared = ModelConfig.from_dir(path)
-    except ValueError:
-        pytest.skip(f"{path} is not on this machine")
-    inlined = ModelConfig.from_dict(LLAMA_3_2_1B)
-    assert dataclasses.replace(shared, generation=inlined.generation) == inlined  # generation_config.json aside
