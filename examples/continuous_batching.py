@@ -1,0 +1,158 @@
+"""Continuous batching, step by step: requests arrive, wait, get slots and pages, and are preempted.
+
+    python examples/continuous_batching.py                  # the default model (SmolLM2), NumPy unless a GPU is usable
+    python examples/continuous_batching.py --tiny           # a tiny random Llama: no model needed, about a second
+    python examples/continuous_batching.py --tiny --backend sim  # the same steps through the CUDA kernels, simulated: minutes
+    python examples/continuous_batching.py --num-pages 20   # a bigger cache: no preemption
+
+The engine is driven by hand: `LLMEngine.add_request` when a request arrives, `LLMEngine.step` once
+per forward pass. With `verbose`, each step prints the scheduler's plan (`StepPlan.describe`): one
+line per batch slot (which request, prefill or decode, how many new tokens, their positions, how
+many pages the request holds; "(chunk)" when a prompt is only partly prefilled), then the step's
+token count, the free pages, the waiting queue's length and any request preempted this step.
+
+The settings are small on purpose: 3 slots, a budget of 16 tokens per step and 8 usable pages of
+16 tokens (page 0 is the reserved null page). What to look for:
+- waiting: a request that arrives while the slots or the step's token budget are taken stays in the
+  queue (`queue:` below the plan) until a slot and enough budget and pages are free;
+- chunked prefill: a 40-token prompt does not fit a 16-token budget, so it is prefilled 16 (or
+  fewer) tokens a step, and only the step that reaches its last token samples;
+- admission into freed slots: when a request finishes, its slot and pages go back, and the head of
+  the queue takes them as soon as the step's token budget allows;
+- preemption by recompute: when a running request needs a new page and none is free, the newest
+  running request loses its pages and slot, goes back to the front of the queue with its generated
+  tokens kept, and later prefills prompt + generated tokens again. Its output is unchanged.
+Every request ignores EOS, so each one runs to its `max_tokens` and the schedule is the same for any
+model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from numba_vllm import LLMEngine, SamplingParams
+from numba_vllm.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
+from numba_vllm.config import PAGE_SIZE, EngineConfig
+from numba_vllm.engine.llm_engine import prepare_backend
+
+# (step it arrives at, request id, prompt tokens, max new tokens)
+ARRIVALS = [
+    (0, "A", 12, 28),
+    (0, "B", 40, 16),
+    (1, "C", 20, 24),
+    (2, "D", 8, 12),
+    (6, "E", 30, 12),
+]
+
+# Prompts are the first tokens of this text (a real model) or of random ids (the tiny model).
+PASSAGE = (
+    "Once upon a time, in a small village at the edge of a great forest, there lived an old clockmaker who could "
+    "mend anything that ticked. Travellers came from far away with broken watches, silent music boxes and tired "
+    "hearts, and each of them left with something that worked again."
+)
+
+# A tiny Llama (2 layers, 4 query heads sharing 2 kv heads): random weights, so its tokens are noise.
+TINY_CONFIG = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "vocab_size": 256,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "eos_token_id": 2,
+    "torch_dtype": "bfloat16",
+}
+
+
+def tiny_checkpoint() -> Checkpoint:
+    """A random-weight checkpoint of TINY_CONFIG (built in memory; no tokenizer)."""
+    with tempfile.TemporaryDirectory() as config_dir:
+        (Path(config_dir) / "config.json").write_text(json.dumps(TINY_CONFIG))
+        return random_checkpoint(config_dir, seed=0)
+
+
+def passage_ids(checkpoint: Checkpoint, num_tokens: int) -> list[int]:
+    """At least `num_tokens` prompt ids: PASSAGE tokenized, or random ids for a model without a tokenizer."""
+    if checkpoint.tokenizer is None:
+        return np.random.default_rng(0).integers(3, checkpoint.config.vocab_size, num_tokens).tolist()
+    ids = checkpoint.tokenizer.encode(PASSAGE)
+    return (ids * (1 + num_tokens // len(ids)))[:num_tokens]  # repeated if a tokenizer packs it tighter
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="a tiny random Llama instead of a real model")
+    parser.add_argument("--model", help="model directory or .gguf file (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "sim", "numpy"])
+    parser.add_argument("--max-num-seqs", type=int, default=3, help="batch slots")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16, help="token budget of one step")
+    parser.add_argument("--num-pages", type=int, default=9, help="KV-cache pages of 16 tokens, the null page included")
+    args = parser.parse_args(argv)
+    if args.tiny and args.model:
+        parser.error("--tiny and --model exclude each other")
+
+    prepare_backend(args.backend)  # `sim` turns the simulator on before numba.cuda is first imported
+    checkpoint = tiny_checkpoint() if args.tiny else load_checkpoint(args.model)
+    engine_config = EngineConfig(
+        backend=args.backend,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_pages=args.num_pages,
+        verbose=True,  # engine.step() prints its StepPlan
+    )
+    engine = LLMEngine(checkpoint, engine_config)
+    num_usable_pages = engine.scheduler.allocator.num_usable_pages
+    model_name = "a tiny random Llama" if args.tiny else checkpoint.source.name
+    print(f"{model_name}, backend {engine.backend}: {args.max_num_seqs} slots, "
+          f"{args.max_num_batched_tokens} tokens per step, {num_usable_pages} pages of {PAGE_SIZE} tokens "
+          f"(KV room for {num_usable_pages * PAGE_SIZE} tokens)")  # fmt: skip
+
+    prompt_source = passage_ids(checkpoint, max(num_prompt for _, _, num_prompt, _ in ARRIVALS))
+    arrivals = sorted(ARRIVALS)
+    requests = {}  # request id -> the scheduler's Request (kept to read its preemption count at the end)
+    outputs = {}  # request id -> RequestOutput, filled in as steps run
+    # The verbose plan goes to stderr; send it to stdout so it interleaves with the lines printed here.
+    with contextlib.redirect_stderr(sys.stdout):
+        while arrivals or engine.has_unfinished_requests():
+            print()
+            while arrivals and arrivals[0][0] <= engine.num_steps:
+                _, request_id, num_prompt, max_tokens = arrivals.pop(0)
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+                try:
+                    outputs[request_id] = engine.add_request(request_id, prompt_source[:num_prompt], params)
+                except ValueError as e:  # e.g. a prompt longer than the whole cache: rejected alone
+                    print(f"+ {request_id} rejected: {e}")
+                    continue
+                requests[request_id] = engine.scheduler.get(request_id)
+                print(f"+ {request_id} arrives: {num_prompt}-token prompt, up to {max_tokens} new tokens")
+            for out in engine.step():  # prints "step N:" and the plan, runs the model, samples
+                if out.finished:
+                    print(f"- {out.request_id} finished ({out.finish_reason}) with {len(out.token_ids)} new tokens: "
+                          "its pages and slot are free for the next step")  # fmt: skip
+            queue = [r.request_id for r in engine.scheduler.waiting]
+            if queue:
+                print(f"  queue: {' '.join(queue)}")
+
+    print(f"\nsteps: {engine.num_steps}, preemptions: {engine.num_preemptions}")
+    for request_id, out in outputs.items():
+        shown = repr(out.text) if checkpoint.tokenizer is not None else f"ids {out.token_ids}"
+        print(f"{request_id}: {len(out.prompt_token_ids)} prompt + {len(out.token_ids)} new tokens, "
+              f"finish_reason={out.finish_reason}, preemptions={requests[request_id].num_preemptions}: {shown}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
