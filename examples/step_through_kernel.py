@@ -39,7 +39,7 @@ from numba_vllm.kernels import reductions  # noqa: E402
 from numba_vllm.kernels.decode_attention import decode_attention, decode_attention_kernel_for  # noqa: E402
 from numba_vllm.kernels.launch import KernelError  # noqa: E402
 from numba_vllm.kernels.rmsnorm import rms_norm, rms_norm_kernel  # noqa: E402
-from numba_vllm.kernels.simulator import break_in  # noqa: E402
+from numba_vllm.kernels.stepping import break_in  # noqa: E402
 from numba_vllm.sampling import SamplingParams  # noqa: E402
 
 EPS = 1e-5

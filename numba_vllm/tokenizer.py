@@ -1,7 +1,7 @@
 """Text <-> token ids: a Hugging Face `tokenizer.json`, its chat template, and streaming detokenization.
 
 The tokenization itself is the `tokenizers` library's, from a `tokenizer.json` (a model directory's
-own, or one built from GGUF metadata by `gguf.py`). Around it this module adds what
+own, or one built from GGUF metadata by `gguf_tokenizer.py`). Around it this module adds what
 `tokenizer_config.json` says: the BOS/EOS strings, whether a plain encode starts with BOS, and the
 chat template, rendered with Jinja2 the way Hugging Face transformers renders it (sandboxed,
 `trim_blocks` and `lstrip_blocks`, `raise_exception`, `tojson`, `strftime_now`). The rendered prompt

@@ -1,4 +1,4 @@
-"""Warp intrinsics and the pooled block manager of the simulator (numba_vllm.kernels.simulator).
+"""Warp intrinsics and the pooled block manager of the simulator (numba_vllm.kernels.simulator, sim_blocks).
 
 Each test launches a tiny kernel and checks the result against what a GPU computes, or checks
 that undefined behaviour is made loud (NaN, WarpSyncError, SimulatorDeadlockError).
@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from numba import cuda, float32
 
-from numba_vllm.kernels import simulator
+from numba_vllm.kernels import sim_blocks, simulator
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.simulator import SimulatorDeadlockError, WarpSyncError
+from numba_vllm.kernels.sim_blocks import SimulatorDeadlockError, WarpSyncError
 
 pytestmark = pytest.mark.skipif(
     not simulator.simulator_enabled(), reason="tests the CUDA simulator"
@@ -210,7 +210,7 @@ def test_install_is_idempotent():
 
     simulator.install()
     simulator.install()
-    assert sim_kernel.BlockManager is simulator.PooledBlockManager
+    assert sim_kernel.BlockManager is sim_blocks.PooledBlockManager
     assert FakeCUDAModule.shfl_xor_sync is simulator.shfl_xor_sync
 
 
@@ -320,7 +320,7 @@ def test_deadlock_is_detected_at_once(k):
 
 
 def test_a_wait_longer_than_the_hang_timeout_raises(monkeypatch):
-    monkeypatch.setattr(simulator, "hang_timeout_s", 0.2)
+    monkeypatch.setattr(sim_blocks, "hang_timeout_s", 0.2)
     with pytest.raises(SimulatorDeadlockError, match="waited more than"):
         launch(slow_lane_kernel, 32, np.zeros(32, np.float32))
 

@@ -1,4 +1,4 @@
-"""Stopping one simulated CUDA thread at a line (numba_vllm.kernels.simulator.break_in).
+"""Stopping one simulated CUDA thread at a line (numba_vllm.kernels.stepping.break_in).
 
 The callback mode (``on_hit``) captures a chosen thread's locals inside real kernels, which are
 compared with NumPy: in RMSNorm the thread's partial sum of squares, each warp_sum shuffle round,
@@ -18,11 +18,11 @@ from numba import cuda
 
 from numba_vllm.bf16 import to_bf16, upload_bf16
 from numba_vllm.config import PAGE_SIZE
-from numba_vllm.kernels import reductions, simulator
+from numba_vllm.kernels import reductions, sim_blocks, simulator, stepping
 from numba_vllm.kernels.decode_attention import decode_attention, decode_attention_kernel_for
 from numba_vllm.kernels.launch import KernelError
 from numba_vllm.kernels.rmsnorm import rms_norm, rms_norm_kernel
-from numba_vllm.kernels.simulator import break_in
+from numba_vllm.kernels.stepping import break_in
 
 pytestmark = pytest.mark.skipif(not simulator.simulator_enabled(), reason="tests the CUDA simulator")
 
@@ -224,7 +224,7 @@ def test_only_the_chosen_thread_stops_and_max_hits_and_disarm():
     assert bp.hits == 2
     assert seen == [((0, 0, 0), (64, 0, 0), 0), ((0, 0, 0), (64, 0, 0), 1)]
     _run_rms_norm(x, weight)  # disarmed after the with
-    assert len(seen) == 2 and simulator._breakpoints == []
+    assert len(seen) == 2 and stepping._breakpoints == []
 
     with break_in(rms_norm_kernel, block=5, on_hit=hit) as bp:  # the grid has 2 blocks
         _run_rms_norm(x, weight)
@@ -234,11 +234,11 @@ def test_only_the_chosen_thread_stops_and_max_hits_and_disarm():
 def test_pdb_stops_steps_over_the_block_reduction_and_continues(monkeypatch, capsys):
     x, weight = _rms_inputs()
     monkeypatch.setattr("sys.stdin", io.StringIO("p cuda.threadIdx.x, cuda.blockIdx.x\np sum_sq\nn\np total\nc\n"))
-    timeout = simulator.hang_timeout_s
+    timeout = sim_blocks.hang_timeout_s
     with break_in(rms_norm_kernel, "total = block_sum", block=1, thread=37, intro="CHEAT SHEET") as bp:
-        assert simulator.hang_timeout_s >= simulator.DEBUG_HANG_TIMEOUT_S  # the other threads wait for pdb
+        assert sim_blocks.hang_timeout_s >= stepping.DEBUG_HANG_TIMEOUT_S  # the other threads wait for pdb
         out = _run_rms_norm(x, weight)
-    assert simulator.hang_timeout_s == timeout
+    assert sim_blocks.hang_timeout_s == timeout
     text = capsys.readouterr().out
     assert bp.hits == 1
     assert "break_in: block (1, 0, 0) thread (37, 0, 0) stopped in rms_norm_kernel" in text
