@@ -170,6 +170,80 @@ def _finish_one(outputs, errors, current: int, shown: int, as_json: bool) -> tup
 
 
 @main.command()
+@click.option("--model", "-m", default=None, help="Model directory or .gguf file. Default: SmolLM2-135M-Instruct.")
+@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True, help="auto: cuda if a GPU is usable.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--served-model-name", multiple=True, help="Name(s) clients use in 'model' (default: the --model argument).")
+@click.option("--api-key", envvar="NUMBA_VLLM_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1 (or set NUMBA_VLLM_API_KEY).")  # fmt: skip
+@click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
+              help="dummy: random weights from the directory's config.json (speed tests; token-id prompts only).")  # fmt: skip
+@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Batch slots: requests running at once; more wait.")
+@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True, help="Tokens per step.")
+@click.option("--max-model-len", type=int, default=None, help="Prompt + output cap (default: the model's, capped by the cache).")
+@click.option("--num-pages", type=int, default=None, help="KV-cache pages of 16 tokens (default: sized from memory).")
+@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="GPU memory share for the KV cache.")
+@click.option("--max-request-bytes", type=click.IntRange(1), default=1 << 20, show_default=True, help="Largest body (413 above).")
+@click.option("--shutdown-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="On SIGINT/SIGTERM, seconds in-flight requests may still run before they are aborted.")  # fmt: skip
+@click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
+              show_default=True)  # fmt: skip
+@click.option("--no-access-log", is_flag=True, help="Do not log every HTTP request.")
+def serve(model, backend, host, port, served_model_name, api_key, load_format, max_num_seqs, max_num_batched_tokens,
+          max_model_len, num_pages, gpu_memory_utilization, max_request_bytes, shutdown_timeout, log_level,
+          no_access_log):  # fmt: skip
+    """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'numba-vllm[serve]')."""
+    try:
+        from .server import run_server
+    except ImportError as e:
+        raise click.ClickException(f"the server needs FastAPI and uvicorn ({e}): pip install 'numba-vllm[serve]'") from None
+    if load_format == "dummy" and model is None:
+        raise click.UsageError("--load-format dummy needs --model: a directory with config.json")
+    try:
+        engine_config = EngineConfig(
+            backend=backend,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            num_pages=num_pages,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
+        prepare_backend(backend)
+        resolve_backend(backend)
+        t0 = time.perf_counter()
+        if load_format == "dummy":
+            from .checkpoint import random_checkpoint
+
+            ckpt = random_checkpoint(model)
+        else:
+            ckpt = load_checkpoint(model)
+        engine = LLMEngine(ckpt, engine_config)
+    except (ValueError, OSError, KernelError) as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        _log("interrupted")
+        sys.exit(130)
+    names = list(served_model_name) or [model if model is not None else ckpt.source.stem.split(".")[0]]
+    _log(
+        f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
+        f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}, max_model_len {engine.max_model_len}, "
+        f"{engine.scheduler.allocator.num_usable_pages} KV pages; serving as {', '.join(names)} on http://{host}:{port}"
+    )
+    run_server(
+        engine,
+        names,
+        host=host,
+        port=port,
+        api_key=api_key,
+        max_request_bytes=max_request_bytes,
+        shutdown_timeout=shutdown_timeout,
+        log_level=log_level,
+        access_log=not no_access_log,
+    )
+
+
+@main.command()
 @click.argument("gguf_file", type=click.Path(dir_okay=False))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def convert(gguf_file, out_dir):

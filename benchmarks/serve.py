@@ -1,0 +1,306 @@
+"""Bounded load test of a running `numba-vllm serve`: N streamed requests, C at a time, on loopback.
+
+    python benchmarks/serve.py --base-url http://127.0.0.1:8000 -n 256 -c 32 --prompt-len 128 --output-len 128
+
+or let it start (and stop) the server itself, e.g. Llama 3.2 1B shapes with random weights on a GPU:
+
+    python benchmarks/serve.py -n 256 -c 64 --prompt-len 256 --output-len 128 --start-server \
+        "--model tests/data/llama-3.2-1b-instruct --load-format dummy --backend cuda --max-num-seqs 64"
+
+Each request is a /v1/completions call with a random token-id prompt (or --text, or --chat with a text
+message), `stream: true`, `ignore_eos: true` (every request generates exactly --output-len tokens) and
+`return_token_ids: true` (so tokens are counted even when several arrive in one event). Measured at
+the client: time to first token (TTFT), time per output token after the first (TPOT, per request),
+inter-token latency (ITL, per event, divided among the tokens it carries), end-to-end latency, and
+throughput over the timed run. Warm-up requests run first (on a GPU the first step compiles kernels).
+Everything is bounded: --num-requests, --max-time for the whole run (outstanding requests are then
+cancelled, which aborts them on the server) and --request-timeout for each request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import numpy as np
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    ttft: float | None = None
+    e2e: float | None = None
+    itl: list[float] = field(default_factory=list)
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def make_body(args, seed: int, rng: np.random.Generator, model: str) -> dict:
+    body = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature, "stream": True}
+    body.update(ignore_eos=True, return_token_ids=True, seed=seed)
+    if args.chat:
+        body["messages"] = [{"role": "user", "content": args.text or "Tell me a long story."}]
+    elif args.text:
+        body["prompt"] = args.text
+    else:
+        lo, hi = args.prompt_len
+        n = int(rng.integers(lo, hi + 1))
+        body["prompt"] = rng.integers(args.min_token_id, args.vocab_size, n).tolist()
+    return body
+
+
+async def one_request(client: httpx.AsyncClient, path: str, body: dict, timeout: float) -> Result:
+    r = Result()
+    try:
+        await asyncio.wait_for(_stream_one(client, path, body, r), timeout)
+    except asyncio.TimeoutError:  # noqa: UP041 (not the builtin before Python 3.11)
+        r.ok, r.error = False, f"timed out after {timeout:.0f} s"
+    except httpx.HTTPError as e:
+        r.ok, r.error = False, f"{type(e).__name__}: {e}"
+    return r
+
+
+async def _stream_one(client: httpx.AsyncClient, path: str, body: dict, r: Result) -> None:
+    t0 = time.perf_counter()
+    last = None
+    async with client.stream("POST", path, json=body) as resp:
+        if resp.status_code != 200:
+            r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+            return
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line[6:]
+            if data == "[DONE]":
+                break
+            event = json.loads(data)
+            if "error" in event:
+                r.error = event["error"].get("message", "error event")
+                return
+            if not event.get("choices"):
+                continue
+            choice = event["choices"][0]
+            n = len(choice.get("token_ids") or [])
+            if "prompt_token_ids" in choice:
+                r.prompt_tokens = len(choice["prompt_token_ids"])
+            if n == 0:
+                continue
+            now = time.perf_counter()
+            if r.ttft is None:
+                r.ttft = now - t0
+                r.itl += [0.0] * (n - 1)  # tokens that came together with the first
+            else:
+                r.itl += [(now - last) / n] * n
+            last = now
+            r.output_tokens += n
+    r.e2e = (last or time.perf_counter()) - t0
+    r.ok = r.output_tokens > 0
+    if not r.ok:
+        r.error = "no tokens"
+
+
+async def run_load(args, base_url: str, model: str) -> tuple[list[Result], float, int]:
+    path = "/v1/chat/completions" if args.chat else "/v1/completions"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=args.concurrency + 2, max_keepalive_connections=args.concurrency + 2)
+    rng = np.random.default_rng(args.seed)
+    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=None) as client:
+        for i in range(args.warmup):
+            w = await one_request(client, path, make_body(args, 1_000_000 + i, rng, model), args.request_timeout)
+            if not w.ok:
+                raise SystemExit(f"warm-up request failed: {w.error}")
+        bodies = [make_body(args, i, rng, model) for i in range(args.num_requests)]
+        results: list[Result | None] = [None] * len(bodies)
+        next_index = iter(range(len(bodies)))
+        started = 0
+
+        async def worker() -> None:
+            nonlocal started
+            for i in next_index:
+                started += 1
+                results[i] = await one_request(client, path, bodies[i], args.request_timeout)
+
+        t0 = time.perf_counter()
+        tasks = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
+        done, pending = await asyncio.wait(tasks, timeout=args.max_time)
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        wall = time.perf_counter() - t0
+    finished = [r for r in results if r is not None]
+    cancelled = [Result(error=f"cancelled at --max-time {args.max_time:.0f} s") for _ in range(started - len(finished))]
+    return finished + cancelled, wall, len(bodies) - started
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def summarize(results: list[Result], wall: float, not_run: int) -> dict:
+    ok = [r for r in results if r.ok]
+    ttft = [r.ttft for r in ok if r.ttft is not None]
+    tpot = [r.tpot for r in ok if r.tpot is not None]
+    itl = [x for r in ok for x in r.itl]
+    e2e = [r.e2e for r in ok if r.e2e is not None]
+    out_tokens = sum(r.output_tokens for r in results)
+    errors = [r.error for r in results if not r.ok]
+    summary = {
+        "requests_ok": len(ok),
+        "requests_failed": len(errors),
+        "requests_not_run": not_run,
+        "wall_s": wall,
+        "output_tokens": out_tokens,
+        "prompt_tokens": sum(r.prompt_tokens for r in results),
+        "output_tokens_per_s": out_tokens / wall if wall > 0 else 0.0,
+        "requests_per_s": len(ok) / wall if wall > 0 else 0.0,
+    }
+    for name, values in (("ttft", ttft), ("tpot", tpot), ("itl", itl), ("e2e", e2e)):
+        summary[f"{name}_ms"] = {
+            "mean": 1000 * statistics.fmean(values) if values else float("nan"),
+            "p50": 1000 * pct(values, 50),
+            "p90": 1000 * pct(values, 90),
+            "p99": 1000 * pct(values, 99),
+        }
+    if errors:
+        summary["first_errors"] = sorted(set(errors))[:5]
+    return summary
+
+
+def metrics(base_url: str) -> dict[str, float]:
+    try:
+        text = httpx.get(base_url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def start_server(server_args: str, port: int, wait_s: float) -> tuple[subprocess.Popen, str]:
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "numba_vllm.cli", "serve", *server_args.split(), "--port", str(port), "--no-access-log"]
+    print("starting:", " ".join(cmd), file=sys.stderr)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen(cmd, cwd=root)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"the server exited with status {proc.returncode}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    stop_server(proc)
+    raise SystemExit(f"the server was not up after {wait_s:.0f} s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-url", default="http://127.0.0.1:8000")
+    ap.add_argument("--model", default=None, help="default: the server's first model")
+    ap.add_argument("--api-key", default=os.environ.get("NUMBA_VLLM_API_KEY"))
+    ap.add_argument("-n", "--num-requests", type=int, default=64)
+    ap.add_argument("-c", "--concurrency", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, nargs="+", default=[128], help="L, or MIN MAX (uniform) token-id prompt lengths")
+    ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
+    ap.add_argument("--vocab-size", type=int, default=128, help="random prompt ids are below this (the tiny test model has 128)")
+    ap.add_argument("--min-token-id", type=int, default=3)
+    ap.add_argument("--text", default=None, help="a text prompt instead of random token ids (needs a tokenizer)")
+    ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions with --text as the user message")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--warmup", type=int, default=2, help="requests run (one at a time) before timing")
+    ap.add_argument(
+        "--max-time", type=float, default=600.0, help="seconds for the timed run; then outstanding requests are cancelled"
+    )
+    ap.add_argument("--request-timeout", type=float, default=300.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--start-server", metavar="ARGS", default=None, help="start `numba-vllm serve ARGS` on a free port and stop it after"
+    )
+    ap.add_argument("--server-start-timeout", type=float, default=600.0)
+    ap.add_argument("--json", default=None, help="write the summary here")
+    args = ap.parse_args()
+    if len(args.prompt_len) == 1:
+        args.prompt_len = [args.prompt_len[0]] * 2
+    if len(args.prompt_len) != 2 or not 1 <= args.prompt_len[0] <= args.prompt_len[1]:
+        ap.error("--prompt-len takes L or MIN MAX with 1 <= MIN <= MAX")
+    if args.num_requests < 1 or args.concurrency < 1 or args.output_len < 1:
+        ap.error("--num-requests, --concurrency and --output-len must be >= 1")
+
+    proc = None
+    base_url = args.base_url.rstrip("/")
+    if args.start_server is not None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc, base_url = start_server(args.start_server, port, args.server_start_timeout)
+    try:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = args.model or httpx.get(base_url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+        before = metrics(base_url)
+        results, wall, not_run = asyncio.run(run_load(args, base_url, model))
+        after = metrics(base_url)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+
+    summary = summarize(results, wall, not_run)
+    summary["config"] = {k: v for k, v in vars(args).items() if k not in ("api_key",)} | {"model": model}
+    for key in ("engine_steps_total", "num_preemptions_total"):
+        name = "numba_vllm:" + key
+        if name in before and name in after:
+            summary[key.removesuffix("_total")] = after[name] - before[name]
+    print(
+        f"{summary['requests_ok']} ok, {summary['requests_failed']} failed, {summary['requests_not_run']} not run "
+        f"in {wall:.1f} s (concurrency {args.concurrency}, prompt {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
+        f"output {args.output_len} tokens)"
+    )
+    print(f"throughput: {summary['output_tokens_per_s']:.1f} output tokens/s, {summary['requests_per_s']:.2f} requests/s")
+    print(f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s = summary[f"{name}_ms"]
+        print(f"{name:<6}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}")
+    if "engine_steps" in summary:
+        print(f"server: {summary['engine_steps']:.0f} steps, {summary.get('num_preemptions', 0):.0f} preemptions")
+    for e in summary.get("first_errors", []):
+        print("error:", e, file=sys.stderr)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=2)
+    sys.exit(0 if summary["requests_failed"] == 0 and not_run == 0 else 1)
+
+
+if __name__ == "__main__":
+    main()

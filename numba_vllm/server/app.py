@@ -1,0 +1,399 @@
+"""The FastAPI application, and the uvicorn server that shuts it down gracefully.
+
+A POST is handled on the event loop: read the body (size-limited), validate it (`protocol`),
+tokenize in a worker thread (templates and long prompts take a while), check lengths, then hand
+each prompt to the engine thread (`EngineLoop.add`) and wait until the engine has accepted it, so
+that a prompt the engine refuses still gets a 4xx. The answer is either collected (plain JSON) or
+streamed as server-sent events ending in `data: [DONE]`. Either way the request is raced against the
+client's disconnect: a client that goes away aborts its engine request, which frees its slot and its
+KV pages before the next step.
+
+Shutdown (SIGINT or SIGTERM, or `Server.begin_shutdown()`): new generation requests get 503 and
+/health turns 503; in-flight requests run to completion for up to `shutdown_timeout` seconds, then
+the rest are aborted (they end with finish_reason "abort"); then uvicorn closes and the process exits
+with status 0. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from contextlib import asynccontextmanager
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from ..engine.llm_engine import LLMEngine
+from ..output import PromptError, check_prompt
+from ..sampling import SamplingParams
+from .engine_loop import EngineLoop
+from .metrics import CONTENT_TYPE
+from .protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    bad_request,
+    chat_messages,
+    check_length,
+    check_supported,
+    envelope,
+    parse_body,
+    sampling_params,
+    usage,
+)
+from .streams import EventStream, Submission, collect, stream_chat, stream_completion, unless_disconnected
+
+logger = logging.getLogger("uvicorn.error")
+
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+
+class ServerState:
+    """What the handlers share: the engine thread, the settings, and the shutdown state."""
+
+    def __init__(self, engine: LLMEngine, served_model_names: Sequence[str], api_key: str | None, max_request_bytes: int):
+        if not served_model_names:
+            raise ValueError("at least one served model name is needed")
+        self.engine = engine
+        self.engine_loop = EngineLoop(engine)
+        self.model_names = list(served_model_names)
+        self.api_key = api_key or None
+        self.max_request_bytes = max_request_bytes
+        self.created = int(time.time())
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.draining = False
+        self.active = 0  # generation requests between submission and their response's end
+
+    def resolve_model(self, name: str | None) -> str:
+        if name is None:
+            return self.model_names[0]
+        if name not in self.model_names:
+            raise APIError(
+                404,
+                f"the model '{name}' does not exist; this server serves {', '.join(map(repr, self.model_names))}",
+                param="model",
+                code="model_not_found",
+            )
+        return name
+
+    async def drain(self, timeout: float) -> None:
+        """Wait for in-flight requests to end (at most `timeout` s), then abort the rest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self.active:
+            logger.info("shutting down: waiting up to %.0f s for %d in-flight requests", timeout, self.active)
+        while self.active and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        if self.active:
+            logger.info("shutting down: aborting %d requests", self.active)
+            self.engine_loop.abort_all()
+            deadline = loop.time() + 5.0
+            while self.active and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+
+
+# ---- the app ------------------------------------------------------------------------------------
+def create_app(
+    engine: LLMEngine,
+    served_model_names: Sequence[str],
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
+    """The OpenAI-compatible app around `engine`; the engine thread runs while the app's lifespan does."""
+    state = ServerState(engine, served_model_names, api_key, max_request_bytes)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop = asyncio.get_running_loop()
+        state.engine_loop.start()
+        try:
+            yield
+        finally:
+            state.draining = True
+            await asyncio.to_thread(state.engine_loop.stop)
+
+    app = FastAPI(title="numba-vllm", lifespan=lifespan)
+    app.state.numba_vllm = state
+    app.add_middleware(_Guard, state=state)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        codes = {404: "not_found", 405: "method_not_allowed"}
+        message = f"no route {request.method} {request.url.path}" if e.status_code in codes else str(e.detail)
+        return JSONResponse(APIError(e.status_code, message, code=codes.get(e.status_code)).body(), status_code=e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return JSONResponse(bad_request(str(e)).body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):  # uvicorn logs the traceback
+        error = APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error")
+        return JSONResponse(error.body(), status_code=500)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = state.engine_loop.alive and not state.draining
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.engine_loop.metrics.render(), media_type=CONTENT_TYPE)
+
+    def model_card(name: str) -> dict:
+        return {
+            "id": name,
+            "object": "model",
+            "created": state.created,
+            "owned_by": "numba-vllm",
+            "max_model_len": engine.max_model_len,
+        }
+
+    @app.get("/v1/models")
+    async def list_models() -> dict:
+        return {"object": "list", "data": [model_card(n) for n in state.model_names]}
+
+    @app.get("/v1/models/{model:path}")
+    async def get_model(model: str) -> dict:
+        return model_card(state.resolve_model(model))
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = parse_body(await _read_body(request, state.max_request_bytes), CompletionRequest)
+        model = state.resolve_model(req.model)
+        check_supported(req)
+        params = sampling_params(req)
+        prompts = await _completion_prompts(engine, req)
+        return await _generate(state, request, "cmpl", prompts, params, req, model, arrival, "prompt")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        arrival = time.perf_counter()
+        req = parse_body(await _read_body(request, state.max_request_bytes), ChatCompletionRequest)
+        model = state.resolve_model(req.model)
+        check_supported(req)
+        params = sampling_params(req)
+        tok = engine.tokenizer
+        if tok is None or not tok.has_chat_template:
+            raise bad_request(f"the model '{model}' has no chat template; use /v1/completions", "messages")
+        messages = chat_messages(req)
+        reserved = {"messages", "add_generation_prompt", "tokenize"} & set(req.chat_template_kwargs or {})
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
+        try:
+            ids = await run_in_threadpool(
+                tok.apply_chat_template,
+                messages,
+                add_generation_prompt=req.add_generation_prompt,
+                **(req.chat_template_kwargs or {}),
+            )
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e), "messages") from None
+        return await _generate(state, request, "chatcmpl", [ids], params, req, model, arrival, "messages")
+
+    return app
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    too_large = APIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise too_large
+    body = bytearray()
+    try:
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > limit:
+                raise too_large
+    except ClientDisconnect:  # nobody will read the answer
+        raise bad_request("the client disconnected while sending the body") from None
+    return bytes(body)
+
+
+async def _completion_prompts(engine: LLMEngine, req: CompletionRequest) -> list[list[int]]:
+    """The prompt field as token-id lists (text encoded in a worker thread)."""
+    p = req.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        p = [p]
+    if not p:
+        raise bad_request("'prompt' is empty", "prompt")
+    texts = [x for x in p if isinstance(x, str)]
+    if texts:
+        if engine.tokenizer is None:
+            raise bad_request("this model has no tokenizer: give the prompt as a list of token ids", "prompt")
+        encoded = iter(await run_in_threadpool(lambda: [engine.tokenizer.encode(t) for t in texts]))
+        p = [next(encoded) if isinstance(x, str) else x for x in p]
+    return [list(x) for x in p]
+
+
+async def _generate(
+    state: ServerState,
+    request: Request,
+    prefix: str,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    req: Any,
+    model: str,
+    arrival: float,
+    prompt_param: str,
+) -> Response:
+    engine = state.engine
+    explicit = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
+    for i, ids in enumerate(prompts):
+        param = prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]"
+        check_length(len(ids), req, engine.max_model_len, explicit, param)
+        try:
+            check_prompt(ids, engine.config, engine.max_model_len)
+        except PromptError as e:
+            raise bad_request(str(e), param) from None
+    if state.draining:
+        raise APIError(503, "the server is shutting down", code="service_unavailable")
+    base_id = f"{prefix}-{uuid.uuid4().hex}"
+    ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
+    submission = Submission(state, ids, prompts)
+    await submission.start(params, arrival)  # closes the submission itself if it raises
+    chat = prefix == "chatcmpl"
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        body = stream_chat if chat else stream_completion
+        return EventStream(body(submission, base_id, model, req.return_token_ids, include_usage), submission)
+    try:
+        result = await unless_disconnected(request, collect(submission))
+    finally:
+        submission.close()
+    if result is None:  # the client is gone; nobody reads this
+        return Response(status_code=499)
+    texts, token_ids, reasons = result
+    choices = []
+    for i in range(len(prompts)):
+        if chat:
+            choice = {
+                "index": i,
+                "message": {"role": "assistant", "content": texts[i]},
+                "logprobs": None,
+                "finish_reason": reasons[i],
+            }
+        else:
+            choice = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
+        if req.return_token_ids:
+            choice.update(prompt_token_ids=prompts[i], token_ids=token_ids[i])
+        choices.append(choice)
+    body = envelope(base_id, "chat.completion" if chat else "text_completion", model)
+    body.update(choices=choices, usage=usage(sum(map(len, prompts)), sum(map(len, token_ids))))
+    return JSONResponse(body)
+
+
+class _Guard:
+    """ASGI middleware before the routes: the API key (401) and shutdown (503) on /v1."""
+
+    def __init__(self, app, state: ServerState):
+        self.app = app
+        self.state = state
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            error, headers = None, None
+            if self.state.api_key is not None and not self._authorized(scope):
+                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+                headers = {"WWW-Authenticate": "Bearer"}
+            elif self.state.draining and scope["method"] == "POST":
+                error = APIError(503, "the server is shutting down", code="service_unavailable")
+            if error is not None:
+                await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.state.api_key.encode())
+        return False
+
+
+# ---- the server -----------------------------------------------------------------------------------
+class Server(uvicorn.Server):
+    """uvicorn's server with a graceful drain on the first SIGINT/SIGTERM and exit status 0."""
+
+    def __init__(self, config: uvicorn.Config, shutdown_timeout: float = 30.0):
+        super().__init__(config)
+        self.state: ServerState = config.app.state.numba_vllm
+        self.shutdown_timeout = shutdown_timeout
+        self._drain_task: asyncio.Task | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        # uvicorn's own re-raises the signal after shutdown (the process would die of it); we exit 0.
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        handled = (signal.SIGINT, signal.SIGTERM)
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.state.draining or self.state.loop is None or not self.started:
+            super().handle_exit(sig, frame)  # a second signal, or not serving yet: stop now
+            return
+        self.begin_shutdown()
+
+    def begin_shutdown(self) -> None:
+        """Start the graceful drain (thread-safe): 503 to new requests, in-flight ones finish, then exit."""
+        if self.state.draining:
+            return
+        self.state.draining = True
+        if self.state.loop is None:  # not serving yet
+            self.should_exit = True
+            return
+        logger.info("shutting down: no new requests")
+        self.state.loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain_task = asyncio.ensure_future(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.state.drain(self.shutdown_timeout)
+        finally:
+            self.should_exit = True
+
+
+def run_server(
+    engine: LLMEngine,
+    served_model_names: Sequence[str],
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    shutdown_timeout: float = 30.0,
+    log_level: str = "info",
+    access_log: bool = True,
+) -> None:
+    """Serve `engine` until SIGINT/SIGTERM; returns after a clean shutdown."""
+    app = create_app(engine, served_model_names, api_key, max_request_bytes)
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5, lifespan="on"
+    )
+    Server(config, shutdown_timeout).run()

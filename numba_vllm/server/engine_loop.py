@@ -1,0 +1,259 @@
+"""The engine thread: the only code that touches the `LLMEngine` while the server runs.
+
+The engine is not thread-safe, and a step is long (milliseconds on a GPU, up to seconds on NumPy),
+so it runs in one background thread and everything reaches it as a command on a queue:
+
+    event loop (HTTP handlers)                engine thread
+    --------------------------                -------------
+    EngineLoop.add(id, ids, params, sink) ──► engine.add_request  ──► sink: accepted / rejected
+    EngineLoop.abort(id)                  ──► engine.abort_request (pages freed now)
+                                              engine.step()       ──► sink: Delta(text, ids, finish)
+
+Between two steps the thread takes every command waiting, so a request that arrives while others
+decode joins the running batch at the next step (continuous batching); with nothing to run it
+sleeps on the queue. Results go back to the event loop in one `call_soon_threadsafe` per step,
+which resolves each request's `accepted` future or puts its `Delta` on its asyncio queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..engine.llm_engine import LLMEngine
+from ..output import RequestOutput
+from ..sampling import SamplingParams
+from .metrics import ServerMetrics
+from .protocol import APIError
+
+logger = logging.getLogger("uvicorn.error")  # printed by uvicorn's handler, like its own messages
+
+
+@dataclass
+class Sink:
+    """Where one engine request's news goes, on the event loop that waits for it."""
+
+    loop: asyncio.AbstractEventLoop
+    index: int  # the choice index within its HTTP request
+    accepted: asyncio.Future  # None once the engine took it; an APIError if it refused
+    queue: asyncio.Queue  # Deltas (shared by the choices of one HTTP request)
+
+
+@dataclass
+class Delta:
+    """What one request produced since its last Delta (one or more tokens)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop", "length", "abort"; None while it runs
+    error: APIError | None = None  # the engine failed: the request is over
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+
+_ACCEPTED = object()
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of one running request."""
+
+    sink: Sink
+    output: RequestOutput
+    arrival: float  # time.perf_counter() when the HTTP request came in
+    sent_text: int = 0
+    sent_tokens: int = 0
+    last_token_at: float | None = None
+
+
+class EngineLoop:
+    """Owns an LLMEngine and steps it in a daemon thread; the methods below are thread-safe."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self.metrics = ServerMetrics(engine.scheduler.allocator.num_usable_pages)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[str, _Live] = {}
+        self._outbox: list[tuple[Sink, object]] = []
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # why the thread died, if it did
+
+    # ---- called from the event loop -----------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="numba-vllm-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, arrival: float) -> None:
+        if not self.alive:
+            raise APIError(503, "the engine is not running", code="service_unavailable")
+        self._commands.put(("add", request_id, list(prompt_ids), params, sink, arrival))
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (no news is sent back): its slot and pages are freed before the next step."""
+        self._commands.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        """Abort every request; each gets a final Delta with finish_reason "abort"."""
+        self._commands.put(("abort_all",))
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Abort what still runs (finish_reason "abort") and end the thread."""
+        if self._thread is not None:
+            self._commands.put(("stop",))
+            self._thread.join(timeout)
+
+    # ---- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                idle = not self.engine.has_unfinished_requests()
+                stop = False
+                for command in self._take_commands(block=idle):
+                    if command[0] == "stop":
+                        stop = True
+                    else:
+                        self._handle(command)
+                if stop:
+                    self._abort_all()
+                    self._snapshot()
+                    self._flush()
+                    return
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                self._snapshot()
+                self._flush()
+        except BaseException as e:  # a bug here: fail what is in flight rather than leave it hanging
+            self.error = e
+            logger.error("engine thread died:\n%s", traceback.format_exc())
+            self._fail_all(APIError(500, f"the engine thread died: {type(e).__name__}: {e}", code="internal_error"))
+            self._flush()
+
+    def _take_commands(self, block: bool) -> list[tuple]:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _handle(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, request_id, prompt_ids, params, sink, arrival = command
+            try:
+                output = self.engine.add_request(request_id, prompt_ids, params)
+            except ValueError as e:  # the prompt cannot run (the handler's checks should have caught it)
+                self._outbox.append((sink, APIError(400, str(e), param="prompt")))
+                return
+            except Exception as e:
+                logger.error("add_request failed:\n%s", traceback.format_exc())
+                self._outbox.append((sink, APIError(500, f"the engine refused the request: {type(e).__name__}: {e}")))
+                return
+            self._live[request_id] = _Live(sink, output, arrival)
+            with self.metrics.lock:
+                self.metrics.prompt_tokens += len(prompt_ids)
+            self._outbox.append((sink, _ACCEPTED))
+        elif kind == "abort":
+            live = self._live.pop(command[1], None)
+            if live is not None:
+                self.engine.abort_request(command[1])
+                with self.metrics.lock:
+                    self.metrics.finished["abort"] += 1
+        elif kind == "abort_all":
+            self._abort_all()
+
+    def _abort_all(self) -> None:
+        for request_id, live in list(self._live.items()):
+            self.engine.abort_request(request_id)
+            self._emit(request_id, live, time.perf_counter())
+
+    def _fail_all(self, error: APIError) -> None:
+        for request_id, live in list(self._live.items()):
+            try:
+                self.engine.abort_request(request_id)
+            except Exception:
+                pass
+            self._outbox.append((live.sink, Delta(live.sink.index, "", [], None, error)))
+        self._live.clear()
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:  # a failed step fails the requests in it, not the server
+            logger.error("engine step failed:\n%s", traceback.format_exc())
+            self._fail_all(APIError(500, f"the engine failed: {type(e).__name__}: {e}", code="internal_error"))
+            return
+        now = time.perf_counter()
+        for output in outputs:
+            live = self._live.get(output.request_id)
+            if live is not None:
+                self._emit(output.request_id, live, now)
+
+    def _emit(self, request_id: str, live: _Live, now: float) -> None:
+        """Queue the request's news since its last Delta; record its latencies."""
+        out = live.output
+        new_tokens = out.token_ids[live.sent_tokens :]
+        m = self.metrics
+        with m.lock:
+            if new_tokens:
+                m.generation_tokens += len(new_tokens)
+                if live.last_token_at is None:
+                    m.ttft.observe(now - live.arrival)
+                else:
+                    m.tpot.observe((now - live.last_token_at) / len(new_tokens))
+                live.last_token_at = now
+            if out.finished:
+                m.finished[out.finish_reason] = m.finished.get(out.finish_reason, 0) + 1
+                m.e2e.observe(now - live.arrival)
+        delta = Delta(live.sink.index, out.text[live.sent_text :], list(new_tokens), out.finish_reason)
+        live.sent_text, live.sent_tokens = len(out.text), len(out.token_ids)
+        if out.finished:
+            del self._live[request_id]
+        self._outbox.append((live.sink, delta))
+
+    def _snapshot(self) -> None:
+        s, m = self.engine.scheduler, self.metrics
+        with m.lock:
+            m.num_running, m.num_waiting = len(s.running), len(s.waiting)
+            m.pages_free = s.allocator.num_free_pages
+            m.steps, m.preemptions = self.engine.num_steps, self.engine.num_preemptions
+
+    def _flush(self) -> None:
+        """Hand this round's news to the event loop(s) that wait for it, one callback per loop."""
+        if not self._outbox:
+            return
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for sink, item in self._outbox:
+            by_loop.setdefault(sink.loop, []).append((sink, item))
+        self._outbox = []
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
+
+
+def _deliver(items: list[tuple[Sink, object]]) -> None:
+    """Runs on the event loop: resolve acceptance futures, queue deltas."""
+    for sink, item in items:
+        if item is _ACCEPTED:
+            if not sink.accepted.done():
+                sink.accepted.set_result(None)
+        elif isinstance(item, APIError):
+            if not sink.accepted.done():
+                sink.accepted.set_exception(item)
+        else:
+            sink.queue.put_nowait(item)

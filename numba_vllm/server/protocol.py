@@ -1,0 +1,275 @@
+"""The OpenAI wire format: request bodies in (validated), error bodies and response bodies out.
+
+Requests are parsed by pydantic in strict mode: a JSON string is not a number, `true` is not 1.
+Fields the OpenAI API defines but this engine cannot honour (`logprobs`, `echo`, penalties, tools,
+`n` > 1, ...) are rejected with a 400 naming the field instead of being silently ignored; fields
+nobody here knows are ignored, as clients send extras. Every error leaves as
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from ..sampling import SamplingParams
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the length limit
+
+
+class APIError(Exception):
+    """An error answered to the client with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---- request bodies -------------------------------------------------------------------------------
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _GenerationRequest(_Body):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None  # None: the served model
+    temperature: float | None = None  # None: 1.0 (OpenAI's default)
+    top_p: float | None = None
+    top_k: int | None = None  # extension (vLLM's): 0 or -1 = no limit
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None  # extension
+    ignore_eos: bool = False  # extension
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    return_token_ids: bool = False  # extension: token ids alongside the text (prompt and output)
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = COMPLETIONS_DEFAULT_MAX_TOKENS
+    echo: bool | None = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls etc. are passed to the template as given
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # the newer name; wins over max_tokens
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    add_generation_prompt: bool = True  # extension, as in vLLM
+    chat_template_kwargs: dict[str, Any] | None = None  # extension: extra template variables
+
+
+# What a field must look like, for the union-typed ones whose pydantic errors are unreadable.
+_SHAPES = {
+    "prompt": "a string, a list of token ids, or a list of strings or of token-id lists",
+    "stop": "a string or a list of strings",
+    "content": "a string or a list of {'type': 'text', 'text': ...} parts",
+    "tool_choice": "a string or an object",
+}
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def parse_body(raw: bytes, model: type[_Body]) -> _Body:
+    """JSON bytes -> a validated request, or an APIError(400) naming the first bad field."""
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise bad_request("the request body must be a JSON object")
+    try:
+        return model.model_validate(obj)
+    except ValidationError as e:
+        raise _validation_error(e) from None
+
+
+def _validation_error(e: ValidationError) -> APIError:
+    err = e.errors()[0]
+    param, field = _param_of(err["loc"])
+    if err["type"] == "missing":
+        return bad_request(f"'{param}' is required", param)
+    union = any(isinstance(p, str) and (p in _TYPE_TAGS or not p.isidentifier()) for p in err["loc"])
+    if field in _SHAPES and union:
+        return bad_request(f"'{param}' must be {_SHAPES[field]}", param)
+    msg = err["msg"]
+    if err["type"] == "too_short" and field == "messages":
+        msg = "must hold at least one message"
+    return bad_request(f"'{param}': {msg}", param)
+
+
+def _param_of(loc: tuple) -> tuple[str, str]:
+    """pydantic's error location -> ('messages[0].content', 'content'), dropping union tags."""
+    param, field = "", ""
+    for part in loc:
+        if isinstance(part, int):
+            param += f"[{part}]"
+        elif isinstance(part, str) and part.isidentifier() and part not in _TYPE_TAGS:
+            param += ("." if param else "") + part
+            field = part
+        else:
+            break
+    return param or "body", field
+
+
+# ---- request -> engine inputs ---------------------------------------------------------------------
+def check_supported(req: _GenerationRequest) -> None:
+    """Reject OpenAI fields this engine cannot honour, naming the field."""
+    if req.n not in (None, 1):
+        raise bad_request(f"n must be 1 (got {req.n}): this server returns one choice per prompt; send several requests", "n")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name) not in (None, 0):
+            raise bad_request(f"{name} is not supported (only 0)", name)
+    if req.logit_bias:
+        raise bad_request("logit_bias is not supported", "logit_bias")
+    if isinstance(req, CompletionRequest):
+        if req.echo:
+            raise bad_request("echo is not supported", "echo")
+        if req.logprobs is not None:
+            raise bad_request("logprobs is not supported", "logprobs")
+        if req.best_of not in (None, 1):
+            raise bad_request("best_of must be 1", "best_of")
+        if req.suffix:
+            raise bad_request("suffix is not supported", "suffix")
+    else:
+        if req.logprobs or req.top_logprobs:
+            raise bad_request("logprobs is not supported", "logprobs")
+        if req.tools:
+            raise bad_request("tools are not supported", "tools")
+        if req.response_format is not None and req.response_format.get("type", "text") != "text":
+            raise bad_request("response_format: only {'type': 'text'} is supported", "response_format")
+
+
+def requested_max_tokens(req: _GenerationRequest) -> int | None:
+    if isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def sampling_params(req: _GenerationRequest) -> SamplingParams:
+    """The request's SamplingParams; a value SamplingParams refuses becomes a 400 naming the field."""
+    try:
+        return SamplingParams(
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=0 if req.top_k is None else req.top_k,
+            seed=req.seed,
+            max_tokens=requested_max_tokens(req),
+            stop=[] if req.stop is None else req.stop,
+            stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos,
+        )
+    except ValueError as e:
+        message = str(e)
+        param = message.split(" ", 1)[0]
+        if param not in SamplingParams.__dataclass_fields__:
+            param = None
+        elif param == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
+            param = "max_completion_tokens"
+        raise bad_request(message, param) from None
+
+
+def check_length(prompt_len: int, req: _GenerationRequest, max_model_len: int, explicit_max_tokens: bool, param: str) -> None:
+    """A prompt that leaves no room, or an explicit max_tokens beyond what is left, is a 400."""
+    if prompt_len >= max_model_len:
+        raise bad_request(
+            f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} tokens "
+            "(prompt plus at least one new token must fit)",
+            param,
+            "context_length_exceeded",
+        )
+    max_tokens = requested_max_tokens(req)
+    if explicit_max_tokens and max_tokens is not None and prompt_len + max_tokens > max_model_len:
+        name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
+        raise bad_request(
+            f"{name} is too large: {max_tokens}; this model's maximum context length is {max_model_len} tokens "
+            f"and the prompt has {prompt_len} ({prompt_len} + {max_tokens} > {max_model_len})",
+            name,
+            "context_length_exceeded",
+        )
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them; content parts must be text (joined with newlines)."""
+    out = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad_request(
+                        f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                        f"messages[{i}].content[{j}]",
+                    )
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        msg = dict(m.model_extra or {})
+        msg.update(role=m.role, content=content if content is not None else "")
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+# ---- response bodies ------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def envelope(request_id: str, obj: str, model: str, created: int | None = None) -> dict:
+    return {"id": request_id, "object": obj, "created": int(time.time()) if created is None else created, "model": model}
+
+
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event."""
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n".encode()

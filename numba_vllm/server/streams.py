@@ -1,0 +1,208 @@
+"""One HTTP request's life after validation: its engine requests, and the answer, collected or streamed.
+
+A `Submission` holds the engine requests of one HTTP request (one per prompt; choice i is prompt i)
+and the asyncio queue their `Delta`s arrive on. `collect` gathers them into one answer;
+`stream_completion` and `stream_chat` turn them into server-sent events: every Delta that carries
+tokens becomes a chunk (Deltas that queued up while the event loop was busy are merged, as vLLM
+does), then an optional usage chunk, then `data: [DONE]`. `EventStream` and `unless_disconnected`
+race the answer against the client's disconnect; `Submission.close` then aborts what is unfinished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+
+from ..sampling import SamplingParams
+from .engine_loop import Delta, Sink
+from .protocol import envelope, sse, usage
+
+if TYPE_CHECKING:
+    from .app import ServerState
+
+logger = logging.getLogger("uvicorn.error")
+
+
+class Submission:
+    """The engine requests of one HTTP request (one per prompt), and their shared queue of Deltas."""
+
+    def __init__(self, state: ServerState, request_ids: list[str], prompts: list[list[int]]):
+        self.state = state
+        self.request_ids = request_ids
+        self.prompts = prompts
+        self.queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self.unfinished = set(range(len(request_ids)))
+        self.closed = False
+        state.active += 1
+
+    async def start(self, params: SamplingParams, arrival: float) -> None:
+        """Hand every prompt to the engine; return once all are accepted (APIError if one is not)."""
+        loop = asyncio.get_running_loop()
+        sinks = [Sink(loop, i, loop.create_future(), self.queue) for i in range(len(self.prompts))]
+        try:
+            for request_id, prompt, sink in zip(self.request_ids, self.prompts, sinks, strict=True):
+                self.state.engine_loop.add(request_id, prompt, params, sink, arrival)
+            for sink in sinks:
+                await sink.accepted
+        except BaseException:
+            self.close()
+            raise
+
+    async def batches(self) -> AsyncIterator[list[Delta]]:
+        """Every Delta until all choices are final, batched as they queued up (one step's worth or more)."""
+        while self.unfinished:
+            batch = [await self.queue.get()]
+            while not self.queue.empty():
+                batch.append(self.queue.get_nowait())
+            for d in batch:
+                if d.final:
+                    self.unfinished.discard(d.index)
+            yield batch
+
+    def close(self) -> None:
+        """Abort what has not finished (a no-op for finished requests); idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        for i in self.unfinished:
+            self.state.engine_loop.abort(self.request_ids[i])
+        self.state.active -= 1
+
+
+def _merge(batch: list[Delta]) -> list[Delta]:
+    """Deltas of the same choice joined, in choice order."""
+    merged: dict[int, Delta] = {}
+    for d in batch:
+        m = merged.get(d.index)
+        if m is None:
+            merged[d.index] = Delta(d.index, d.text, list(d.token_ids), d.finish_reason, d.error)
+        else:
+            m.text += d.text
+            m.token_ids += d.token_ids
+            m.finish_reason = d.finish_reason or m.finish_reason
+            m.error = d.error or m.error
+    return [merged[i] for i in sorted(merged)]
+
+
+class EventStream(StreamingResponse):
+    """SSE response raced against the client's disconnect, which aborts the submission."""
+
+    def __init__(self, content: AsyncIterator[bytes], submission: Submission):
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        )
+        self.submission = submission
+
+    async def __call__(self, scope, receive, send) -> None:
+        stream = asyncio.ensure_future(self.stream_response(send))
+        listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (stream, listen):
+                task.cancel()
+            await asyncio.gather(stream, listen, return_exceptions=True)
+            self.submission.close()
+            error = None if stream.cancelled() else stream.exception()
+            if error is not None and not isinstance(error, OSError):
+                logger.error("streaming a response failed", exc_info=error)
+            with contextlib.suppress(Exception):
+                await self.body_iterator.aclose()
+
+
+async def unless_disconnected(request: Request, work):
+    """Await `work` unless the client disconnects first (then cancel it and return None)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        task.cancel()
+        watch.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+async def collect(submission: Submission) -> tuple[list[str], list[list[int]], list[str | None]]:
+    n = len(submission.request_ids)
+    texts, token_ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+    async for batch in submission.batches():
+        for d in batch:
+            if d.error is not None:
+                raise d.error
+            texts[d.index] += d.text
+            token_ids[d.index] += d.token_ids
+            reasons[d.index] = d.finish_reason
+    return texts, token_ids, reasons
+
+
+async def stream_completion(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool):
+    created = int(time.time())
+    completion_tokens = 0
+    started = set()
+    async for batch in sub.batches():
+        for d in _merge(batch):
+            if d.error is not None:
+                yield sse(d.error.body())
+                yield sse("[DONE]")
+                return
+            completion_tokens += len(d.token_ids)
+            if not (d.text or d.token_ids or d.finish_reason):
+                continue
+            choice = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+            if with_ids:
+                choice["token_ids"] = d.token_ids
+                if d.index not in started:
+                    choice["prompt_token_ids"] = sub.prompts[d.index]
+            started.add(d.index)
+            chunk = envelope(base_id, "text_completion", model, created)
+            chunk["choices"] = [choice]
+            yield sse(chunk)
+    if include_usage:
+        chunk = envelope(base_id, "text_completion", model, created)
+        chunk.update(choices=[], usage=usage(sum(map(len, sub.prompts)), completion_tokens))
+        yield sse(chunk)
+    yield sse("[DONE]")
+
+
+async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool):
+    created = int(time.time())
+
+    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> bytes:
+        c = envelope(base_id, "chat.completion.chunk", model, created)
+        c["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, **extra}]
+        return sse(c)
+
+    first = {"prompt_token_ids": sub.prompts[0]} if with_ids else {}
+    yield chunk({"role": "assistant", "content": ""}, **first)
+    completion_tokens = 0
+    async for batch in sub.batches():
+        for d in _merge(batch):
+            if d.error is not None:
+                yield sse(d.error.body())
+                yield sse("[DONE]")
+                return
+            completion_tokens += len(d.token_ids)
+            if not (d.text or d.token_ids or d.finish_reason):
+                continue
+            extra = {"token_ids": d.token_ids} if with_ids else {}
+            yield chunk({"content": d.text} if d.text or not d.finish_reason else {}, d.finish_reason, **extra)
+    if include_usage:
+        c = envelope(base_id, "chat.completion.chunk", model, created)
+        c.update(choices=[], usage=usage(len(sub.prompts[0]), completion_tokens))
+        yield sse(c)
+    yield sse("[DONE]")

