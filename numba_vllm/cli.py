@@ -29,6 +29,24 @@ def main() -> None:
     """numba-vllm: LLM inference with Numba CUDA kernels."""
 
 
+def engine_options(command):
+    """The engine settings `run` and `serve` share (passed on as `EngineConfig` fields)."""
+    options = [
+        click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Batch slots: requests running at once."),
+        click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True, help="Tokens per step."),
+        click.option(
+            "--max-model-len", type=int, default=None, help="Prompt + output cap (default: the model's, capped by the cache)."
+        ),
+        click.option("--num-pages", type=int, default=None, help="KV-cache pages of 16 tokens (default: sized from memory)."),
+        click.option(
+            "--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="GPU memory share for the KV cache."
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @main.command()
 @click.argument("prompts", nargs=-1)
 @click.option(
@@ -56,28 +74,16 @@ def main() -> None:
 @click.option("--prompt-ids", multiple=True, help='A prompt as token ids, e.g. "1,2,3" (repeatable).')
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read prompts from a file, one per line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
-@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Batch slots: requests running at once.")
-@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True, help="Tokens per step.")
-@click.option("--max-model-len", type=int, default=None, help="Prompt + output cap (default: the model's, capped by the cache).")
-@click.option("--num-pages", type=int, default=None, help="KV-cache pages of 16 tokens (default: sized from memory).")
-@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="GPU memory share for the KV cache.")
+@engine_options
 @click.option("--verbose", "-v", is_flag=True, help="Print every step's slots and free pages to stderr.")
 def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ignore_eos, chat, system, prompt_ids, prompt_file,
-        as_json, max_num_seqs, max_num_batched_tokens, max_model_len, num_pages, gpu_memory_utilization, verbose):  # fmt: skip
+        as_json, verbose, **engine_args):  # fmt: skip
     """Generate answers to PROMPTS (default: a sample question), all batched together."""
     try:
         params = SamplingParams(
             temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos
         )
-        engine_config = EngineConfig(
-            backend=backend,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            num_pages=num_pages,
-            gpu_memory_utilization=gpu_memory_utilization,
-            verbose=verbose,
-        )
+        engine_config = EngineConfig(backend=backend, verbose=verbose, **engine_args)
         texts = list(prompts)
         if prompt_file is not None:
             texts += _read_prompt_file(prompt_file)
@@ -179,20 +185,15 @@ def _finish_one(outputs, errors, current: int, shown: int, as_json: bool) -> tup
               help="Require 'Authorization: Bearer KEY' on /v1 (or set NUMBA_VLLM_API_KEY).")  # fmt: skip
 @click.option("--load-format", type=click.Choice(["auto", "dummy"]), default="auto", show_default=True,
               help="dummy: random weights from the directory's config.json (speed tests; token-id prompts only).")  # fmt: skip
-@click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Batch slots: requests running at once; more wait.")
-@click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True, help="Tokens per step.")
-@click.option("--max-model-len", type=int, default=None, help="Prompt + output cap (default: the model's, capped by the cache).")
-@click.option("--num-pages", type=int, default=None, help="KV-cache pages of 16 tokens (default: sized from memory).")
-@click.option("--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="GPU memory share for the KV cache.")
+@engine_options
 @click.option("--max-request-bytes", type=click.IntRange(1), default=1 << 20, show_default=True, help="Largest body (413 above).")
 @click.option("--shutdown-timeout", type=click.FloatRange(0), default=30.0, show_default=True,
               help="On SIGINT/SIGTERM, seconds in-flight requests may still run before they are aborted.")  # fmt: skip
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)  # fmt: skip
 @click.option("--no-access-log", is_flag=True, help="Do not log every HTTP request.")
-def serve(model, backend, host, port, served_model_name, api_key, load_format, max_num_seqs, max_num_batched_tokens,
-          max_model_len, num_pages, gpu_memory_utilization, max_request_bytes, shutdown_timeout, log_level,
-          no_access_log):  # fmt: skip
+def serve(model, backend, host, port, served_model_name, api_key, load_format, max_request_bytes, shutdown_timeout,
+          log_level, no_access_log, **engine_args):  # fmt: skip
     """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'numba-vllm[serve]')."""
     try:
         from .server import run_server
@@ -201,16 +202,9 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
     if load_format == "dummy" and model is None:
         raise click.UsageError("--load-format dummy needs --model: a directory with config.json")
     try:
-        engine_config = EngineConfig(
-            backend=backend,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            num_pages=num_pages,
-            gpu_memory_utilization=gpu_memory_utilization,
-        )
-        prepare_backend(backend)
-        resolve_backend(backend)
+        engine_config = EngineConfig(backend=backend, **engine_args)
+        prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
+        resolve_backend(backend)  # an unusable backend fails now, before the model loads
         t0 = time.perf_counter()
         if load_format == "dummy":
             from .checkpoint import random_checkpoint
