@@ -108,9 +108,19 @@ class DeviceModel:
             "logits": cuda.device_array((max_num_seqs, c.vocab_size), f32),
         }
 
-    def forward(self, s: StepInputs):
-        """Run one step; returns the logits (B, V) f32 device array of the sampled rows."""
+    def forward(self, s: StepInputs, trace=None):
+        """Run one step; returns the logits (B, V) f32 device array of the sampled rows.
+
+        `trace(name, layer, host_array)`, if given, receives a host copy of every intermediate under
+        the reference model's names (`reference.TRACE_POINTS`): the way to find which kernel first
+        disagrees with NumPy. Without it nothing is copied.
+        """
         c, b = self.config, self.buffers
+
+        def report(name, layer, array):
+            if trace is not None:
+                trace(name, layer, array.copy_to_host())
+
         t, tp = s.token_ids.shape[0], s.num_prefill_tokens
         x, h = b["x"][:t], b["h"][:t]  # (T, D)
         q, k, v, attn = b["q"][:t], b["k"][:t], b["v"][:t], b["attn"][:t]  # (T, heads, HD)
@@ -118,13 +128,18 @@ class DeviceModel:
         gate_up, act = b["gate_up"][:t], b["act"][:t]  # (T, 2F), (T, F)
 
         embedding(s.token_ids, self.embed, x)
+        report("embed", None, x)
         for i, w in enumerate(self.layers):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # (P, PAGE_SIZE, KVH, HD) this layer's pages
             rms_norm(x, w["attn_norm"], h, c.rms_norm_eps)
+            report("attn_norm", i, h)
             linear(h, w["q"], q2)
             linear(h, w["k"], k2)
             linear(h, w["v"], v2)
+            report("v", i, v)
             rope(q, k, s.positions, self.inv_freq)
+            report("q_rope", i, q)
+            report("k_rope", i, k)
             cache_write(k, v, s.kv_indices, k_cache, v_cache)
             if tp:
                 prefill_attention(
@@ -133,11 +148,16 @@ class DeviceModel:
                 )  # fmt: skip
             if tp < t:
                 decode_attention(q[tp:], k_cache, v_cache, s.decode_block_tables, s.decode_context_lens, self.scale, attn[tp:])
+            report("attn", i, attn)
             linear(attn2, w["o"], x, accumulate=True)  # x += attention output
+            report("attn_residual", i, x)
             rms_norm(x, w["mlp_norm"], h, c.rms_norm_eps)
+            report("mlp_norm", i, h)
             linear(h, w["gate_up"], gate_up)
             silu_and_mul(gate_up, act)
+            report("mlp_act", i, act)
             linear(act, w["down"], x, accumulate=True)  # x += MLP output
+            report("mlp_residual", i, x)
 
         nb = s.sample_rows.shape[0]
         last, logits = b["last"][:nb], b["logits"][:nb]

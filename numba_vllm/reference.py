@@ -96,7 +96,7 @@ class ReferenceModel:
         ]
         self.inv_freq = rope_inv_freq(config)  # (HD/2,)
 
-    def forward(self, token_ids: np.ndarray, start_pos: int, cache: KVCache, all_logits: bool = False) -> np.ndarray:
+    def forward(self, token_ids: np.ndarray, start_pos: int, cache: KVCache, all_logits: bool = False, trace=None) -> np.ndarray:
         """Run T new tokens at positions start_pos.. after the cached ones.
 
         Returns logits (V,) f32 of the last token, or (T, V) of every token when `all_logits`
@@ -104,30 +104,54 @@ class ReferenceModel:
 
         Writes the new tokens' keys and values into the cache, so the next call continues from
         start_pos + T (prefill is one call over the prompt; each decode step is a call with T = 1).
+        `trace(name, layer, array)`, if given, sees every intermediate under the names
+        `DeviceModel.forward` uses (TRACE_POINTS), so the two can be compared op by op.
         """
         c = self.config
+        trace = trace or _no_trace
         t = len(token_ids)
         positions = np.arange(start_pos, start_pos + t)  # (T,)
         cos, sin = rope_cos_sin(self.inv_freq, positions)  # (T, HD/2) each
         x = self.embed[np.asarray(token_ids)]  # (T, D)
+        trace("embed", None, x)
         for i, w in enumerate(self.layers):
             # attention block: x += o_proj(attention(rope(q), rope(k), v))
             h = rms_norm(x, w["attn_norm"], c.rms_norm_eps)  # (T, D)
+            trace("attn_norm", i, h)
             q = (h @ w["q"].T).reshape(t, c.num_attention_heads, c.head_dim)  # (T, H, HD)
             k = (h @ w["k"].T).reshape(t, c.num_key_value_heads, c.head_dim)  # (T, KVH, HD)
             v = (h @ w["v"].T).reshape(t, c.num_key_value_heads, c.head_dim)  # (T, KVH, HD)
+            trace("v", i, v)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            trace("q_rope", i, q)
+            trace("k_rope", i, k)
             cache.write(i, positions, k, v)
             k_all, v_all = cache.read(i, start_pos + t)  # (L, KVH, HD) each
             attn = attention(q, k_all, v_all, positions)  # (T, H, HD)
+            trace("attn", i, attn)
             x = x + attn.reshape(t, c.q_size) @ w["o"].T  # (T, D)
+            trace("attn_residual", i, x)
             # MLP block: x += down(silu(gate(h)) * up(h))
             h = rms_norm(x, w["mlp_norm"], c.rms_norm_eps)
-            x = x + silu_and_mul(h @ w["gate"].T, h @ w["up"].T) @ w["down"].T  # (T, D)
+            trace("mlp_norm", i, h)
+            act = silu_and_mul(h @ w["gate"].T, h @ w["up"].T)  # (T, F)
+            trace("mlp_act", i, act)
+            x = x + act @ w["down"].T  # (T, D)
+            trace("mlp_residual", i, x)
         if not all_logits:
             x = x[-1]  # (D,): only the last token's next-token distribution is needed
         x = rms_norm(x, self.final_norm, c.rms_norm_eps)
         return (x @ self.lm_head.T).astype(np.float32)  # (V,) or (T, V)
+
+
+# The intermediates both forwards report to a `trace` callback, in order ("embed" once, the rest per layer).
+TRACE_POINTS = (
+    "embed", "attn_norm", "v", "q_rope", "k_rope", "attn", "attn_residual", "mlp_norm", "mlp_act", "mlp_residual",
+)  # fmt: skip
+
+
+def _no_trace(name: str, layer: int | None, array) -> None:
+    pass
 
 
 # short key -> Hugging Face tensor name inside `model.layers.N.`
