@@ -22,6 +22,25 @@ SUPPORTED_ACTIVATIONS = ("silu",)
 SUPPORTED_DTYPES = ("bfloat16", "float16", "float32")
 
 
+# A layer's weights: short key -> Hugging Face name inside `model.layers.N.` (suffix `.weight`).
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "q": "self_attn.q_proj",
+    "k": "self_attn.k_proj",
+    "v": "self_attn.v_proj",
+    "o": "self_attn.o_proj",
+    "mlp_norm": "post_attention_layernorm",
+    "gate": "mlp.gate_proj",
+    "up": "mlp.up_proj",
+    "down": "mlp.down_proj",
+}
+
+
+def layer_tensor_name(layer: int, key: str) -> str:
+    """The Hugging Face name of layer `layer`'s weight `key` (a LAYER_TENSORS key)."""
+    return f"model.layers.{layer}.{LAYER_TENSORS[key]}.weight"
+
+
 class ConfigError(ValueError):
     """A checkpoint's configuration is missing a field, has a bad value, or is unsupported."""
 
@@ -94,16 +113,19 @@ class ModelConfig:
         d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
         for i in range(self.num_hidden_layers):
-            p = f"model.layers.{i}."
-            shapes[p + "input_layernorm.weight"] = (d,)
-            shapes[p + "post_attention_layernorm.weight"] = (d,)
-            shapes[p + "self_attn.q_proj.weight"] = (self.q_size, d)
-            shapes[p + "self_attn.k_proj.weight"] = (self.kv_size, d)
-            shapes[p + "self_attn.v_proj.weight"] = (self.kv_size, d)
-            shapes[p + "self_attn.o_proj.weight"] = (d, self.q_size)
-            shapes[p + "mlp.gate_proj.weight"] = (f, d)
-            shapes[p + "mlp.up_proj.weight"] = (f, d)
-            shapes[p + "mlp.down_proj.weight"] = (d, f)
+            layer = {
+                "attn_norm": (d,),
+                "mlp_norm": (d,),
+                "q": (self.q_size, d),
+                "k": (self.kv_size, d),
+                "v": (self.kv_size, d),
+                "o": (d, self.q_size),
+                "gate": (f, d),
+                "up": (f, d),
+                "down": (d, f),
+            }
+            for key, shape in layer.items():
+                shapes[layer_tensor_name(i, key)] = shape
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (v, d)
         return shapes

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, ModelConfig, RopeScaling
+from .config import ConfigError, ModelConfig, RopeScaling, layer_tensor_name
 from .gguf_reader import SUPPORTED_TYPES, GGUFError, GGUFFile, read_gguf
 from .gguf_tokenizer import make_tokenizer, tokenizer_fields
 from .rope_scaling import rope_inv_freq
@@ -32,16 +32,16 @@ _GLOBAL_NAMES = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+_LAYER_NAMES = {  # llama.cpp's name inside `blk.N.` -> our key (config.LAYER_TENSORS)
+    "attn_norm": "attn_norm",
+    "attn_q": "q",
+    "attn_k": "k",
+    "attn_v": "v",
+    "attn_output": "o",
+    "ffn_norm": "mlp_norm",
+    "ffn_gate": "gate",
+    "ffn_up": "up",
+    "ffn_down": "down",
 }
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
 ROPE_FREQS = "rope_freqs.weight"  # Llama 3.1+ RoPE scaling, stored as per-frequency divisors
@@ -164,7 +164,7 @@ def _hf_name(gguf_name: str) -> str | None:
     m = _LAYER_TENSOR.fullmatch(gguf_name)
     if m is None or m.group(2) not in _LAYER_NAMES:
         return None
-    return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}.weight"
+    return layer_tensor_name(int(m.group(1)), _LAYER_NAMES[m.group(2)])
 
 
 def _weights(gf: GGUFFile, config: ModelConfig) -> dict[str, np.ndarray]:

@@ -28,7 +28,7 @@ import numpy as np
 from numba import cuda
 
 from .bf16 import empty_bf16_device, to_bf16, upload_bf16
-from .config import PAGE_SIZE, ModelConfig
+from .config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
 from .kernels.activation import silu_and_mul
 from .kernels.cache_write import cache_write
 from .kernels.decode_attention import decode_attention
@@ -68,18 +68,18 @@ class DeviceModel:
         self.final_norm = upload_bf16(to_bf16(weights["model.norm.weight"]))  # (D,)
         self.layers = []
         for i in range(c.num_hidden_layers):
-            w = {name: weights[f"model.layers.{i}.{name}.weight"] for name in _LAYER_WEIGHTS}
-            gate_up = np.concatenate([to_bf16(w["mlp.gate_proj"]), to_bf16(w["mlp.up_proj"])])  # (2F, D): one product
+            w = {key: weights[layer_tensor_name(i, key)] for key in LAYER_TENSORS}
+            gate_up = np.concatenate([to_bf16(w["gate"]), to_bf16(w["up"])])  # (2F, D): one product
             self.layers.append(
                 {
-                    "attn_norm": upload_bf16(to_bf16(w["input_layernorm"])),  # (D,)
-                    "q": upload_bf16(to_bf16(w["self_attn.q_proj"])),  # (H*HD, D)
-                    "k": upload_bf16(to_bf16(w["self_attn.k_proj"])),  # (KVH*HD, D)
-                    "v": upload_bf16(to_bf16(w["self_attn.v_proj"])),  # (KVH*HD, D)
-                    "o": upload_bf16(to_bf16(w["self_attn.o_proj"])),  # (D, H*HD)
-                    "mlp_norm": upload_bf16(to_bf16(w["post_attention_layernorm"])),  # (D,)
+                    "attn_norm": upload_bf16(to_bf16(w["attn_norm"])),  # (D,)
+                    "q": upload_bf16(to_bf16(w["q"])),  # (H*HD, D)
+                    "k": upload_bf16(to_bf16(w["k"])),  # (KVH*HD, D)
+                    "v": upload_bf16(to_bf16(w["v"])),  # (KVH*HD, D)
+                    "o": upload_bf16(to_bf16(w["o"])),  # (D, H*HD)
+                    "mlp_norm": upload_bf16(to_bf16(w["mlp_norm"])),  # (D,)
                     "gate_up": upload_bf16(gate_up),  # (2F, D)
-                    "down": upload_bf16(to_bf16(w["mlp.down_proj"])),  # (D, F)
+                    "down": upload_bf16(to_bf16(w["down"])),  # (D, F)
                 }
             )
         self.inv_freq = cuda.to_device(rope_inv_freq(c))  # (HD/2,) f32, Llama-3 scaling applied on the host
@@ -93,20 +93,8 @@ class DeviceModel:
         c = self.config
         shape = (c.num_hidden_layers, num_pages, PAGE_SIZE, c.num_key_value_heads, c.head_dim)
         self.k_cache, self.v_cache = empty_bf16_device(shape), empty_bf16_device(shape)
-        t = max_num_tokens
-        f32 = np.float32
-        self.buffers = {
-            "x": cuda.device_array((t, c.hidden_size), f32),  # residual stream
-            "h": cuda.device_array((t, c.hidden_size), f32),  # normed input of a block
-            "q": cuda.device_array((t, c.num_attention_heads, c.head_dim), f32),
-            "k": cuda.device_array((t, c.num_key_value_heads, c.head_dim), f32),
-            "v": cuda.device_array((t, c.num_key_value_heads, c.head_dim), f32),
-            "attn": cuda.device_array((t, c.num_attention_heads, c.head_dim), f32),
-            "gate_up": cuda.device_array((t, 2 * c.intermediate_size), f32),
-            "act": cuda.device_array((t, c.intermediate_size), f32),
-            "last": cuda.device_array((max_num_seqs, c.hidden_size), f32),
-            "logits": cuda.device_array((max_num_seqs, c.vocab_size), f32),
-        }
+        shapes = activation_shapes(c, max_num_tokens, max_num_seqs)
+        self.buffers = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
 
     def forward(self, s: StepInputs, trace=None):
         """Run one step; returns the logits (B, V) f32 device array of the sampled rows.
@@ -167,14 +155,19 @@ class DeviceModel:
         return logits
 
 
-_LAYER_WEIGHTS = (
-    "input_layernorm",
-    "self_attn.q_proj",
-    "self_attn.k_proj",
-    "self_attn.v_proj",
-    "self_attn.o_proj",
-    "post_attention_layernorm",
-    "mlp.gate_proj",
-    "mlp.up_proj",
-    "mlp.down_proj",
-)
+def activation_shapes(c: ModelConfig, max_num_tokens: int, max_num_seqs: int) -> dict[str, tuple[int, ...]]:
+    """The float32 activation buffers `forward` uses, by name, for steps of up to `max_num_tokens`
+    tokens and `max_num_seqs` sampled rows (also what the KV-cache sizing leaves room for)."""
+    t = max_num_tokens
+    return {
+        "x": (t, c.hidden_size),  # residual stream
+        "h": (t, c.hidden_size),  # normed input of a block
+        "q": (t, c.num_attention_heads, c.head_dim),
+        "k": (t, c.num_key_value_heads, c.head_dim),
+        "v": (t, c.num_key_value_heads, c.head_dim),
+        "attn": (t, c.num_attention_heads, c.head_dim),
+        "gate_up": (t, 2 * c.intermediate_size),
+        "act": (t, c.intermediate_size),
+        "last": (max_num_seqs, c.hidden_size),
+        "logits": (max_num_seqs, c.vocab_size),
+    }

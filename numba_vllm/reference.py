@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ModelConfig
+from .config import LAYER_TENSORS, ModelConfig, layer_tensor_name
 from .rope_scaling import rope_cos_sin, rope_inv_freq
 
 
@@ -91,7 +91,7 @@ class ReferenceModel:
         self.lm_head = f32.get("lm_head.weight", self.embed)  # (V, D); tied models reuse the embedding
         self.final_norm = f32["model.norm.weight"]  # (D,)
         self.layers = [
-            {key: f32[f"model.layers.{i}.{name}.weight"] for key, name in _LAYER_TENSORS.items()}
+            {key: f32[layer_tensor_name(i, key)] for key in LAYER_TENSORS}
             for i in range(config.num_hidden_layers)
         ]
         self.inv_freq = rope_inv_freq(config)  # (HD/2,)
@@ -152,17 +152,3 @@ TRACE_POINTS = (
 
 def _no_trace(name: str, layer: int | None, array) -> None:
     pass
-
-
-# short key -> Hugging Face tensor name inside `model.layers.N.`
-_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
-    "q": "self_attn.q_proj",
-    "k": "self_attn.k_proj",
-    "v": "self_attn.v_proj",
-    "o": "self_attn.o_proj",
-    "mlp_norm": "post_attention_layernorm",
-    "gate": "mlp.gate_proj",
-    "up": "mlp.up_proj",
-    "down": "mlp.down_proj",
-}

@@ -10,13 +10,15 @@ their logits to the host sampler.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 from numba import cuda
 
 from ..checkpoint import Checkpoint
 from ..config import EngineConfig
 from ..kernels.sample import argmax, sample_gumbel
-from ..model import DeviceModel, StepInputs
+from ..model import DeviceModel, StepInputs, activation_shapes
 from .kv_cache import block_table_array, num_pages_for_memory
 from .runner import RequestSamplers
 from .scheduler import StepPlan
@@ -31,8 +33,7 @@ class KernelRunner:
         self.model = model
         self.num_pages = num_pages
         self.max_num_seqs = engine_config.max_num_seqs
-        max_tokens = engine_config.max_num_batched_tokens + engine_config.max_num_seqs  # chunks + decodes
-        model.allocate(num_pages, max_tokens, engine_config.max_num_seqs)
+        model.allocate(num_pages, _max_step_tokens(engine_config), engine_config.max_num_seqs)
         self.host_samplers = RequestSamplers()
         self._seeds: dict[str, int] = {}
         self._seed_rng = np.random.default_rng()
@@ -122,8 +123,12 @@ class KernelRunner:
         return seed
 
 
+def _max_step_tokens(engine_config: EngineConfig) -> int:
+    """The most tokens one step can hold: a full token budget of prefill chunks plus decodes."""
+    return engine_config.max_num_batched_tokens + engine_config.max_num_seqs
+
+
 def _workspace_bytes(config, engine_config: EngineConfig) -> int:
-    """Activation buffers DeviceModel.allocate will take (float32)."""
-    t = engine_config.max_num_batched_tokens + engine_config.max_num_seqs
-    per_token = 3 * config.hidden_size + 2 * config.q_size + 2 * config.kv_size + 3 * config.intermediate_size
-    return 4 * (t * per_token + engine_config.max_num_seqs * (config.hidden_size + config.vocab_size))
+    """Bytes of the float32 activation buffers DeviceModel.allocate will take."""
+    shapes = activation_shapes(config, _max_step_tokens(engine_config), engine_config.max_num_seqs)
+    return 4 * sum(math.prod(shape) for shape in shapes.values())
