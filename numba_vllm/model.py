@@ -6,9 +6,9 @@ sequences' single tokens last (attended by the paged decode kernel). Activations
 bf16, the KV cache bf16 in 16-token pages. Per layer:
 
     h = rmsnorm(x)                       attn_norm
-    q, k, v = h @ Wq.T, h @ Wk.T, h @ Wv.T
-    rope(q, k) at each token's position  (Llama-3 scaled frequencies from the host)
-    cache_write(k, v) at the tokens' kv indices
+    qkv = h @ [Wq; Wk; Wv].T             (q, k and v as one product)
+    rope(q, k) at each token's position  (Llama-3 scaled frequencies from the host), fused with
+      storing k and v at the tokens' kv indices in the paged cache; q goes to its own buffer
     a = prefill_attention(q[:Tp]) | decode_attention(q[Tp:])   over the pages in the block tables
     x += a @ Wo.T                        (the residual add is fused into the product)
     h = rmsnorm(x)                       mlp_norm
@@ -27,17 +27,16 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from .bf16 import empty_bf16_device, to_bf16, upload_bf16
+from .bf16 import bf16_from_bits, empty_bf16_device, to_bf16, upload_bf16
 from .config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
 from .kernels.activation import silu_and_mul
-from .kernels.cache_write import cache_write
 from .kernels.decode_attention import decode_attention
 from .kernels.embedding import embedding
 from .kernels.gather import gather_rows
 from .kernels.matmul import linear
 from .kernels.prefill_attention import prefill_attention
 from .kernels.rmsnorm import rms_norm
-from .kernels.rope import rope
+from .kernels.rope import rope_and_cache_write
 from .rope_scaling import rope_inv_freq
 
 
@@ -69,13 +68,12 @@ class DeviceModel:
         self.layers = []
         for i in range(c.num_hidden_layers):
             w = {key: weights[layer_tensor_name(i, key)] for key in LAYER_TENSORS}
+            qkv = np.concatenate([to_bf16(w["q"]), to_bf16(w["k"]), to_bf16(w["v"])])  # ((H + 2*KVH)*HD, D): one product
             gate_up = np.concatenate([to_bf16(w["gate"]), to_bf16(w["up"])])  # (2F, D): one product
             self.layers.append(
                 {
                     "attn_norm": upload_bf16(to_bf16(w["attn_norm"])),  # (D,)
-                    "q": upload_bf16(to_bf16(w["q"])),  # (H*HD, D)
-                    "k": upload_bf16(to_bf16(w["k"])),  # (KVH*HD, D)
-                    "v": upload_bf16(to_bf16(w["v"])),  # (KVH*HD, D)
+                    "qkv": upload_bf16(qkv),  # ((H + 2*KVH)*HD, D)
                     "o": upload_bf16(to_bf16(w["o"])),  # (D, H*HD)
                     "mlp_norm": upload_bf16(to_bf16(w["mlp_norm"])),  # (D,)
                     "gate_up": upload_bf16(gate_up),  # (2F, D)
@@ -111,8 +109,8 @@ class DeviceModel:
 
         t, tp = s.token_ids.shape[0], s.num_prefill_tokens
         x, h = b["x"][:t], b["h"][:t]  # (T, D)
-        q, k, v, attn = b["q"][:t], b["k"][:t], b["v"][:t], b["attn"][:t]  # (T, heads, HD)
-        q2, k2, v2, attn2 = (a.reshape(t, a.shape[1] * a.shape[2]) for a in (q, k, v, attn))  # (T, heads*HD)
+        qkv, q, attn = b["qkv"][:t], b["q"][:t], b["attn"][:t]  # (T, H + 2*KVH, HD), (T, H, HD), (T, H, HD)
+        qkv2, attn2 = (a.reshape(t, a.shape[1] * a.shape[2]) for a in (qkv, attn))  # (T, heads*HD)
         gate_up, act = b["gate_up"][:t], b["act"][:t]  # (T, 2F), (T, F)
 
         embedding(s.token_ids, self.embed, x)
@@ -121,14 +119,13 @@ class DeviceModel:
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # (P, PAGE_SIZE, KVH, HD) this layer's pages
             rms_norm(x, w["attn_norm"], h, c.rms_norm_eps)
             report("attn_norm", i, h)
-            linear(h, w["q"], q2)
-            linear(h, w["k"], k2)
-            linear(h, w["v"], v2)
-            report("v", i, v)
-            rope(q, k, s.positions, self.inv_freq)
+            linear(h, w["qkv"], qkv2)
+            if trace is not None:
+                trace("v", i, qkv.copy_to_host()[:, c.num_attention_heads + c.num_key_value_heads :])
+            rope_and_cache_write(qkv, s.positions, self.inv_freq, s.kv_indices, q, k_cache, v_cache)
             report("q_rope", i, q)
-            report("k_rope", i, k)
-            cache_write(k, v, s.kv_indices, k_cache, v_cache)
+            if trace is not None:
+                trace("k_rope", i, _cached_rows(k_cache, s.kv_indices))
             if tp:
                 prefill_attention(
                     q[:tp], k_cache, v_cache, s.prefill_block_tables, s.prefill_cu_seqlens, s.prefill_start_pos,
@@ -162,12 +159,17 @@ def activation_shapes(c: ModelConfig, max_num_tokens: int, max_num_seqs: int) ->
     return {
         "x": (t, c.hidden_size),  # residual stream
         "h": (t, c.hidden_size),  # normed input of a block
-        "q": (t, c.num_attention_heads, c.head_dim),
-        "k": (t, c.num_key_value_heads, c.head_dim),
-        "v": (t, c.num_key_value_heads, c.head_dim),
+        "qkv": (t, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim),  # q, k, v heads of a token
+        "q": (t, c.num_attention_heads, c.head_dim),  # rotated queries
         "attn": (t, c.num_attention_heads, c.head_dim),
         "gate_up": (t, 2 * c.intermediate_size),
         "act": (t, c.intermediate_size),
         "last": (max_num_seqs, c.hidden_size),
         "logits": (max_num_seqs, c.vocab_size),
     }
+
+
+def _cached_rows(cache, kv_indices) -> np.ndarray:
+    """Host copy of the cache rows (T, KVH, HD) at `kv_indices`, as float32 (for `trace` only)."""
+    pool = bf16_from_bits(cache.view(np.uint16).copy_to_host()).astype(np.float32)  # (P, PAGE_SIZE, KVH, HD)
+    return pool.reshape(-1, *pool.shape[2:])[kv_indices.copy_to_host()]

@@ -1,4 +1,4 @@
-"""Attention kernels against the NumPy reference: cache_write, paged decode, paged causal prefill.
+"""Attention kernels against the NumPy reference: paged decode, paged causal prefill.
 
 Every case builds a paged KV cache the way the engine does: each sequence's pages are drawn from a
 random permutation of the pool (so block tables are neither contiguous nor ordered), page 0 is the
@@ -23,13 +23,13 @@ import pytest
 from numba import cuda
 
 from numba_vllm import reference
-from numba_vllm.bf16 import bf16_bits, to_bf16, upload_bf16
+from numba_vllm.bf16 import to_bf16, upload_bf16
 from numba_vllm.config import PAGE_SIZE
 from numba_vllm.kernels import decode_attention as decode_attention_module
-from numba_vllm.kernels.cache_write import cache_write
 from numba_vllm.kernels.decode_attention import decode_attention
 from numba_vllm.kernels.launch import KernelError
 from numba_vllm.kernels.prefill_attention import prefill_attention
+from numba_vllm.kernels.rope import rope_and_cache_write
 
 RTOL = 1e-5  # float32 kernel vs float64 reference on the same bf16 K/V
 ATOL = 1e-5  # outputs are averages of N(0, 1) values: O(0.1 .. 1)
@@ -82,37 +82,6 @@ def reference_attention(q, k, v, positions, scale):
     head_dim = q.shape[-1]
     q64 = q.astype(np.float64) * (scale * np.sqrt(head_dim))
     return reference.attention(q64, k.astype(np.float64), v.astype(np.float64), np.asarray(positions))
-
-
-# ---- cache_write ---------------------------------------------------------------------------------
-
-
-def check_cache_write(rng, num_tokens, num_kv_heads, head_dim, num_pages):
-    pool_shape = (num_pages, PAGE_SIZE, num_kv_heads, head_dim)
-    k_pool = to_bf16(rng.standard_normal(pool_shape))  # what must survive outside the written slots
-    v_pool = to_bf16(rng.standard_normal(pool_shape))
-    slots = rng.choice(np.arange(PAGE_SIZE, num_pages * PAGE_SIZE), num_tokens, replace=False).astype(np.int32)
-    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
-    v = rng.standard_normal((num_tokens, num_kv_heads, head_dim)).astype(np.float32)
-    k_cache, v_cache = upload_bf16(k_pool), upload_bf16(v_pool)
-    cache_write(cuda.to_device(k), cuda.to_device(v), cuda.to_device(slots), k_cache, v_cache)
-    want_k, want_v = k_pool.copy(), v_pool.copy()
-    want_k[slots // PAGE_SIZE, slots % PAGE_SIZE] = to_bf16(k)  # round to nearest even, like the GPU
-    want_v[slots // PAGE_SIZE, slots % PAGE_SIZE] = to_bf16(v)
-    got_k = k_cache.view(np.uint16).copy_to_host()
-    got_v = v_cache.view(np.uint16).copy_to_host()
-    np.testing.assert_array_equal(got_k, bf16_bits(want_k))  # bit-exact
-    np.testing.assert_array_equal(got_v, bf16_bits(want_v))
-
-
-@pytest.mark.parametrize("num_tokens, num_kv_heads, head_dim", [(5, 2, 16), (3, 1, 64)])
-def test_cache_write(num_tokens, num_kv_heads, head_dim):
-    check_cache_write(np.random.default_rng(0), num_tokens, num_kv_heads, head_dim, num_pages=4)
-
-
-@pytest.mark.gpu
-def test_cache_write_gpu():
-    check_cache_write(np.random.default_rng(), 2048, 8, 64, num_pages=1024)
 
 
 # ---- decode --------------------------------------------------------------------------------------
@@ -213,12 +182,23 @@ def test_prefill_gpu():
         raise AssertionError(f"seed {seed}: {e}") from None
 
 
-# ---- the three together, as a model step runs them ----------------------------------------------
+# ---- the cache write and the two attention kernels together, as a model step runs them -----------
+
+
+def cache_write(k, v, slots, k_cache, v_cache):
+    """Store host k, v (T, KVH, HD) f32 at `slots` through the rope kernel: at position 0 its rotation
+    is the identity, so the cache gets bf16(k) and bf16(v) (tests/test_rope.py checks it bit-exactly)."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    qkv = np.concatenate([np.zeros_like(k), k, v], axis=1)  # one query head per kv head, unused
+    positions = cuda.to_device(np.zeros(num_tokens, np.int32))
+    inv_freq = cuda.to_device(np.ones(head_dim // 2, np.float32))
+    q = cuda.device_array((num_tokens, num_kv_heads, head_dim), np.float32)
+    rope_and_cache_write(cuda.to_device(qkv), positions, inv_freq, cuda.to_device(slots), q, k_cache, v_cache)
 
 
 def test_write_prefill_then_decode():
-    """cache_write the prompt, prefill it, cache_write one more token, decode it; against the
-    reference on the same bf16-rounded K/V."""
+    """Store the prompt's K/V (the rope kernel at position 0, where it only stores), prefill it,
+    store one more token, decode it; against the reference on the same bf16-rounded K/V."""
     rng = np.random.default_rng(5)
     group, num_kv_heads, head_dim, prompt = 2, 2, 16, 19
     num_heads = group * num_kv_heads
@@ -234,7 +214,7 @@ def test_write_prefill_then_decode():
     nan_pool = to_bf16(np.full((num_pages, PAGE_SIZE, num_kv_heads, head_dim), np.nan, np.float32))
     k_cache, v_cache = upload_bf16(nan_pool), upload_bf16(nan_pool)
 
-    cache_write(cuda.to_device(k[:prompt]), cuda.to_device(v[:prompt]), cuda.to_device(slots[:prompt]), k_cache, v_cache)
+    cache_write(k[:prompt], v[:prompt], slots[:prompt], k_cache, v_cache)
     out = nan_device((prompt, num_heads, head_dim))
     prefill_attention(cuda.to_device(q[:prompt]), k_cache, v_cache, block_tables,
                       cuda.to_device(np.array([0, prompt], np.int32)), cuda.to_device(np.zeros(1, np.int32)), scale, out)
@@ -242,7 +222,7 @@ def test_write_prefill_then_decode():
     want = reference_attention(q[:prompt], kb[:prompt], vb[:prompt], pos[:prompt], scale)
     np.testing.assert_allclose(out.copy_to_host(), want, rtol=RTOL, atol=ATOL)
 
-    cache_write(cuda.to_device(k[prompt:]), cuda.to_device(v[prompt:]), cuda.to_device(slots[prompt:]), k_cache, v_cache)
+    cache_write(k[prompt:], v[prompt:], slots[prompt:], k_cache, v_cache)
     out = nan_device((1, num_heads, head_dim))
     decode_attention(cuda.to_device(q[prompt:]), k_cache, v_cache, block_tables,
                      cuda.to_device(np.array([prompt + 1], np.int32)), scale, out)
@@ -268,6 +248,3 @@ def test_launchers_reject_bad_inputs():
     with pytest.raises(KernelError, match="block_tables"):
         prefill_attention(q, pool, pool, cuda.to_device(np.ones((1, 1), np.int64)), cuda.to_device(np.array([0, 1], np.int32)),
                           cuda.to_device(np.zeros(1, np.int32)), 1.0, cuda.to_device(np.zeros((1, 4, 16), np.float32)))
-    with pytest.raises(KernelError, match="k_cache"):
-        cache_write(cuda.to_device(np.zeros((1, 2, 16), np.float32)), cuda.to_device(np.zeros((1, 2, 16), np.float32)),
-                    cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(np.zeros((2, PAGE_SIZE, 2, 16), np.float32)), pool)

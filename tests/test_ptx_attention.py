@@ -17,7 +17,6 @@ from numba_vllm.kernels.prefill_attention import prefill_attention_kernel_for
 
 DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"
 PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"
-CACHE_WRITE_SIG = "(f32(3), f32(3), i32(1), bf16(4), bf16(4))"
 
 # (group, head_dim): Llama 3.2 1B / 3B / 8B / 70B-style groups at HD 64 and 128, tiny test models.
 DECODE_CONFIGS = [(1, 64), (3, 64), (4, 64), (8, 64), (4, 128), (8, 128), (2, 16), (2, 8)]
@@ -35,9 +34,6 @@ SPECS = (  # (module, kernel name, signature, hot)
     [(HERE, f"decode_g{g}_hd{hd}", DECODE_SIG, True) for g, hd in DECODE_CONFIGS]
     + [(HERE, "decode_g4_hd64_w8", DECODE_SIG, True)]
     + [(HERE, f"prefill_g{g}_hd{hd}", PREFILL_SIG, True) for g, hd in PREFILL_CONFIGS]
-    # Not hot: numba lowers each float32 -> bf16 store to a call of CUDA's bf16 constructor,
-    # whose arguments pass through local memory: cheap here (only the new tokens are written).
-    + [("numba_vllm.kernels.cache_write", "cache_write_kernel", CACHE_WRITE_SIG, False)]
 )
 
 

@@ -20,16 +20,20 @@ KERNELS = [  # (module, kernel, signature)
     ("numba_vllm.kernels.embedding", "embedding_kernel", "(i32(1), u16(2), f32(2))"),
     ("numba_vllm.kernels.rmsnorm", "rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)"),
     ("numba_vllm.kernels.rmsnorm", "add_rms_norm_kernel", "(f32(2), f32(2), u16(1), f32(2), float32)"),
-    ("numba_vllm.kernels.rope", "rope_kernel", "(f32(3), f32(3), i32(1), f32(1))"),
     ("numba_vllm.kernels.activation", "silu_and_mul_kernel", "(f32(2), f32(2))"),
     ("numba_vllm.kernels.sample", "argmax_kernel", "(f32(2), i32(1))"),
     ("numba_vllm.kernels.sample", "sample_gumbel_kernel", "(f32(2), f32(1), u32(1), i32(1), i32(1))"),
 ]
 
 
+# Not hot: numba lowers each float32 -> bf16 store to a call of CUDA's bf16 constructor, whose
+# arguments pass through local memory: cheap here (only the new tokens' K and V are stored).
+COLD_KERNELS = [("numba_vllm.kernels.rope", "rope_kernel", "(f32(3), i32(1), f32(1), i32(1), f32(3), bf16(4), bf16(4))")]
+
+
 @pytest.fixture(scope="module")
 def ptx():
-    return compile_ptx(KERNELS)
+    return compile_ptx(KERNELS + COLD_KERNELS)
 
 
 @pytest.mark.parametrize("module, name, signature", KERNELS, ids=[k[1] for k in KERNELS])
@@ -39,10 +43,17 @@ def test_kernel_compiles_without_fp64_or_local_memory(ptx, module, name, signatu
     assert ptx_problems(result["ptx"], hot=True) == []
 
 
+def test_rope_compiles_without_fp64(ptx):
+    result = ptx["numba_vllm.kernels.rope.rope_kernel"]
+    assert "error" not in result, result.get("error")
+    assert ptx_problems(result["ptx"], hot=False) == []
+
+
 def test_no_kernel_makes_calls_or_uses_approximate_trigonometry(ptx):
     for name, result in ptx.items():
         text = result["ptx"]
-        assert not re.search(r"^\s*call", text, re.MULTILINE), f"{name}: a call (an external function or the bf16 shim)"
+        if name.rsplit(".", 1)[1] not in {k[1] for k in COLD_KERNELS}:  # those call the bf16 store shim
+            assert not re.search(r"^\s*call", text, re.MULTILINE), f"{name}: a call (an external function or the bf16 shim)"
         assert "sin.approx" not in text and "cos.approx" not in text, name
 
 

@@ -1,4 +1,5 @@
-"""RoPE (numba_vllm.kernels.rope) against reference.apply_rope, with Llama 3.2's scaled frequencies.
+"""RoPE fused with the K/V cache write (numba_vllm.kernels.rope) against reference.apply_rope, with
+Llama 3.2's scaled frequencies, and the K/V rows landing bit-exactly at their kv indices.
 
 Two references:
 - the same float32 angle as the kernel (``float32(pos) * inv_freq``, one rounding), with cos and
@@ -9,6 +10,8 @@ Two references:
   rounding adds up to ``|angle32 - angle| <= 2**-24 * angle`` (half an ulp) of rotation error,
   times the pair's length. At position 131071 with inv_freq 1 that is up to 0.0039 rad. The test
   computes each angle's actual rounding and allows exactly that, plus the tight tolerance.
+Rotated queries come back in float32; rotated keys are read back from the bf16 cache, so they get
+the tolerance plus half a bf16 ulp (up to 2**-8 relative).
 ``_sin_cos`` (the kernel's float32-only sin/cos) is also tested alone against float64 sin/cos.
 """
 
@@ -20,11 +23,12 @@ import pytest
 from numba import cuda
 
 from numba_vllm import reference
-from numba_vllm.config import ModelConfig
+from numba_vllm.bf16 import bf16_bits, bf16_from_bits, to_bf16, upload_bf16
+from numba_vllm.config import PAGE_SIZE, ModelConfig
 from numba_vllm.kernels import rope as rope_module
 from numba_vllm.kernels.jit import kernel
 from numba_vllm.kernels.launch import KernelError
-from numba_vllm.kernels.rope import rope
+from numba_vllm.kernels.rope import rope_and_cache_write
 from numba_vllm.rope_scaling import rope_cos_sin, rope_inv_freq
 
 gpu = pytest.mark.gpu
@@ -54,10 +58,30 @@ def _positions(rng, num_tokens):
     return positions
 
 
-def _run(q, k, positions, inv_freq):
-    d_q, d_k = cuda.to_device(q), cuda.to_device(k)
-    rope(d_q, d_k, cuda.to_device(positions), cuda.to_device(inv_freq))
-    return d_q.copy_to_host(), d_k.copy_to_host()
+def _run(q, k, positions, inv_freq, rng=None, v=None):
+    """Run the kernel on qkv = [q | k | v] with each token at a random slot of a NaN-filled pool.
+
+    Returns q (T, H, HD) f32, and the K and V rows read back from the cache (T, KVH, HD) as f32;
+    also checks that no other slot of the pool was touched."""
+    rng = rng or np.random.default_rng(0)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    v = np.zeros_like(k) if v is None else v
+    num_pages = 1 + -(-num_tokens // PAGE_SIZE)
+    slots = rng.permutation(np.arange(PAGE_SIZE, num_pages * PAGE_SIZE))[:num_tokens].astype(np.int32)  # never page 0
+    pool = to_bf16(np.full((num_pages, PAGE_SIZE, num_kv_heads, head_dim), np.nan, np.float32))
+    k_cache, v_cache = upload_bf16(pool), upload_bf16(pool)
+    d_q = cuda.to_device(np.full(q.shape, np.nan, np.float32))
+    qkv = np.concatenate([q, k, v], axis=1)
+    rope_and_cache_write(cuda.to_device(qkv), cuda.to_device(positions), cuda.to_device(inv_freq), cuda.to_device(slots),
+                         d_q, k_cache, v_cache)  # fmt: skip
+    rows = []
+    for cache in (k_cache, v_cache):
+        got = bf16_from_bits(cache.view(np.uint16).copy_to_host()).astype(np.float32).reshape(-1, num_kv_heads, head_dim)
+        untouched = np.ones(len(got), bool)
+        untouched[slots] = False
+        assert np.isnan(got[untouched]).all()  # only the tokens' own slots were written
+        rows.append(got[slots])
+    return d_q.copy_to_host(), rows[0], rows[1]
 
 
 def _angles32(positions, inv_freq):
@@ -84,13 +108,13 @@ def test_rope_matches_reference_at_the_same_float32_angles(num_tokens, num_heads
     k = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
     positions = _positions(rng, num_tokens)
     inv_freq = _inv_freq(head_dim)
-    q_out, k_out = _run(q, k, positions, inv_freq)
+    q_out, k_out, _ = _run(q, k, positions, inv_freq, rng)
 
     angles = _angles32(positions, inv_freq).astype(np.float64)
     cos, sin = np.cos(angles), np.sin(angles)
-    for x, out in ((q, q_out), (k, k_out)):
+    for x, out, cached in ((q, q_out, False), (k, k_out, True)):
         expected = reference.apply_rope(x, cos, sin)
-        np.testing.assert_allclose(out, expected, rtol=0, atol=1e-6 * np.abs(x).max())
+        np.testing.assert_allclose(out, expected, rtol=2.0**-8 if cached else 0, atol=1e-6 * np.abs(x).max())
 
 
 @pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", SHAPES)
@@ -100,18 +124,20 @@ def test_rope_matches_the_float64_oracle_within_angle_rounding(num_tokens, num_h
     k = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
     positions = _positions(rng, num_tokens)
     inv_freq = _inv_freq(head_dim)
-    q_out, k_out = _run(q, k, positions, inv_freq)
+    q_out, k_out, _ = _run(q, k, positions, inv_freq, rng)
 
     exact = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]  # (T, HD/2)
     angle_error = np.abs(_angles32(positions, inv_freq) - exact)  # the float32 angle's rounding
     assert (angle_error <= 2.0**-24 * exact).all()  # at most half an ulp
     cos, sin = rope_cos_sin(inv_freq, positions)  # (T, HD/2) of the exact angles, rounded to float32
     half = head_dim // 2
-    for x, out in ((q, q_out), (k, k_out)):
+    for x, out, cached in ((q, q_out, False), (k, k_out, True)):
         expected = reference.apply_rope(x, cos, sin)
         pair_length = np.hypot(x[..., :half], x[..., half:])  # (T, heads, HD/2)
         allowed = angle_error[:, None, :] * pair_length + 1e-6 * np.abs(x).max()
         err = np.abs(out - expected)
+        if cached:
+            err = np.maximum(err - 2.0**-8 * np.abs(expected), 0)  # the bf16 rounding of the stored key
         assert (err[..., :half] <= allowed).all() and (err[..., half:] <= allowed).all(), err.max()
 
 
@@ -156,17 +182,39 @@ def test_sin_cos_beyond_the_exact_range_errs_less_than_the_angle_rounding():
     assert (np.abs(c - np.cos(angles.astype(np.float64))) <= ulp).all()
 
 
+def test_k_and_v_land_bit_exact_at_their_kv_indices():
+    """At position 0 the rotation is the identity, so the cache must hold exactly bf16(k) and bf16(v)
+    (round to nearest even, as the host's ml_dtypes does), at each token's own slot."""
+    rng = np.random.default_rng(0)
+    num_tokens, num_heads, num_kv_heads, head_dim = 37, 4, 2, 16  # 37 tokens: three pages
+    q = rng.standard_normal((num_tokens, num_heads, head_dim), dtype=np.float32)
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
+    v = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
+    q_out, k_out, v_out = _run(q, k, np.zeros(num_tokens, np.int32), _inv_freq(head_dim), rng, v)
+    np.testing.assert_array_equal(q_out, q)
+    np.testing.assert_array_equal(bf16_bits(to_bf16(k_out)), bf16_bits(to_bf16(k)))
+    np.testing.assert_array_equal(bf16_bits(to_bf16(v_out)), bf16_bits(to_bf16(v)))
+
+
 def test_bad_arguments_are_named():
+    qkv = cuda.to_device(np.zeros((2, 8, 8), np.float32))  # 4 q heads, 2 kv heads
     q = cuda.to_device(np.zeros((2, 4, 8), np.float32))
-    k = cuda.to_device(np.zeros((2, 2, 8), np.float32))
+    pool = upload_bf16(np.zeros((2, PAGE_SIZE, 2, 8), np.float32))
     positions = cuda.to_device(np.zeros(2, np.int32))
     inv_freq = cuda.to_device(np.ones(4, np.float32))
+
+    def call(qkv=qkv, positions=positions, inv_freq=inv_freq, q=q, k_cache=pool):
+        rope_and_cache_write(qkv, positions, inv_freq, cuda.to_device(np.full(2, PAGE_SIZE, np.int32)), q, k_cache, k_cache)
+
+    call()
     with pytest.raises(KernelError, match="positions: dtype int64"):
-        rope(q, k, cuda.to_device(np.zeros(2, np.int64)), inv_freq)
-    with pytest.raises(KernelError, match="k: shape"):
-        rope(q, cuda.to_device(np.zeros((2, 2, 6), np.float32)), positions, inv_freq)
+        call(positions=cuda.to_device(np.zeros(2, np.int64)))
+    with pytest.raises(KernelError, match="qkv: shape"):
+        call(qkv=cuda.to_device(np.zeros((2, 7, 8), np.float32)))
     with pytest.raises(KernelError, match="inv_freq: shape"):
-        rope(q, k, positions, cuda.to_device(np.ones(8, np.float32)))
+        call(inv_freq=cuda.to_device(np.ones(8, np.float32)))
+    with pytest.raises(KernelError, match="k_cache: dtype float32"):
+        call(k_cache=cuda.to_device(np.zeros((2, PAGE_SIZE, 2, 8), np.float32)))
     with pytest.raises(KernelError, match="head_dim 7"):
-        q, k = np.zeros((2, 4, 7), np.float32), np.zeros((2, 2, 7), np.float32)
-        rope(cuda.to_device(q), cuda.to_device(k), positions, inv_freq)
+        call(qkv=cuda.to_device(np.zeros((2, 8, 7), np.float32)), q=cuda.to_device(np.zeros((2, 4, 7), np.float32)),
+             k_cache=upload_bf16(np.zeros((2, PAGE_SIZE, 2, 7), np.float32)))  # fmt: skip

@@ -2,8 +2,8 @@
 
 Sequence ``s`` has ``n = cu_seqlens[s + 1] - cu_seqlens[s]`` new tokens, rows ``cu_seqlens[s] ..``
 of ``q``, at positions ``start_pos[s] .. start_pos[s] + n - 1`` (``start_pos > 0`` when a prefix is
-already cached: chunked prefill, prefix reuse). Their K/V are already in the cache (``cache_write``
-runs first), so a new token at position ``p`` attends to cached positions ``0 .. p`` of its
+already cached: chunked prefill, prefix reuse). Their K/V are already in the cache (``rope.py``'s
+kernel stores them first), so a new token at position ``p`` attends to cached positions ``0 .. p`` of its
 sequence, found through ``block_tables[s]``: the cached prefix and the new tokens alike.
 
 Thread mapping: FlashAttention's tiling on CUDA cores. A thread block per (kv head, sequence,

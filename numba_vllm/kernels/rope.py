@@ -1,7 +1,17 @@
-"""Rotary position embedding (RoPE), applied in place to the queries and keys in one launch.
+"""Rotary position embedding (RoPE) on the fused Q/K/V product, with K and V stored into the paged cache.
 
-For each token t, each head of q (T, H, HD) and of k (T, KVH, HD), and each i < HD/2, the channel
-pair (i, i + HD/2) ("rotate half", Hugging Face's Llama pairing) is rotated by the angle
+The model computes q, k and v of a token as one product (``qkv`` (T, H + 2*KVH, HD) float32: its H
+query heads, then KVH key heads, then KVH value heads). This kernel splits it, in one launch:
+- query heads are rotated and written to ``q`` (T, H, HD) float32, what attention reads;
+- key heads are rotated and stored, rounded to bf16, at the token's kv index in ``k_cache``;
+- value heads are stored, rounded to bf16, at the same place in ``v_cache``.
+The kv index is ``kv_indices[t] = page_id * PAGE_SIZE + offset`` (int32), chosen by the host when it
+allocated the sequence's pages: the token goes to ``cache[page_id, offset]``. A token that should not
+be stored (padding) points at the null page 0, which attention never reads. Fusing the rotation with
+the write saves a pass over K and a launch per layer (the rotated K only ever lives in the cache).
+
+RoPE itself: for each token t, each head, and each i < HD/2, the channel pair (i, i + HD/2) ("rotate
+half", Hugging Face's Llama pairing) is rotated by the angle
 
     angle = float32(positions[t]) * inv_freq[i]        (a float32 product, rounded once)
     x1' = x1 * cos(angle) - x2 * sin(angle)
@@ -14,16 +24,20 @@ Hugging Face's and Meta's Llama code; at position 100 000 that rounding alone is
 ulp(1e5)/2 = 0.004 rad, which is what the model saw in training.
 
 Thread mapping: one block per token (grid = T) of ``WARP_SIZE x num_warps`` threads, with
-``num_warps = min(ROPE_MAX_WARPS, H + KVH)``: 32 x 32 for Llama 3.2 1B (40 heads, HD = 64).
+``num_warps = min(ROPE_MAX_WARPS, H + 2*KVH)``: 32 x 32 for Llama 3.2 1B (48 heads, HD = 64).
 1. The block's threads, numbered flat, compute cos and sin of the token's HD/2 angles into shared
    memory: each angle is computed once per token, not once per head.
-2. ``syncthreads``; then warp ``y`` takes heads ``y, y + num_warps, ...`` of the token (q heads
-   0..H-1, then k heads as H..H+KVH-1) and lane ``x`` channels ``x, x + 32, ...`` below HD/2, so
-   a warp reads and writes 32 neighbouring channels of x1 and of x2 (coalesced). The 2-D block
-   gives head and channel without integer division (64-bit division costs ~100 instructions).
+2. ``syncthreads``; then warp ``y`` takes heads ``y, y + num_warps, ...`` of the token and lane ``x``
+   channel pairs ``x, x + 32, ...`` below HD/2, so a warp reads and writes 32 neighbouring channels
+   of x1 and of x2 (coalesced). The 2-D block gives head and channel without integer division
+   (64-bit division costs ~100 instructions).
 
 Shared memory: ``cos_table`` and ``sin_table``, ``ROPE_MAX_HALF_DIM`` float32 each (1 KiB), of which
 the first HD/2 are used; HD may be at most ``2 * ROPE_MAX_HALF_DIM``.
+
+The bf16 stores: numba lowers each float32 -> bf16 store to CUDA's bf16 constructor (round to
+nearest even), whose arguments pass through a little local memory; only the new tokens' K and V are
+written, so this costs little.
 
 Why not ``math.cos``/``math.sin``: on a GPU they become libdevice's ``cosf``/``sinf``, whose slow
 path for |angle| > 105615 (Llama 3 reaches 131072) reduces the argument with a 28-byte local array
@@ -44,6 +58,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32
 
+from numba_vllm.bf16 import BF16
+from numba_vllm.config import PAGE_SIZE
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.launch import KernelError, check_array, launch
 from numba_vllm.kernels.reductions import WARP_SIZE
@@ -98,20 +114,13 @@ def _sin_cos(angle):
     return -cos_r, sin_r
 
 
-@device_function
-def _rotate_pair(x, t, head, i, half, c, s):
-    """Rotate channels (i, i + half) of x[t, head] by the angle whose cos and sin are c and s."""
-    x1 = x[t, head, i]
-    x2 = x[t, head, i + half]
-    x[t, head, i] = x1 * c - x2 * s
-    x[t, head, i + half] = x2 * c + x1 * s
-
-
 @kernel
-def rope_kernel(q, k, positions, inv_freq):
-    """Rotate every (i, i + HD/2) channel pair of q and k in place. Block t handles token t.
+def rope_kernel(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache):
+    """Split one token's fused Q/K/V (block t handles token t): rotate q into ``q``, rotate k into
+    the K cache, copy v into the V cache.
 
-    q (T, H, HD), k (T, KVH, HD) float32; positions (T,) int32; inv_freq (HD/2,) float32.
+    qkv (T, H + 2*KVH, HD) f32; positions, kv_indices (T,) int32; inv_freq (HD/2,) f32;
+    q (T, H, HD) f32 out; k_cache, v_cache (P, PAGE_SIZE, KVH, HD) bf16.
     """
     cos_table = cuda.shared.array(ROPE_MAX_HALF_DIM, float32)  # (HD/2,) used: cos of this token's angles
     sin_table = cuda.shared.array(ROPE_MAX_HALF_DIM, float32)  # (HD/2,) used: sin of this token's angles
@@ -126,28 +135,53 @@ def rope_kernel(q, k, positions, inv_freq):
     cuda.syncthreads()  # wait for the token's whole cos/sin table
 
     num_q_heads = q.shape[1]
-    for head in range(cuda.threadIdx.y, num_q_heads + k.shape[1], cuda.blockDim.y):
+    num_kv_heads = k_cache.shape[2]
+    page = kv_indices[t] // PAGE_SIZE
+    offset = kv_indices[t] % PAGE_SIZE
+    for head in range(cuda.threadIdx.y, num_q_heads + 2 * num_kv_heads, cuda.blockDim.y):
         for i in range(cuda.threadIdx.x, half, cuda.blockDim.x):
+            x1 = qkv[t, head, i]
+            x2 = qkv[t, head, i + half]
+            if head < num_q_heads + num_kv_heads:  # q or k: rotate
+                c = cos_table[i]
+                s = sin_table[i]
+                x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
             if head < num_q_heads:
-                _rotate_pair(q, t, head, i, half, cos_table[i], sin_table[i])
+                q[t, head, i] = x1
+                q[t, head, i + half] = x2
+            elif head < num_q_heads + num_kv_heads:
+                kv_head = head - num_q_heads
+                k_cache[page, offset, kv_head, i] = x1  # float32 -> bf16, rounded to nearest even
+                k_cache[page, offset, kv_head, i + half] = x2
             else:
-                _rotate_pair(k, t, head - num_q_heads, i, half, cos_table[i], sin_table[i])
+                kv_head = head - num_q_heads - num_kv_heads
+                v_cache[page, offset, kv_head, i] = x1
+                v_cache[page, offset, kv_head, i + half] = x2
 
 
-def rope(q, k, positions, inv_freq) -> None:
-    """Apply RoPE in place to q and k (device arrays) at the tokens' positions.
+def rope_and_cache_write(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache) -> None:
+    """RoPE on the fused Q/K/V product: rotated q to ``q``, rotated k and v into the paged cache.
 
-    q: (T, H, HD) float32; k: (T, KVH, HD) float32; positions: (T,) int32, >= 0;
-    inv_freq: (HD/2,) float32 from ``rope_scaling.rope_inv_freq``. HD even, at most 256.
+    qkv: (T, H + 2*KVH, HD) float32 (q heads, k heads, v heads); positions: (T,) int32, >= 0;
+    inv_freq: (HD/2,) float32 from ``rope_scaling.rope_inv_freq``; kv_indices: (T,) int32 kv indices
+    (``page_id * PAGE_SIZE + offset``); q: (T, H, HD) float32, written; k_cache, v_cache:
+    (num_pages, PAGE_SIZE, KVH, HD) bf16, written at the kv indices only. HD even, at most 256.
     """
+    check_array("qkv", qkv, dtype="float32", ndim=3)
     check_array("q", q, dtype="float32", ndim=3)
     num_tokens, num_heads, head_dim = q.shape
-    check_array("k", k, dtype="float32", shape=(num_tokens, None, head_dim))
+    check_array("k_cache", k_cache, BF16, (None, PAGE_SIZE, None, head_dim))
+    check_array("v_cache", v_cache, BF16, tuple(k_cache.shape))
+    num_kv_heads = k_cache.shape[2]
+    check_array("qkv", qkv, shape=(num_tokens, num_heads + 2 * num_kv_heads, head_dim))
     check_array("positions", positions, dtype="int32", shape=(num_tokens,))
+    check_array("kv_indices", kv_indices, dtype="int32", shape=(num_tokens,))
     if head_dim % 2 or head_dim // 2 > ROPE_MAX_HALF_DIM:
         raise KernelError(f"rope: head_dim {head_dim} must be even and at most {2 * ROPE_MAX_HALF_DIM}")
     check_array("inv_freq", inv_freq, dtype="float32", shape=(head_dim // 2,))
     if num_tokens == 0:
         return
-    num_warps = min(ROPE_MAX_WARPS, num_heads + k.shape[1])
-    launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), q, k, positions, inv_freq)
+    if k_cache.shape[0] == 0:
+        raise KernelError("k_cache: has no pages")
+    num_warps = min(ROPE_MAX_WARPS, num_heads + 2 * num_kv_heads)
+    launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache)
