@@ -55,6 +55,27 @@ def test_tiny_model_on_cuda_follows_the_reference(tmp_path, heads, kv_heads, hea
             assert w.max() - w[token] <= 2 * LOGIT_RTOL * scale, (len(prompt), step, w.max() - w[token])
 
 
+def test_cuda_graph_replay_equals_eager_launches(tmp_path):
+    """Decode steps replayed from CUDA graphs give the eager path's logits and tokens, as the batch
+    shrinks through the buckets (outputs of different lengths) and contexts cross page widths."""
+    cfg = tiny_config_dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                           intermediate_size=512, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
+    path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    prompts = [list(range(1, 2 + 13 * i)) for i in range(11)]  # 1 .. 131 tokens
+    params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
+    runs = {}
+    for eager in (True, False):
+        llm = LLM(str(path), backend="cuda", max_num_seqs=16, enforce_eager=eager)
+        logits = _record_sampled_logits(llm.engine.runner)
+        outs = llm.generate(prompts, params)
+        runs[eager] = ([o.token_ids for o in outs], [np.stack(logits[o.request_id]) for o in outs], llm.engine.runner)
+    assert runs[True][2].decode_graphs is None
+    assert runs[False][2].decode_graphs.num_graphs >= 4  # batches of 11, 10 .. 1 use buckets 16, 8, 4, 2, 1
+    assert runs[False][0] == runs[True][0]
+    for graph_logits, eager_logits in zip(runs[False][1], runs[True][1], strict=True):
+        np.testing.assert_allclose(graph_logits, eager_logits, rtol=1e-5, atol=1e-5)
+
+
 def _record_sampled_logits(runner) -> dict[str, list]:
     """Wrap the runner's sampler so each request's logits rows (V,) are kept, in step order."""
     seen: dict[str, list] = {}

@@ -2,7 +2,9 @@
 
 The same code runs on the GPU (`cuda` backend) and, unchanged, in the Numba simulator (`sim`).
 Sequences are reordered so prefilling ones (prompts or chunks) come first and decoding ones last,
-matching the two attention kernels. Sampling happens on the device where it can: greedy rows by an
+matching the two attention kernels. Decode-only steps are replayed from CUDA graphs (`cuda_graph.py`)
+unless `enforce_eager`; other steps launch kernel by kernel, with the step's int32 inputs packed into
+one buffer and uploaded in one copy. Sampling happens on the device where it can: greedy rows by an
 argmax kernel, temperature-only rows by the Gumbel-max kernel (noise from the request's seed and
 output index, so a request's tokens do not depend on its batch); rows with top-k or top-p copy
 their logits to the host sampler.
@@ -19,6 +21,7 @@ from ..checkpoint import Checkpoint
 from ..config import EngineConfig
 from ..kernels.sample import argmax, sample_gumbel
 from ..model import DeviceModel, StepInputs, activation_shapes
+from .cuda_graph import DecodeGraphs
 from .kv_cache import block_table_array, num_pages_for_memory
 from .runner import RequestSamplers
 from .scheduler import StepPlan
@@ -29,11 +32,14 @@ SEED_MASK = 0xFFFFFFFF  # the device sampler takes 32-bit seeds
 class KernelRunner:
     """Owns the device model, its KV pool and activation buffers; executes steps."""
 
-    def __init__(self, model: DeviceModel, num_pages: int, engine_config: EngineConfig):
+    def __init__(self, model: DeviceModel, num_pages: int, engine_config: EngineConfig, graphs: str = "none"):
+        """`graphs`: "capture" replays decode steps from CUDA graphs, "emulate" runs them eagerly on
+        the graphs' padded buffers (the simulator's stand-in, for tests), "none" runs every step eagerly."""
         self.model = model
         self.num_pages = num_pages
         self.max_num_seqs = engine_config.max_num_seqs
         model.allocate(num_pages, _max_step_tokens(engine_config), engine_config.max_num_seqs)
+        self.decode_graphs = None if graphs == "none" else DecodeGraphs(model, self.max_num_seqs, capture=graphs == "capture")
         self.host_samplers = RequestSamplers()
         self._seeds: dict[str, int] = {}
         self._seed_rng = np.random.default_rng()
@@ -49,7 +55,7 @@ class KernelRunner:
             num_pages = num_pages_for_memory(free - workspace, checkpoint.config, engine_config.gpu_memory_utilization)
             if num_pages < 2:
                 raise ValueError(f"not enough GPU memory for a KV cache ({free / 2**30:.1f} GiB free after the weights)")
-        return cls(model, num_pages, engine_config)
+        return cls(model, num_pages, engine_config, graphs="none" if engine_config.enforce_eager else "capture")
 
     @classmethod
     def for_simulator(cls, checkpoint: Checkpoint, engine_config: EngineConfig, num_pages: int) -> KernelRunner:
@@ -57,8 +63,10 @@ class KernelRunner:
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)
-        inputs = self._inputs(seqs)
-        logits = self.model.forward(inputs)  # (B, V) device
+        if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
+            logits = self.decode_graphs.run(seqs)  # (B, V) device
+        else:
+            logits = self.model.forward(self._inputs(seqs))  # (B, V) device
         sampling = [s.request for s in seqs if s.samples]
         return dict(zip((r.request_id for r in sampling), self._sample(sampling, logits), strict=True))
 
@@ -68,6 +76,7 @@ class KernelRunner:
 
     # ---- building the step -------------------------------------------------------------------
     def _inputs(self, seqs) -> StepInputs:
+        """The step's int32 inputs, packed on the host and uploaded in one copy; the fields are views."""
         prefill = [s for s in seqs if not s.is_decode]
         decode = [s for s in seqs if s.is_decode]
         lens = [s.num_new_tokens for s in seqs]
@@ -75,22 +84,26 @@ class KernelRunner:
         cu = np.zeros(len(prefill) + 1, np.int32)
         cu[1:] = ends[: len(prefill)]
         width = max(len(s.page_ids) for s in seqs)
-
-        def dev(a):
-            return cuda.to_device(np.ascontiguousarray(a, dtype=np.int32))
-
+        parts = {
+            "token_ids": np.fromiter((t for s in seqs for t in s.token_ids), np.int32, int(ends[-1])),
+            "positions": np.concatenate([s.positions for s in seqs]),
+            "kv_indices": np.concatenate([s.kv_indices for s in seqs]),
+            "prefill_cu_seqlens": cu,
+            "prefill_start_pos": np.array([s.start_position for s in prefill], np.int32),
+            "prefill_block_tables": block_table_array([s.page_ids for s in prefill], width),
+            "decode_block_tables": block_table_array([s.page_ids for s in decode], width),
+            "decode_context_lens": np.array([s.context_len for s in decode], np.int32),
+            "sample_rows": np.array([end - 1 for s, end in zip(seqs, ends, strict=True) if s.samples], np.int32),
+        }
+        packed = cuda.to_device(np.concatenate([a.ravel() for a in parts.values()]).astype(np.int32, copy=False))
+        views, start = {}, 0
+        for name, a in parts.items():
+            views[name] = packed[start : start + a.size].reshape(a.shape)
+            start += a.size
         return StepInputs(
-            token_ids=dev([t for s in seqs for t in s.token_ids]),
-            positions=dev(np.concatenate([s.positions for s in seqs])),
-            kv_indices=dev(np.concatenate([s.kv_indices for s in seqs])),
+            **views,
             num_prefill_tokens=int(cu[-1]),
-            prefill_cu_seqlens=dev(cu),
-            prefill_start_pos=dev([s.start_position for s in prefill]),
-            prefill_block_tables=dev(block_table_array([s.page_ids for s in prefill], width)),
             prefill_max_new_tokens=max((s.num_new_tokens for s in prefill), default=0),
-            decode_block_tables=dev(block_table_array([s.page_ids for s in decode], width)),
-            decode_context_lens=dev([s.context_len for s in decode]),
-            sample_rows=dev([end - 1 for s, end in zip(seqs, ends, strict=True) if s.samples]),
         )
 
     # ---- sampling ------------------------------------------------------------------------------

@@ -4,22 +4,41 @@ Every launcher in this package checks its arguments with `check_array` before th
 shape, dtype or a non-contiguous view is a bug in the caller, reported in one line), then calls
 `launch`, which configures the kernel at this call (the simulator aliases configured kernels, see
 `jit.py`) and turns any failure of the launch into a `KernelError` naming the kernel.
+
+Launches go to the default stream, or, inside `launching_on(stream)`, to that stream: that is how a
+whole decode step is recorded into a CUDA graph (`engine/cuda_graph.py`) without any launcher
+knowing about graphs.
 """
 
 from __future__ import annotations
+
+import contextlib
+import contextvars
 
 import numpy as np
 
 from ..errors import KernelError
 
-__all__ = ["KernelError", "check_array", "launch"]
+__all__ = ["KernelError", "check_array", "launch", "launching_on"]
+
+_stream = contextvars.ContextVar("launch_stream", default=0)  # 0: the default stream
+
+
+@contextlib.contextmanager
+def launching_on(stream):
+    """Send every `launch` in this block (this thread) to `stream`: a numba stream or a CUDA-graph builder."""
+    token = _stream.set(stream)
+    try:
+        yield
+    finally:
+        _stream.reset(token)
 
 
 def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
-    """Run `kernel[grid, block, 0, shared_bytes](*args)`; a failure names the kernel."""
+    """Run `kernel[grid, block, stream, shared_bytes](*args)`; a failure names the kernel."""
     name = getattr(getattr(kernel, "py_func", None), "__name__", None) or getattr(kernel, "__name__", repr(kernel))
     try:
-        kernel[grid, block, 0, shared_bytes](*args)
+        kernel[grid, block, _stream.get(), shared_bytes](*args)
     except Exception as e:  # a CUDA driver, compile or simulator error: say which kernel
         raise KernelError(f"{name} (grid {grid}, block {block}): {type(e).__name__}: {e}") from e
 

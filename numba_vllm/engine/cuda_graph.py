@@ -1,0 +1,162 @@
+"""Decode steps replayed from CUDA graphs: the ~200 launches of a step recorded once, replayed in one call.
+
+Why: a plain numba launch spends 25-48 us marshalling its arguments in Python, so a decode step of
+~200 launches costs 5-10 ms on the host while the GPU needs about 1 ms for it. A CUDA graph records
+the launches once (grids, blocks, argument values) and the driver replays them at ~1 us per kernel.
+
+What a graph freezes, and how each step still differs:
+- argument values, pointers included: every array a kernel reads stays at one address. The step's
+  inputs (token ids, positions, kv indices, context lengths, block tables) live in one int32 device
+  buffer per graph; each step fills its pinned host twin and uploads it with one copy, then replays.
+- shapes: the batch size B and the block-table width W are baked into grids and strides. Graphs are
+  keyed by (B, W) buckets: the batch is padded up to the next size in `batch_buckets` (a padding
+  row decodes token 0 at position 0 into slot 0 of the null page, attends to that one slot, and its
+  logits are ignored), the table width up to the next power of two pages.
+- which kernels run: only decode-only steps are replayed. A step with prefill tokens has grids that
+  depend on its chunk lengths and runs eagerly, launch by launch.
+
+A graph is made the first time its (B, W) is needed: the step runs once eagerly on the graph's own
+buffers (which compiles any kernel those shapes need, so nothing is loaded during the recording,
+and gives this step's logits), then the same `DeviceModel.forward` call is recorded through
+`kernels.launch.launching_on`. Replays are the same kernels on the same shapes as that eager run,
+so their results are identical to it.
+
+Under the simulator there is nothing to record: `capture=False` keeps everything else (buckets,
+padding, the packed buffer) and runs the step eagerly on it, so CI checks the graph path's inputs.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+from numba import cuda
+
+from ..errors import KernelError
+from ..kernels.launch import launching_on
+from ..model import DeviceModel, StepInputs
+from .kv_cache import NULL_PAGE_ID
+from .scheduler import ScheduledSequence
+
+MIN_TABLE_WIDTH = 8  # pages (128 tokens): the narrowest block table a graph is recorded with
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes graphs are recorded for: 1, 2, 4, 8, then steps of 8 up to 128, of 16 up to 256,
+    of 32 up to 512 ... (an eighth of the power of two below), capped at and including `max_num_seqs`.
+    A batch is padded by less than an eighth of its size (past 8)."""
+    sizes, n = [1, 2, 4], 8
+    while n < max_num_seqs:
+        sizes.append(n)
+        n += max(8, (1 << (n.bit_length() - 1)) // 8)
+    return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
+
+
+def table_width(num_pages: int) -> int:
+    """The block-table width (pages) a step whose longest sequence has `num_pages` pages is run with."""
+    return max(MIN_TABLE_WIDTH, 1 << (num_pages - 1).bit_length())
+
+
+class _StepGraph:
+    """One (B, W) bucket: its packed input buffer, host and device, and (once recorded) its graph.
+
+    The int32 buffer holds, in order: token ids (B,), positions (B,), kv indices (B,), context
+    lengths (B,), block tables (B, W); `inputs` are views of the device copy, so the graph reads them.
+    """
+
+    def __init__(self, batch: int, width: int, sample_rows):
+        self.batch, self.width = batch, width
+        self.host = cuda.pinned_array(4 * batch + batch * width, np.int32)  # page-locked: a fast upload
+        self.device = cuda.to_device(self.host)
+        b, d = batch, self.device
+        self.inputs = StepInputs(
+            token_ids=d[0:b],
+            positions=d[b : 2 * b],
+            kv_indices=d[2 * b : 3 * b],
+            num_prefill_tokens=0,
+            prefill_cu_seqlens=None,
+            prefill_start_pos=None,
+            prefill_block_tables=None,
+            prefill_max_new_tokens=0,
+            decode_context_lens=d[3 * b : 4 * b],
+            decode_block_tables=d[4 * b :].reshape(b, width),
+            sample_rows=sample_rows[:b],  # (B,) 0..B-1: every row samples
+        )
+        self.graph = None  # cuda.core Graph once recorded
+        self.logits = None  # (B, V) the device buffer forward writes
+
+    def upload(self, seqs: list[ScheduledSequence]) -> None:
+        """Pack the decoding sequences' inputs (padding rows after them) and copy them to the device."""
+        b, h = self.batch, self.host
+        h[: 4 * b] = 0  # padding rows: token 0, position 0, kv index 0 (null page, slot 0) ...
+        h[3 * b : 4 * b] = 1  # ... attending to that one slot
+        tables = h[4 * b :].reshape(b, self.width)
+        tables[:] = NULL_PAGE_ID
+        for row, s in enumerate(seqs):
+            h[row] = s.token_ids[0]
+            h[b + row] = s.start_position
+            h[2 * b + row] = s.kv_indices[0]
+            h[3 * b + row] = s.context_len
+            tables[row, : len(s.page_ids)] = s.page_ids
+        self.device.copy_to_device(self.host)
+
+
+class DecodeGraphs:
+    """Runs decode-only steps of up to `max_num_seqs` sequences from recorded CUDA graphs."""
+
+    def __init__(self, model: DeviceModel, max_num_seqs: int, capture: bool = True):
+        self.model = model
+        self.capture = capture
+        self.batch_sizes = batch_buckets(max_num_seqs)
+        self._sample_rows = cuda.to_device(np.arange(self.batch_sizes[-1], dtype=np.int32))
+        self._graphs: dict[tuple[int, int], _StepGraph] = {}
+        self._stream = None  # cuda.core Stream the graphs are recorded and replayed on
+
+    @property
+    def num_graphs(self) -> int:
+        return sum(g.graph is not None for g in self._graphs.values())
+
+    def handles(self, seqs: list[ScheduledSequence]) -> bool:
+        """Whether this step can be replayed: every sequence decodes one token, and the batch fits a bucket."""
+        return 0 < len(seqs) <= self.batch_sizes[-1] and all(s.is_decode for s in seqs)
+
+    def run(self, seqs: list[ScheduledSequence]):
+        """Run one decode step; returns the logits (len(seqs), V) f32 device array, row i for seqs[i]."""
+        batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(seqs))]
+        width = table_width(max(len(s.page_ids) for s in seqs))
+        step = self._graphs.get((batch, width))
+        if step is None:
+            step = self._graphs[(batch, width)] = _StepGraph(batch, width, self._sample_rows)
+        step.upload(seqs)
+        if step.graph is not None:
+            step.graph.launch(self._stream)
+        else:
+            step.logits = self.model.forward(step.inputs)  # eager: this step's result (and kernels compiled)
+            if self.capture:
+                step.graph = self._record(step)
+        return step.logits[: len(seqs)]
+
+    def _record(self, step: _StepGraph):
+        """Record `forward` on the step's buffers into a CUDA graph (nothing runs while recording)."""
+        from cuda.core import Stream
+
+        if self._stream is None:
+            self._numba_stream = cuda.stream()  # blocking: ordered with the default stream's copies and kernels
+            self._stream = Stream.from_handle(int(self._numba_stream.handle))
+        builder = self._stream.create_graph_builder()
+        try:
+            builder.begin_building("relaxed")
+            try:
+                with launching_on(builder):
+                    self.model.forward(step.inputs)
+            finally:
+                builder.end_building()
+            graph = builder.complete()
+            graph.upload(self._stream)
+        except KernelError:
+            raise
+        except Exception as e:  # a driver error while recording: say which graph
+            raise KernelError(f"CUDA graph of the decode step (batch {step.batch}, {step.width} pages): {e}") from e
+        finally:
+            builder.close()
+        return graph

@@ -1,0 +1,48 @@
+"""The CUDA-graph decode path: buckets, and its padded packed inputs run (eagerly) in the simulator.
+
+Recording needs a GPU (tests/test_engine_gpu.py replays graphs and compares with eager launches);
+here `capture=False` runs every decode step on the graphs' own buffers: batch padded to a bucket,
+block tables widened, one upload. The tokens must be NumPy's.
+"""
+
+import pytest
+from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
+
+from numba_vllm import LLM, SamplingParams
+from numba_vllm.config import ModelConfig
+from numba_vllm.engine.cuda_graph import MIN_TABLE_WIDTH, DecodeGraphs, batch_buckets, table_width
+
+
+@pytest.mark.parametrize(
+    "max_num_seqs, want",
+    [(1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (20, [1, 2, 4, 8, 16, 20]),
+     (160, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72, 80, 88, 96, 104, 112, 120, 128, 144, 160])],
+)  # fmt: skip
+def test_batch_buckets(max_num_seqs, want):
+    assert batch_buckets(max_num_seqs) == want
+
+
+def test_batch_buckets_pad_by_at_most_an_eighth_past_eight():
+    sizes = batch_buckets(512)
+    for n in range(9, 513):
+        bucket = min(b for b in sizes if b >= n)
+        assert bucket - n < max(8, n / 8), n
+
+
+@pytest.mark.parametrize("pages, want", [(1, MIN_TABLE_WIDTH), (8, 8), (9, 16), (16, 16), (17, 32), (100, 128)])
+def test_table_width(pages, want):
+    assert table_width(pages) == want
+
+
+def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tmp_path):
+    cfg = tiny_config_dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
+    path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    prompts = [[5], list(range(3, 18)), list(range(3, 20))]  # 3 sequences: bucket 4 has a padding row; 15 and 17 tokens
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = [o.token_ids for o in LLM(str(path), backend="numpy").generate(prompts, params)]
+    sim = LLM(str(path), backend="sim", max_num_seqs=4, num_pages=8)
+    runner = sim.engine.runner
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.max_num_seqs, capture=False)
+    assert [o.token_ids for o in sim.generate(prompts, params)] == want
+    assert set(runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
