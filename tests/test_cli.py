@@ -89,3 +89,13 @@ def test_no_chat_and_system_prompt(tmp_path):
     assert r.exit_code == 0 and out["prompt_token_ids"][0] != 1  # no <|im_start|>: raw text
     r = run("--system", "You answer in French.", "--max-tokens", "3", "--json", "Hi")
     assert r.exit_code == 0 and json.loads(r.stdout)["finish_reason"] in ("stop", "length")
+
+
+def test_scheduling_option(tiny_dir):
+    args = ["--model", str(tiny_dir), "--prompt-ids", "5,6,7", "--prompt-ids", "9", "--max-tokens", "3", "--ignore-eos", "--json"]
+    continuous = run(*args, "--max-num-seqs", "1")
+    static = run(*args, "--max-num-seqs", "1", "--scheduling", "static")
+    assert continuous.exit_code == 0 and static.exit_code == 0, static.output
+    assert static.stdout == continuous.stdout and len(static.stdout.splitlines()) == 2
+    r = run(*args, "--scheduling", "dynamic")
+    assert r.exit_code == 2 and "'dynamic' is not one of 'continuous', 'static'" in r.output

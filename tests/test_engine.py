@@ -88,3 +88,61 @@ def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alon
     sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=8, num_pages=24)
     outs = sim.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert [o.token_ids for o in outs] == [a[:3] for a in alone]
+
+
+# ---- static batching ---------------------------------------------------------------------------
+
+
+def run_recording_plans(engine: LLMEngine, prompts, params) -> tuple[list, list[tuple[set, set, set]]]:
+    """Run every prompt; per step, the running request ids before and after scheduling, and the
+    request ids in the step's plan."""
+    outputs = [engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    schedule, steps = engine.scheduler.schedule, []
+
+    def recording_schedule():
+        before = {r.request_id for r in engine.scheduler.running}
+        plan = schedule()
+        steps.append((before, {r.request_id for r in engine.scheduler.running}, {s.request.request_id for s in plan.sequences}))
+        return plan
+
+    engine.scheduler.schedule = recording_schedule
+    while engine.has_unfinished_requests():
+        engine.step()
+    return outputs, steps
+
+
+MIXED = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 2, 6, 1, 3)]
+
+
+def test_static_scheduling_gives_the_same_tokens_and_admits_batch_by_batch(tiny_dir):
+    def engine(scheduling):
+        return LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy", max_num_seqs=2, scheduling=scheduling))
+
+    continuous, static = engine("continuous"), engine("static")
+    c_outputs, _ = run_recording_plans(continuous, PAGE_EDGE_PROMPTS, MIXED)
+    s_outputs, steps = run_recording_plans(static, PAGE_EDGE_PROMPTS, MIXED)
+    assert [o.token_ids for o in s_outputs] == [o.token_ids for o in c_outputs]
+    assert [len(o.token_ids) for o in s_outputs] == [9, 2, 6, 1, 3]
+    batches = []
+    for before, after, scheduled in steps:
+        if before:  # a batch is running: nobody joins it
+            assert after <= before and scheduled <= before
+        elif after:
+            batches.append(sorted(after))
+    assert batches == [["r0", "r1"], ["r2", "r3"], ["r4"]] and static.scheduler.num_batches == 3
+    # Static waits for each batch's longest request (9 + 6 + 3 steps); continuous refills slots as they free.
+    assert static.num_steps == 18 > continuous.num_steps
+
+
+def test_static_scheduling_with_preemption_equals_alone(tiny_dir):
+    longer = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm = LLM(str(tiny_dir), backend="numpy", max_num_seqs=5, num_pages=4, scheduling="static")  # 3 usable pages
+    outs = llm.generate(PAGE_EDGE_PROMPTS, longer)
+    full_alone = [LLM(str(tiny_dir), backend="numpy").generate([p], longer)[0].token_ids for p in PAGE_EDGE_PROMPTS]
+    assert [o.token_ids for o in outs] == full_alone
+    assert llm.engine.num_preemptions > 0
+
+
+def test_bad_scheduling_mode_is_a_one_line_error():
+    with pytest.raises(ValueError, match="^scheduling: 'dynamic' is not one of continuous, static$"):
+        EngineConfig(scheduling="dynamic")

@@ -302,14 +302,15 @@ def engine_stops(output: list[int], num_tokens: int, max_tokens: int, max_model_
     return output[-1] % 50 == 0 or len(output) >= max_tokens or num_tokens >= max_model_len
 
 
+@pytest.mark.parametrize("scheduling", ["continuous", "static"])
 @pytest.mark.parametrize(
     "seed, num_pages, max_num_seqs, budget, max_model_len",
     [(0, 12, 4, 24, 100), (1, 7, 8, 16, 200), (2, 40, 16, 64, 128), (3, 9, 3, 7, 90), (4, 6, 5, 100, 64)],
 )
-def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max_num_seqs, budget, max_model_len):
+def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max_num_seqs, budget, max_model_len, scheduling):
     rng = np.random.default_rng(seed)
     allocator = PageAllocator(num_pages)
-    scheduler = Scheduler(max_num_seqs, budget, allocator, max_model_len)
+    scheduler = Scheduler(max_num_seqs, budget, allocator, max_model_len, scheduling=scheduling)
     model = FakeModel(num_pages)
     limit = scheduler.max_model_len
     requests: dict[str, Request] = {}
@@ -334,8 +335,11 @@ def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max
             if len(requests) >= 60:
                 break
             continue
+        running_before = {r.request_id: r.slot for r in scheduler.running}
         plan, sampled_requests = step(scheduler, model)
         num_preemptions += len(plan.preempted_request_ids)
+        if scheduling == "static":
+            check_static_admission(running_before, scheduler, plan)
         assert plan.num_batched_tokens <= budget and len(plan.sequences) <= max_num_seqs
         assert [s.slot for s in plan.sequences] == sorted({s.slot for s in plan.sequences})
         assert plan.num_free_pages == allocator.num_free_pages
@@ -355,3 +359,95 @@ def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max
             assert request.output_token_ids == expected, request.request_id
     if seed in (0, 1, 3, 4):  # small pools: preemption must have happened
         assert num_preemptions > 0
+
+
+# ---- static batching ---------------------------------------------------------------------------
+
+
+def check_static_admission(running_before: dict[str, int], scheduler: Scheduler, plan: StepPlan) -> None:
+    """Static scheduling: a step admits nobody while a batch runs; a new batch takes slots 0, 1, ..."""
+    running_after = {r.request_id: r.slot for r in scheduler.running}
+    if running_before:
+        assert running_after.items() <= running_before.items(), "admitted while a batch was running"
+        assert {s.request.request_id for s in plan.sequences} <= running_before.keys()
+    else:  # a new batch: all its prompts fit the free pages, so nobody is preempted in its first step
+        assert sorted(running_after.values()) == list(range(len(running_after)))
+        assert not plan.preempted_request_ids
+
+
+def test_static_batch_takes_its_slots_at_once_and_admits_nothing_until_it_finishes():
+    allocator = PageAllocator(64)
+    scheduler = Scheduler(max_num_seqs=3, max_num_batched_tokens=8, allocator=allocator, max_model_len=256, scheduling="static")
+    model = FakeModel(64)
+    a, b, c, d = make_request("a", 4), make_request("b", 10), make_request("c", 3), make_request("d", 2)
+    for r in (a, b, c, d):
+        scheduler.add(r)
+    plan, _ = step(scheduler, model)  # a, b, c form a batch; c holds slot 2 though the budget leaves it nothing
+    assert summary(plan) == [("a", 0, 0, 4, True), ("b", 1, 0, 4, False)]
+    assert scheduler.running == [a, b, c] and c.slot == 2 and c.page_ids == [] and list(scheduler.waiting) == [d]
+    assert scheduler.num_batches == 1
+    plan, _ = step(scheduler, model)  # the batch's prompts are prefilled in chunks under the budget
+    assert summary(plan) == [("a", 0, 4, 1, True), ("b", 1, 4, 6, True), ("c", 2, 0, 1, False)]
+    scheduler.finish(a, RequestStatus.FINISHED_STOPPED)
+    plan, _ = step(scheduler, model)  # slot 0 stays empty: d waits for the whole batch
+    assert summary(plan) == [("b", 1, 10, 1, True), ("c", 2, 1, 2, True)]
+    assert list(scheduler.waiting) == [d] and scheduler.num_free_slots == 1
+    scheduler.finish(b, RequestStatus.FINISHED_STOPPED)
+    plan, _ = step(scheduler, model)
+    assert summary(plan) == [("c", 2, 3, 1, True)] and list(scheduler.waiting) == [d]
+    scheduler.finish(c, RequestStatus.FINISHED_LENGTH)
+    plan, _ = step(scheduler, model)  # the next batch
+    assert summary(plan) == [("d", 0, 0, 2, True)] and scheduler.num_batches == 2
+
+
+def test_static_batch_is_limited_by_pages_for_all_its_prompts():
+    allocator = PageAllocator(5)  # 4 usable pages
+    scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, allocator=allocator, max_model_len=64, scheduling="static")
+    model = FakeModel(5)
+    a, b, c = make_request("a", 24), make_request("b", 24, first_token=500), make_request("c", 4)
+    for r in (a, b, c):
+        scheduler.add(r)
+    plan, _ = step(scheduler, model)  # a and b need 2 pages each: c (1 more page) waits for the next batch
+    assert summary(plan) == [("a", 0, 0, 24, True), ("b", 1, 0, 24, True)] and list(scheduler.waiting) == [c]
+    for _ in range(8):  # decode positions 24 .. 31: no new page
+        plan, _ = step(scheduler, model)
+        assert plan.preempted_request_ids == []
+    b_tokens = b.all_token_ids
+    plan, _ = step(scheduler, model)  # a needs a page for position 32: b, the newest, is preempted
+    assert summary(plan) == [("a", 0, 32, 1, True)] and plan.preempted_request_ids == ["b"]
+    assert list(scheduler.waiting) == [b, c] and b.num_computed_tokens == 0 and b.all_token_ids == b_tokens
+    plan, _ = step(scheduler, model)  # b left the batch: it and c wait for a to finish
+    assert summary(plan) == [("a", 0, 33, 1, True)] and scheduler.running == [a]
+    scheduler.finish(a, RequestStatus.FINISHED_STOPPED)
+    plan, sampled = step(scheduler, model)  # the next batch: b first (33 tokens, 3 pages), then c
+    assert summary(plan) == [("b", 0, 0, 33, True), ("c", 1, 0, 4, True)]
+    assert sampled == [b, c] and b.output_token_ids[-1] == next_token(b_tokens) and scheduler.num_batches == 2
+
+
+def test_static_needs_more_steps_than_continuous_on_mixed_lengths():
+    def run(scheduling: str) -> tuple[int, dict[str, list[int]]]:
+        scheduler = Scheduler(4, 64, PageAllocator(64), 256, scheduling=scheduling)
+        model = FakeModel(64)
+        requests = [make_request(f"{scheduling}{i}", 5 + 3 * i, max_tokens=2 if i % 2 else 20) for i in range(8)]
+        for r in requests:
+            scheduler.add(r)
+        steps = 0
+        while scheduler.has_unfinished():
+            _, sampled = step(scheduler, model)
+            steps += 1
+            for r in sampled:
+                if r.num_output_tokens >= r.sampling_params.max_tokens:
+                    scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+        return steps, [r.output_token_ids for r in requests]
+
+    continuous_steps, continuous_tokens = run("continuous")
+    static_steps, static_tokens = run("static")
+    assert static_tokens == continuous_tokens
+    # Static: two batches of 4 (each 20 steps long: its longest request). Continuous: each short
+    # request's slot is refilled 2 steps after admission, so the last long one starts at step 5.
+    assert (continuous_steps, static_steps) == (24, 40)
+
+
+def test_bad_scheduling_mode():
+    with pytest.raises(ValueError, match="scheduling must be one of continuous, static, got 'dynamic'"):
+        Scheduler(2, 8, PageAllocator(4), 16, scheduling="dynamic")

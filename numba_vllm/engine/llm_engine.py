@@ -29,7 +29,8 @@ _STATUS_OF_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestSt
 
 
 class LLMEngine:
-    """Continuous batching over batch slots and a waiting queue, with one of three runners."""
+    """Continuous (or, for comparison, static) batching over batch slots and a waiting queue, with
+    one of three runners."""
 
     def __init__(self, checkpoint: Checkpoint, engine_config: EngineConfig | None = None):
         self.checkpoint = checkpoint
@@ -55,7 +56,9 @@ class LLMEngine:
                 from .runner import NumpyRunner
 
                 self.runner = NumpyRunner(self.config, checkpoint.weights, num_pages)
-        self.scheduler = Scheduler(ec.max_num_seqs, ec.max_num_batched_tokens, PageAllocator(num_pages), max_len)
+        self.scheduler = Scheduler(
+            ec.max_num_seqs, ec.max_num_batched_tokens, PageAllocator(num_pages), max_len, scheduling=ec.scheduling
+        )
         self.max_model_len = self.scheduler.max_model_len  # may be below max_len when the cache is small
         self._builders: dict[str, OutputBuilder] = {}
         self._arrivals = itertools.count()

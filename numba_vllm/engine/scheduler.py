@@ -18,6 +18,15 @@ slot and pages, and a FIFO ``waiting`` queue. Policy, each step, under one token
    budget is prefilled in chunks over several steps (chunked prefill); only the step that reaches
    the last known token samples.
 
+Static batching (``scheduling="static"``), for comparison, is a plain batched ``generate``: when no
+request is running, a *batch* is formed from the head of the waiting queue, in FIFO order, up to
+``max_num_seqs`` requests whose known tokens (prompt, plus generated tokens for a preempted one)
+all fit the free pages together; every member takes its slot at once (slots 0, 1, ...), and its
+prompt is prefilled by rule 1 under the token budget, in chunks over several steps if need be.
+Rule 3 is off: nothing is admitted until every member has finished, so a finished member's slot
+stays empty while the longest one runs. Preemption (rule 2) works as above; a preempted member
+leaves its batch, goes to the front of the queue and is admitted first with the *next* batch.
+
 The scheduler advances requests in `update` after the step has run; stopping rules (EOS, stop
 strings, max_tokens, and `max_model_len` below) are the engine's, which calls `finish`.
 """
@@ -30,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numba_vllm.config import PAGE_SIZE
+from numba_vllm.config import PAGE_SIZE, SCHEDULING_MODES
 from numba_vllm.engine.kv_cache import PageAllocator, block_table_array, kv_indices, pages_for_tokens
 from numba_vllm.engine.request import Request, RequestStatus
 
@@ -135,11 +144,21 @@ class StepPlan:
 class Scheduler:
     """Batch slots, a FIFO waiting queue and the step policy described in the module docstring."""
 
-    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, allocator: PageAllocator, max_model_len: int) -> None:
+    def __init__(
+        self,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        allocator: PageAllocator,
+        max_model_len: int,
+        scheduling: str = "continuous",
+    ) -> None:
         limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len}
         for name, value in limits.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if scheduling not in SCHEDULING_MODES:
+            raise ValueError(f"scheduling must be one of {', '.join(SCHEDULING_MODES)}, got {scheduling!r}")
+        self.scheduling = scheduling  # "continuous" or "static" (see the module docstring)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget of one step
         self.allocator = allocator
@@ -153,6 +172,7 @@ class Scheduler:
         self._free_slots: list[int] = list(range(max_num_seqs))  # min-heap: lowest free slot first
         self._requests: dict[str, Request] = {}  # every unfinished request, by id
         self._plan_in_flight: StepPlan | None = None  # scheduled, not yet passed to update
+        self.num_batches = 0  # static scheduling: batches formed so far
 
     # ---- queries -------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -217,6 +237,9 @@ class Scheduler:
         token_budget = self.max_num_batched_tokens
         scheduled: list[ScheduledSequence] = []
         preempted: list[Request] = []
+        static = self.scheduling == "static"
+        if static and not self.running:
+            self._form_batch()  # its members run (and are prefilled) by rule 1 below
 
         # 1. Running requests, oldest first; preempting the newest when pages run out.
         i = 0
@@ -235,7 +258,8 @@ class Scheduler:
             i += 1
 
         # 2. Admit waiting requests in FIFO order, unless pages were just too scarce to keep everyone.
-        while not preempted and self.waiting and self._free_slots and token_budget > 0:
+        #    Static scheduling admits only whole batches, above.
+        while not static and not preempted and self.waiting and self._free_slots and token_budget > 0:
             request = self.waiting[0]
             num_new_tokens = min(request.num_tokens, token_budget)  # a waiting request has nothing computed
             if not self.allocator.can_allocate(pages_for_tokens(num_new_tokens)):
@@ -290,6 +314,26 @@ class Scheduler:
         return sampled_requests
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _form_batch(self) -> None:
+        """Static scheduling, with nothing running (so every page is free): admit the head of the
+        queue, FIFO, into slots 0, 1, ... while slots last and all the members' known tokens fit
+        the free pages together. Pages are allocated later, as rule 1 schedules each member's
+        tokens. The head always fits unless it outgrew the cache (then `schedule` reports a stall)."""
+        num_pages = 0
+        members = 0
+        while self.waiting and self._free_slots:
+            request = self.waiting[0]
+            num_pages += pages_for_tokens(request.num_tokens)
+            if not self.allocator.can_allocate(num_pages):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.slot = heapq.heappop(self._free_slots)
+            self.running.append(request)
+            members += 1
+        if members:
+            self.num_batches += 1
+
     def _schedule_tokens(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
         """Allocate the pages ``num_new_tokens`` more tokens need and describe the request's step."""
         start = request.num_computed_tokens
