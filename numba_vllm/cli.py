@@ -1,4 +1,5 @@
-"""The `numba-vllm` command: `run` a model on prompts, `convert` a GGUF file to a model directory.
+"""The `numba-vllm` command: `run` a model on prompts, `serve` it over HTTP, `convert` a GGUF file to a
+model directory, `bench` latency, throughput and kernels.
 
 User mistakes end in one line on stderr starting with `Error:`, never a traceback: exit status 2 for a
 bad option or argument, 1 for a model or prompt that cannot be run (bad path, corrupt checkpoint,
@@ -15,7 +16,7 @@ from pathlib import Path
 import click
 
 from .checkpoint import load_checkpoint
-from .config import BACKENDS, EngineConfig
+from .config import BACKENDS, SCHEDULING_MODES, EngineConfig
 from .engine.llm_engine import LLMEngine, prepare_backend, resolve_backend
 from .errors import KernelError
 from .sampling import SamplingParams
@@ -40,6 +41,16 @@ def engine_options(command):
         click.option("--num-pages", type=int, default=None, help="KV-cache pages of 16 tokens (default: sized from memory)."),
         click.option(
             "--gpu-memory-utilization", type=float, default=0.9, show_default=True, help="GPU memory share for the KV cache."
+        ),
+        click.option(
+            "--scheduling",
+            type=click.Choice(SCHEDULING_MODES),
+            default="continuous",
+            show_default=True,
+            help="continuous: refill free slots every step; static: admit a batch, wait until all of it finishes.",
+        ),
+        click.option(
+            "--enforce-eager", is_flag=True, help="cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs."
         ),
     ]
     for option in reversed(options):
@@ -249,6 +260,201 @@ def convert(gguf_file, out_dir):
     except (ValueError, OSError) as e:
         raise click.ClickException(str(e)) from None
     _log(f"wrote {out_dir}")
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: decode latency, offline throughput, per-kernel roofline (docs/benchmarks.md)."""
+
+
+BENCH_BACKENDS = ("cuda", "sim", "numpy")  # `auto` is not offered: a benchmark says where it runs
+
+
+def bench_options(command):
+    """Model, backend, engine settings, workload seed, --compare-hf and --json: `bench latency` and
+    `bench throughput` share them."""
+    options = [
+        click.option("--model", "-m", default=None, help="Model directory (config.json + safetensors) or .gguf file."),
+        click.option(
+            "--random-weights",
+            metavar="CONFIG_DIR",
+            default=None,
+            help="Random bf16 weights built in memory from CONFIG_DIR/config.json (nothing downloaded); "
+            "Llama 3.2 1B: tests/data/llama-3.2-1b-instruct.",
+        ),
+        click.option(
+            "--backend",
+            type=click.Choice(BENCH_BACKENDS),
+            default="cuda",
+            show_default=True,
+            help="numpy or sim: tiny smoke runs without a GPU.",
+        ),
+        click.option("--max-num-seqs", type=click.IntRange(1), default=256, show_default=True, help="Batch slots."),
+        click.option(
+            "--max-num-batched-tokens", type=click.IntRange(1), default=2048, show_default=True, help="Tokens per step."
+        ),
+        click.option(
+            "--num-pages", type=click.IntRange(2), default=None, help="KV-cache pages of 16 tokens (default: from memory)."
+        ),
+        click.option(
+            "--gpu-memory-utilization",
+            type=click.FloatRange(0, 1, min_open=True),
+            default=0.9,
+            show_default=True,
+            help="GPU memory share for the KV cache.",
+        ),
+        click.option("--enforce-eager", is_flag=True, help="cuda: no CUDA graphs for decode steps."),
+        click.option(
+            "--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the workload's lengths and token ids."
+        ),
+        click.option(
+            "--compare-hf",
+            is_flag=True,
+            help="Also run the workload on transformers' LlamaForCausalLM with the same weights (needs torch and transformers).",
+        ),
+        click.option(
+            "--json",
+            "json_path",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="Also write the result as JSON to this file.",
+        ),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def _bench_setup(backend: str, model, random_weights, compare_hf: bool, json_path):
+    """Check everything that can fail fast (JSON path, backend, transformers), then load the model."""
+    from .bench.common import LLAMA_3_2_1B_CONFIG_DIR, check_json_path, count_text, load_model
+
+    if (model is None) == (random_weights is None):
+        raise click.UsageError(
+            "give exactly one of --model PATH or --random-weights CONFIG_DIR "
+            f"(Llama 3.2 1B: --random-weights {LLAMA_3_2_1B_CONFIG_DIR})"
+        )
+    check_json_path(json_path)
+    prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
+    try:
+        resolve_backend(backend)  # no GPU: one line now, not after the model is built
+    except ValueError as e:
+        raise click.ClickException(f"{e} (--backend numpy or sim runs a small model without one)") from None
+    if compare_hf:
+        from .bench import hf
+
+        versions = hf.require(hf.device_for(backend))
+        _log(f"[hf] torch {versions['torch']}, transformers {versions['transformers']}")
+    ckpt, desc, seconds = load_model(model, random_weights)
+    _log(f"[bench] model {desc}: {count_text(ckpt.config.num_parameters())} parameters, loaded in {seconds:.1f} s")
+    return ckpt, desc
+
+
+def _bench_errors(fn):
+    """Bench commands: mistakes and unusable setups end in one `Error:` line."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except (ValueError, OSError, KernelError) as e:
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            _log("interrupted")
+            sys.exit(130)
+
+    return wrapper
+
+
+def _parse_batch_sizes(s: str) -> list[int]:
+    try:
+        sizes = [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise click.BadParameter(f"{s!r} is not a comma-separated list of integers", param_hint="--batch-sizes") from None
+    if not sizes or any(b < 1 for b in sizes):
+        raise click.BadParameter(f"{s!r}: give positive batch sizes, e.g. 1,8,32", param_hint="--batch-sizes")
+    if len(set(sizes)) != len(sizes):
+        raise click.BadParameter(f"{s!r} repeats a batch size", param_hint="--batch-sizes")
+    return sizes
+
+
+@bench.command()
+@bench_options
+@click.option("--batch-sizes", default="1,8,32", show_default=True, help="Comma-separated batch sizes.")
+@click.option("--prompt-len", type=click.IntRange(1), default=128, show_default=True, help="Prompt tokens per request.")
+@click.option("--output-len", type=click.IntRange(2), default=256, show_default=True, help="New tokens per request.")
+@click.option("--warmup-runs", type=click.IntRange(0), default=1, show_default=True,
+              help="Untimed runs of each batch size's workload before the timed one (records its CUDA graphs).")  # fmt: skip
+@click.option("--peak-bandwidth-tbs", type=click.FloatRange(0, min_open=True), default=4.24, show_default=True,
+              help="Device bandwidth (TB/s) for the batch-1 floor; 4.24 = H200 copy bandwidth.")  # fmt: skip
+@click.option("--hf-compile", is_flag=True, help="With --compare-hf: static cache + torch.compile for transformers (slow).")
+@_bench_errors
+def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_sizes, prompt_len, output_len, warmup_runs,
+            peak_bandwidth_tbs, hf_compile, **engine_args):  # fmt: skip
+    """Decode ms per token at each batch size and time to first token (greedy, EOS ignored)."""
+    from .bench.common import EngineOptions, write_json
+    from .bench.latency import format_latency, run_latency
+
+    sizes = _parse_batch_sizes(batch_sizes)
+    if hf_compile and not compare_hf:
+        raise click.UsageError("--hf-compile only applies with --compare-hf")
+    ckpt, desc = _bench_setup(backend, model, random_weights, compare_hf, json_path)
+    result = run_latency(
+        ckpt, desc, EngineOptions(backend=backend, **engine_args), batch_sizes=sizes, prompt_len=prompt_len,
+        output_len=output_len, seed=seed, peak_bandwidth_tbs=peak_bandwidth_tbs, warmup_runs=warmup_runs,
+        compare_hf=compare_hf, hf_compile=hf_compile, log=_log,
+    )  # fmt: skip
+    click.echo(format_latency(result))
+    write_json(json_path, result)
+
+
+@bench.command()
+@bench_options
+@click.option("--num-requests", type=click.IntRange(1), default=256, show_default=True, help="Requests, all submitted at once.")
+@click.option("--min-prompt-len", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--max-prompt-len", type=click.IntRange(1), default=1024, show_default=True)
+@click.option("--min-output-len", type=click.IntRange(1), default=100, show_default=True)
+@click.option("--max-output-len", type=click.IntRange(1), default=1024, show_default=True)
+@click.option("--scheduling", type=click.Choice(["both", "continuous", "static"]), default="both", show_default=True,
+              help="Run the workload under continuous batching, static batching, or both side by side.")  # fmt: skip
+@_bench_errors
+def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_requests, min_prompt_len, max_prompt_len,
+               min_output_len, max_output_len, scheduling, **engine_args):  # fmt: skip
+    """Offline throughput: requests of mixed lengths submitted at once, continuous vs static batching."""
+    from .bench.common import EngineOptions, write_json
+    from .bench.throughput import format_throughput, run_throughput
+
+    if min_prompt_len > max_prompt_len:
+        raise click.BadParameter(f"{min_prompt_len} > --max-prompt-len {max_prompt_len}", param_hint="--min-prompt-len")
+    if min_output_len > max_output_len:
+        raise click.BadParameter(f"{min_output_len} > --max-output-len {max_output_len}", param_hint="--min-output-len")
+    ckpt, desc = _bench_setup(backend, model, random_weights, compare_hf, json_path)
+    result = run_throughput(
+        ckpt, desc, EngineOptions(backend=backend, **engine_args), num_requests=num_requests, seed=seed,
+        prompt_range=(min_prompt_len, max_prompt_len), output_range=(min_output_len, max_output_len),
+        scheduling=scheduling, compare_hf=compare_hf, log=_log,
+    )  # fmt: skip
+    click.echo(format_throughput(result))
+    write_json(json_path, result)
+
+
+@bench.command()
+@click.option("--only", default=None, help="Run only the cases whose name contains this (e.g. gemv, attention).")
+@click.option("--iters", type=click.IntRange(1), default=30, show_default=True, help="Timed launches per case (median).")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the table as JSON here.")
+@_bench_errors
+def kernels(only, iters, json_path):
+    """Per-kernel roofline table on the GPU: time, GB/s or TFLOP/s, share of the measured ceiling."""
+    from .bench.common import check_json_path, write_json
+    from .bench.kernels import require_gpu, run_kernels
+
+    check_json_path(json_path)
+    require_gpu()
+    result = run_kernels(only=only, iters=iters, emit=lambda line: click.echo(line))
+    write_json(json_path, result)
 
 
 def _encode(tok, text: str, use_chat: bool, system: str | None) -> list[int]:

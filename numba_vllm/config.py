@@ -339,6 +339,7 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, RopeScaling | None]:
 
 
 BACKENDS = ("auto", "cuda", "sim", "numpy")
+SCHEDULING_MODES = ("continuous", "static")
 
 
 @dataclass(frozen=True)
@@ -352,10 +353,14 @@ class EngineConfig:
     num_pages: int | None = None  # KV-cache pages (PAGE_SIZE tokens each, page 0 reserved); None: sized
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take (cuda)
     verbose: bool = False  # print each step's slots and free pages
+    enforce_eager: bool = False  # cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs
+    scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.scheduling not in SCHEDULING_MODES:
+            raise ConfigError(f"scheduling: {self.scheduling!r} is not one of {', '.join(SCHEDULING_MODES)}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -1,4 +1,4 @@
-"""Benchmark cases for the attention kernels (paged decode, paged causal prefill), for kernels.py.
+"""Benchmark cases for the attention kernels (paged decode, paged causal prefill), for `numba-vllm bench kernels`.
 
 Shapes are Llama 3.2 1B's attention (32 query heads, 8 kv heads, head dim 64) over a bf16 paged
 KV cache whose pages are a random permutation of the pool, as after a while of serving.
@@ -15,21 +15,13 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from numba_vllm.bf16 import bf16_from_bits, upload_bf16
-from numba_vllm.config import PAGE_SIZE
-from numba_vllm.kernels.decode_attention import decode_attention
-from numba_vllm.kernels.prefill_attention import prefill_attention
+from ..bf16 import bf16_from_bits, upload_bf16
+from ..config import PAGE_SIZE
+from ..kernels.decode_attention import decode_attention
+from ..kernels.prefill_attention import prefill_attention
+from .kernels import torch_or_none
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64  # Llama 3.2 1B
-
-
-def _torch():
-    try:
-        import torch
-
-        return torch if torch.cuda.is_available() else None
-    except ImportError:
-        return None
 
 
 def _random_cache(rng, seq_lens):
@@ -52,11 +44,13 @@ def _random_cache(rng, seq_lens):
 
 def _gathered_torch(torch, k_cache, v_cache, block_tables, seq_len):
     """K/V of each sequence contiguous, (S, KVH, seq_len, HD) bf16 torch tensors (all of one length)."""
+
     def gather(cache):
         pool = torch.as_tensor(cache.view(np.uint16), device="cuda").view(torch.bfloat16)
         idx = torch.as_tensor(block_tables, device="cuda").long()  # (S, pages)
         seq = pool[idx].flatten(1, 2)[:, :seq_len]  # (S, seq_len, KVH, HD)
         return seq.transpose(1, 2).contiguous()
+
     return gather(k_cache), gather(v_cache)
 
 
@@ -73,7 +67,7 @@ def decode_case(batch: int, context: int, seed: int = 0) -> dict:
         decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
 
     torch_run = None
-    torch = _torch()
+    torch = torch_or_none()
     if torch is not None:
         kt, vt = _gathered_torch(torch, k_cache, v_cache, tables, context)
         qt = torch.randn(batch, NUM_HEADS, 1, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
@@ -107,7 +101,7 @@ def prefill_case(num_seqs: int, prompt: int, seed: int = 0) -> dict:
         prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, out, max_new_tokens=prompt)
 
     torch_run = None
-    torch = _torch()
+    torch = torch_or_none()
     if torch is not None:
         kt, vt = _gathered_torch(torch, k_cache, v_cache, tables, prompt)
         qt = torch.randn(num_seqs, NUM_HEADS, prompt, HEAD_DIM, device="cuda", dtype=torch.bfloat16)

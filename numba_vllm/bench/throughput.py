@@ -1,0 +1,248 @@
+"""Throughput: the standard offline workload, under continuous and under static scheduling.
+
+`--num-requests` requests (default 256) drawn from one generator seeded with `--seed`: prompt lengths
+uniform in [--min-prompt-len, --max-prompt-len], output lengths uniform in [--min-output-len,
+--max-output-len] (default [100, 1024] both), prompt token ids uniform in [0, 10000), greedy, EOS
+ignored (every request generates exactly its output length). All requests are submitted at once and
+the engine is stepped until every one has finished; each step is timed (`LLMEngine.step()` returns
+with the tokens on the host).
+
+Each scheduling mode gets a fresh engine (the weights uploaded again, the cache allocated again: the
+load time is reported) and a warm-up (kernel compilation, reported apart). Figures:
+output tokens/s = generated tokens / wall time of the run, prefill included; total tokens/s counts
+prompt tokens too; steps and preemptions (requests that lost their pages and were recomputed); the
+median step; peak device memory in use (the driver's total - free, sampled every 10 steps: the KV
+cache is allocated up front, so this is mostly its size, set by --gpu-memory-utilization or
+--num-pages).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..checkpoint import Checkpoint
+from ..sampling import SamplingParams
+from .common import (
+    BenchError,
+    DeviceMemory,
+    EngineOptions,
+    Log,
+    build_engine,
+    check_length,
+    count_text,
+    environment,
+    format_table,
+    log_stderr,
+    ms_stats,
+    random_token_ids,
+    ratio,
+    release_device_memory,
+    synchronize,
+    warm_up,
+)
+
+SCHEDULING_CHOICES = ("both", "continuous", "static")
+
+
+@dataclass
+class Workload:
+    """Requests of the offline benchmark: prompt token ids and the exact number of tokens to generate."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+    @property
+    def max_len(self) -> int:
+        return max(len(p) + n for p, n in zip(self.prompts, self.output_lens, strict=True))
+
+
+def offline_workload(num_requests: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+                     vocab_size: int) -> Workload:  # fmt: skip
+    """Lengths first (prompt, then output, `num_requests` each), then each prompt's ids, from one
+    generator seeded with `seed`."""
+    for name, (lo, hi) in (("prompt", prompt_range), ("output", output_range)):
+        if lo < 1 or hi < lo:
+            raise BenchError(f"{name} lengths: need 1 <= min <= max, got [{lo}, {hi}]")
+    if num_requests < 1:
+        raise BenchError(f"number of requests must be >= 1, got {num_requests}")
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
+    output_lens = rng.integers(output_range[0], output_range[1] + 1, num_requests)
+    prompts = [random_token_ids(rng, p, vocab_size) for p in prompt_lens]
+    return Workload(prompts, [int(n) for n in output_lens])
+
+
+def run_throughput(
+    ckpt: Checkpoint,
+    model_desc: str,
+    options: EngineOptions,
+    num_requests: int = 256,
+    seed: int = 0,
+    prompt_range: tuple[int, int] = (100, 1024),
+    output_range: tuple[int, int] = (100, 1024),
+    scheduling: str = "both",
+    compare_hf: bool = False,
+    log: Log = log_stderr,
+) -> dict:
+    """Run the offline workload under each scheduling mode asked for; returns the JSON-ready result."""
+    if scheduling not in SCHEDULING_CHOICES:
+        raise BenchError(f"scheduling must be one of {', '.join(SCHEDULING_CHOICES)}, got {scheduling!r}")
+    modes = ["continuous", "static"] if scheduling == "both" else [scheduling]
+    config = ckpt.config
+    workload = offline_workload(num_requests, seed, prompt_range, output_range, config.vocab_size)
+    max_model_len = prompt_range[1] + output_range[1] + 1
+    check_length(config, max_model_len, f"prompts up to {prompt_range[1]} tokens + outputs up to {output_range[1]}")
+    for mode in modes:  # a mode the engine lacks fails now, before any run
+        options.engine_config(max_model_len, scheduling=mode)
+
+    runs, env, backend = {}, None, options.backend
+    for mode in modes:
+        log(f"[throughput] {mode} scheduling: {workload.num_requests} requests, {workload.prompt_tokens} prompt tokens, "
+            f"{workload.output_tokens} output tokens")  # fmt: skip
+        run, backend = _run_engine(ckpt, options, workload, max_model_len, mode, log)
+        env = env or environment(backend)
+        runs[mode] = run
+        log(f"[throughput] {mode}: {run['output_tokens_per_s']:.1f} output tokens/s, {run['steps']} steps, "
+            f"{run['preemptions']} preemptions")  # fmt: skip
+    result = {
+        "benchmark": "throughput",
+        "model": model_desc,
+        "num_parameters": config.num_parameters(),
+        "backend": backend,
+        "environment": env,
+        "engine": {**options.to_dict(), "max_model_len": max_model_len},
+        "workload": {
+            "num_requests": workload.num_requests,
+            "seed": seed,
+            "prompt_len_range": list(prompt_range),
+            "output_len_range": list(output_range),
+            "prompt_tokens": workload.prompt_tokens,
+            "output_tokens": workload.output_tokens,
+            "token_ids": f"uniform in [0, {min(10000, config.vocab_size)})",
+            "sampling": "greedy, ignore_eos, all requests submitted at once",
+        },
+        "runs": runs,
+    }
+    if "continuous" in runs and "static" in runs:
+        result["continuous_vs_static"] = ratio(runs["continuous"]["output_tokens_per_s"], runs["static"]["output_tokens_per_s"])
+    if compare_hf:
+        from . import hf
+
+        hf_run = hf.run_throughput(ckpt, hf.device_for(backend), workload.prompts, workload.output_lens, log=log)
+        result["hf"] = hf_run
+        for run in runs.values():
+            run["ratio_vs_hf"] = ratio(run["output_tokens_per_s"], hf_run["output_tokens_per_s"])
+    return result
+
+
+def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len: int, mode: str, log: Log):
+    engine, load_s = build_engine(ckpt, options.engine_config(max_model_len, scheduling=mode))
+    backend = engine.backend
+    try:
+        warmup_s = warm_up(engine, min(64, max(len(p) for p in workload.prompts)))
+        memory = DeviceMemory(backend)
+        memory.sample()
+        outs = [
+            engine.add_request(f"req-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+            for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
+        ]
+        steps0, preempt0 = engine.num_steps, engine.num_preemptions
+        step_times = []
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            s = time.perf_counter()
+            engine.step()
+            step_times.append(time.perf_counter() - s)
+            if len(step_times) % 10 == 0:
+                memory.sample()
+        synchronize(backend)
+        elapsed = time.perf_counter() - t0
+        memory.sample()
+        steps, preemptions = engine.num_steps - steps0, engine.num_preemptions - preempt0
+        num_pages = engine.scheduler.allocator.num_pages
+    finally:
+        del engine
+        release_device_memory(backend)
+    for o, n in zip(outs, workload.output_lens, strict=True):
+        if len(o.token_ids) != n or o.finish_reason != "length":
+            raise BenchError(f"request {o.request_id} ended with {len(o.token_ids)} tokens ({o.finish_reason}), expected {n}")
+    generated = sum(len(o.token_ids) for o in outs)
+    return {
+        "scheduling": mode,
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "elapsed_s": elapsed,
+        "prompt_tokens": workload.prompt_tokens,
+        "output_tokens": generated,
+        "output_tokens_per_s": generated / elapsed,
+        "total_tokens_per_s": (generated + workload.prompt_tokens) / elapsed,
+        "requests_per_s": workload.num_requests / elapsed,
+        "steps": steps,
+        "preemptions": preemptions,
+        "median_step_ms": ms_stats(step_times)["median_ms"],
+        "p90_step_ms": ms_stats(step_times)["p90_ms"],
+        "num_pages": num_pages,
+        "peak_device_memory_GiB": memory.peak_gib,
+    }, backend
+
+
+ROWS = [  # (label, key in a run)
+    ("requests", None),
+    ("output tokens", "output_tokens"),
+    ("elapsed s", "elapsed_s"),
+    ("output tokens/s", "output_tokens_per_s"),
+    ("total tokens/s", "total_tokens_per_s"),
+    ("steps", "steps"),
+    ("preemptions", "preemptions"),
+    ("median step ms", "median_step_ms"),
+    ("load s", "load_s"),
+    ("warm-up s (compile)", "warmup_s"),
+    ("peak device memory GiB", "peak_device_memory_GiB"),
+]
+
+
+def format_throughput(result: dict) -> str:
+    """The printed report: one column per scheduling mode (and transformers with --compare-hf)."""
+    w = result["workload"]
+    runs = result["runs"]
+    hf = result.get("hf")
+    columns = [(mode, runs[mode]) for mode in runs] + ([("transformers", hf)] if hf is not None else [])
+    rows = []
+    for label, key in ROWS:
+        if key is None:
+            rows.append([label] + [str(w["num_requests"])] * len(columns))
+        else:
+            rows.append([label] + [col.get(key) for _, col in columns])
+    if hf is not None:
+        rows.append(["ours / transformers"] + [runs[m].get("ratio_vs_hf") for m in runs] + ["1.00"])
+    lines = [
+        f"throughput: {result['model']} ({count_text(result['num_parameters'])} parameters), backend {result['backend']} "
+        f"({result['environment']['device']})",
+        f"{w['num_requests']} requests, prompts {w['prompt_len_range'][0]}-{w['prompt_len_range'][1]} tokens "
+        f"({w['prompt_tokens']} in all), outputs {w['output_len_range'][0]}-{w['output_len_range'][1]} tokens "
+        f"({w['output_tokens']} in all), seed {w['seed']}, greedy, EOS ignored, all submitted at once",
+        "",
+        format_table(["", *[name for name, _ in columns]], rows),
+    ]
+    if result.get("continuous_vs_static") is not None:
+        lines += ["", f"continuous / static output tokens/s: {result['continuous_vs_static']:.2f}x"]
+    if hf is not None:
+        lines.append(f"transformers: {hf['description']}")
+        if hf.get("note"):
+            lines.append(f"note: {hf['note']}")
+    return "\n".join(lines)

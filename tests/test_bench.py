@@ -1,0 +1,186 @@
+"""`numba-vllm bench`: latency and throughput smoke runs on the NumPy backend with a tiny random
+Llama (through click's CliRunner, JSON checked), and one-line errors for bad options, a missing GPU
+and a missing transformers."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from tiny_llama import tiny_config_dict
+
+from numba_vllm.bench.common import format_table, weight_bytes_per_decode_step
+from numba_vllm.bench.throughput import offline_workload
+from numba_vllm.cli import main
+from numba_vllm.config import ModelConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def config_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_config")
+    (path / "config.json").write_text(json.dumps(tiny_config_dict()))
+    return path
+
+
+def bench(*args):
+    return CliRunner().invoke(main, ["bench", *args])
+
+
+def test_latency_smoke_on_numpy(config_dir, tmp_path):
+    out = tmp_path / "latency.json"
+    r = bench("latency", "--random-weights", str(config_dir), "--backend", "numpy", "--batch-sizes", "1,3",
+              "--prompt-len", "9", "--output-len", "5", "--num-pages", "64", "--json", str(out))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "decode ms/step" in r.stdout and "batch-1 floor" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["benchmark"] == "latency" and res["backend"] == "numpy"
+    assert res["workload"]["batch_sizes"] == [1, 3] and res["workload"]["prompt_len"] == 9
+    assert [row["batch_size"] for row in res["results"]] == [1, 3]
+    for row in res["results"]:
+        assert row["output_tokens"] == row["batch_size"] * 5
+        assert row["decode_steps"] == 4  # one prefill step gives the first token, then 4 decode steps
+        assert row["preemptions"] == 0
+        assert 0 < row["ttft_ms"] and 0 < row["decode_ms_median"] <= row["decode_ms_p90"]
+        assert row["decode_tokens_per_s"] == pytest.approx(row["batch_size"] / (row["decode_ms_median"] / 1e3))
+    config = ModelConfig.from_dir(config_dir)
+    assert res["weight_bytes"] == weight_bytes_per_decode_step(config) == 2 * config.num_parameters()
+    assert res["batch1_floor_ms"] == pytest.approx(res["weight_bytes"] / 4.24e12 * 1e3)
+    assert res["batch1_ratio_to_floor"] == pytest.approx(res["results"][0]["decode_ms_median"] / res["batch1_floor_ms"])
+    assert res["load_s"] >= 0 and res["warmup_s"] > 0 and "hf" not in res
+
+
+def test_throughput_smoke_on_numpy_both_schedulers(config_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    r = bench("throughput", "--random-weights", str(config_dir), "--backend", "numpy", "--num-requests", "7",
+              "--min-prompt-len", "3", "--max-prompt-len", "20", "--min-output-len", "2", "--max-output-len", "9",
+              "--max-num-seqs", "4", "--seed", "3", "--json", str(out))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "continuous" in r.stdout and "static" in r.stdout and "output tokens/s" in r.stdout
+    res = json.loads(out.read_text())
+    want = offline_workload(7, 3, (3, 20), (2, 9), vocab_size=128)
+    assert res["workload"]["num_requests"] == 7
+    assert res["workload"]["prompt_tokens"] == want.prompt_tokens
+    assert res["workload"]["output_tokens"] == want.output_tokens == sum(want.output_lens)
+    assert set(res["runs"]) == {"continuous", "static"}
+    for mode, run in res["runs"].items():
+        assert run["scheduling"] == mode
+        assert run["output_tokens"] == want.output_tokens  # every request generated exactly its length
+        assert run["prompt_tokens"] == want.prompt_tokens
+        assert run["output_tokens_per_s"] == pytest.approx(run["output_tokens"] / run["elapsed_s"])
+        assert run["total_tokens_per_s"] == pytest.approx((run["output_tokens"] + run["prompt_tokens"]) / run["elapsed_s"])
+        assert run["steps"] >= max(want.output_lens) and run["preemptions"] >= 0 and run["median_step_ms"] > 0
+        assert run["peak_device_memory_GiB"] is None  # no device on the numpy backend
+    # static batching waits for a batch's longest request before admitting anyone: never fewer steps
+    assert res["runs"]["static"]["steps"] >= res["runs"]["continuous"]["steps"]
+    assert res["continuous_vs_static"] == pytest.approx(
+        res["runs"]["continuous"]["output_tokens_per_s"] / res["runs"]["static"]["output_tokens_per_s"]
+    )
+
+
+def test_throughput_one_scheduling_mode(config_dir):
+    r = bench("throughput", "--random-weights", str(config_dir), "--backend", "numpy", "--num-requests", "3",
+              "--min-prompt-len", "4", "--max-prompt-len", "6", "--min-output-len", "2", "--max-output-len", "3",
+              "--scheduling", "static")  # fmt: skip
+    assert r.exit_code == 0, r.output
+    header = next(line for line in r.stdout.splitlines() if "static" in line and "requests" not in line)
+    assert "continuous" not in header
+
+
+def test_workload_is_seeded_and_in_range():
+    a = offline_workload(50, 0, (100, 1024), (100, 1024), vocab_size=128256)
+    b = offline_workload(50, 0, (100, 1024), (100, 1024), vocab_size=128256)
+    assert a == b and a != offline_workload(50, 1, (100, 1024), (100, 1024), vocab_size=128256)
+    assert all(100 <= len(p) <= 1024 for p in a.prompts) and all(100 <= n <= 1024 for n in a.output_lens)
+    assert all(0 <= t < 10000 for p in a.prompts for t in p)
+    assert all(0 <= t < 50 for p in offline_workload(5, 0, (10, 20), (1, 2), vocab_size=50).prompts for t in p)
+
+
+def test_compare_hf_without_transformers_is_a_clear_error(config_dir, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch", None)  # `import torch` now raises ImportError
+    for command in ("latency", "throughput"):
+        r = bench(command, "--random-weights", str(config_dir), "--backend", "numpy", "--compare-hf")
+        assert r.exit_code == 1, r.output
+        assert "--compare-hf needs torch and transformers" in r.output and "Traceback" not in r.output
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["latency", "--backend", "numpy"], "give exactly one of --model PATH or --random-weights CONFIG_DIR"),
+        (["latency", "--batch-sizes", "1,x"], "is not a comma-separated list of integers"),
+        (["latency", "--batch-sizes", "2,2"], "repeats a batch size"),
+        (["latency", "--batch-sizes", "1,300"], "batch size 300 is above --max-num-seqs 256"),
+        (["latency", "--output-len", "1"], "1 is not in the range x>=2"),
+        (["latency", "--prompt-len", "200"], "need 457 positions; the model has max_position_embeddings 256"),
+        (["latency", "--hf-compile"], "--hf-compile only applies with --compare-hf"),
+        (["latency", "--peak-bandwidth-tbs", "0"], "is not in the range x>0"),
+        (["throughput", "--min-output-len", "20", "--max-output-len", "10"], "20 > --max-output-len 10"),
+        (["throughput"], "need 2049 positions; the model has max_position_embeddings 256"),
+        (["throughput", "--json", "/no/such/dir/out.json"], "no such directory"),
+        (["throughput", "--scheduling", "dynamic"], "'dynamic' is not one of"),
+        (["latency", "--backend", "cuda"], "backend 'cuda'"),
+    ],
+)
+def test_bad_options_are_one_line_errors(config_dir, args, message):
+    command, rest = args[0], args[1:]
+    base = [] if "--backend" in rest and "numpy" in rest else ["--random-weights", str(config_dir)]
+    if "--backend" not in rest:
+        base += ["--backend", "numpy"]
+    r = bench(command, *base, *rest)
+    assert r.exit_code != 0 and message in r.output, r.output
+    assert "Traceback" not in r.output
+
+
+def test_kernels_without_a_gpu_is_a_clear_error():
+    r = bench("kernels")
+    assert r.exit_code == 1 and "the kernel benchmark needs an NVIDIA GPU" in r.output, r.output
+
+
+def test_weight_bytes_count_the_head_not_an_untied_embedding():
+    tied = ModelConfig.from_dict(tiny_config_dict())
+    untied = ModelConfig.from_dict(tiny_config_dict(tie_word_embeddings=False))
+    assert weight_bytes_per_decode_step(tied) == 2 * tied.num_parameters()
+    assert weight_bytes_per_decode_step(untied) == 2 * (untied.num_parameters() - untied.vocab_size * untied.hidden_size)
+    assert weight_bytes_per_decode_step(untied) == weight_bytes_per_decode_step(tied)
+
+
+def test_format_table_aligns_columns():
+    text = format_table(["", "a", "bb"], [["x", 1.5, None], ["longer", 1234.5, 3]])
+    lines = text.splitlines()
+    assert lines[0].rstrip().endswith("bb") and lines[2].split() == ["x", "1.50", "-"]
+    assert lines[3].split() == ["longer", "1,234.50", "3"] and len({len(line) for line in lines}) == 1
+
+
+@pytest.mark.parametrize("script", ["engine.py", "kernels.py"])
+def test_benchmark_scripts_are_the_bench_commands(script):
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert ("--num-requests" in r.stdout) if script == "engine.py" else ("--iters" in r.stdout)
+
+
+def test_hf_model_has_the_checkpoints_weights(config_dir, tmp_path):
+    """The transformers peer computes the same logits as the NumPy reference (float32, both ties)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from numba_vllm.bench import hf
+    from numba_vllm.checkpoint import random_checkpoint
+    from numba_vllm.reference import KVCache, ReferenceModel
+
+    for tied in (True, False):
+        d = tmp_path / f"tied_{tied}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps(tiny_config_dict(tie_word_embeddings=tied)))
+        ckpt = random_checkpoint(d)
+        model, _ = hf.build_model(ckpt, "cpu")
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+        ids = np.arange(3, 40) % ckpt.config.vocab_size
+        want = ReferenceModel(ckpt.config, ckpt.weights).forward(ids, 0, KVCache(ckpt.config, 64), all_logits=True)
+        with torch.no_grad():
+            got = model.float()(torch.tensor(ids[None])).logits[0].numpy()
+        np.testing.assert_allclose(got, want, atol=1e-4)
