@@ -1,128 +1,18 @@
-"""Benchmark cases for the matrix products (gemv.py, gemm.py), timed by benchmarks/kernels.py.
+"""gemv, gemm and the tensor-core gemm_tc timed alone, plus their crossover at M = 8..128 (where
+`numba_vllm/kernels/matmul.py` switches). Needs an NVIDIA GPU.
 
-    python benchmarks/kernels.py --only gemv       # the lead's harness: CUPTI kernel time, L2 flushed
-    python benchmarks/bench_matmul.py               # this file alone: same timing, plus gemv/gemm crossover
+    python benchmarks/bench_matmul.py
 
-Shapes are Llama 3.2 1B's (hidden 2048, MLP 8192, vocabulary 128256): W (N, K) = 2048x2048
-(q/o_proj), 8192x2048 (gate/up), 2048x8192 (down_proj), 128256x2048 (the head), at batch 1, 8 and
-32 for gemv, and one prefill-sized product for gemm (M = 4096 tokens). ``bytes`` is the least a
-kernel must move: the weights once, x once, out once. ``flops`` = 2 M N K.
-
-The torch comparison does the nearest op torch has: ``F.linear`` on bf16 activations and bf16
-weights for gemv (same weight bytes, cuBLAS picks its GEMV), and float32 x float32 for gemm (cuBLAS
-SGEMM, the same FMA units our kernel uses; torch's bf16 tensor-core rate is the harness's ceiling).
+The cases and their timing are `numba_vllm/bench/matmul_cases.py`; the roofline table over every
+kernel is `numba-vllm bench kernels` (`--only gemm` for these).
 """
-
-from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-import numpy as np
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from numba import cuda
-
-from numba_vllm.bf16 import BF16, upload_bf16
-from numba_vllm.kernels.gemm import gemm
-from numba_vllm.kernels.gemv import gemv
-
-WEIGHT_SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048), (128256, 2048)]  # (N, K)
-GEMV_BATCHES = [1, 8, 32]
-GEMM_SHAPE = (4096, 8192, 2048)  # (M, N, K)
-CROSSOVER_SHAPE = (8192, 2048)  # (N, K) for gemv vs gemm at M = 8..64
-CROSSOVER_TOKENS = [8, 16, 32, 64]
-_WEIGHTS: dict = {}  # (N, K) -> (host bf16, device bf16): one upload per weight shape
-
-
-def _torch():
-    try:
-        import torch
-
-        return torch if torch.cuda.is_available() else None
-    except ImportError:
-        return None
-
-
-class _Operands:
-    """Device arrays for one product, random values; weights shared between cases of one shape."""
-
-    def __init__(self, m: int, n: int, k: int, seed: int):
-        rng = np.random.default_rng(seed)
-        if (n, k) not in _WEIGHTS:
-            w = (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(BF16)
-            _WEIGHTS[(n, k)] = (w, upload_bf16(w))
-        self.w_host, self.w = _WEIGHTS[(n, k)]  # (N, K) bf16
-        self.x_host = rng.standard_normal((m, k), dtype=np.float32)
-        self.x = cuda.to_device(self.x_host)  # (M, K) f32
-        self.out = cuda.to_device(np.zeros((m, n), np.float32))  # (M, N) f32
-
-
-def _torch_linear(torch, ops: _Operands, dtype):
-    """A zero-arg callable computing the same product in torch with `dtype` operands."""
-    x = torch.from_numpy(ops.x_host).to("cuda", dtype)
-    w = torch.from_numpy(ops.w_host.view(np.int16)).to("cuda").view(torch.bfloat16).to(dtype)
-    out = torch.empty((x.shape[0], w.shape[0]), device="cuda", dtype=dtype)
-    return lambda: torch.matmul(x, w.T, out=out)
-
-
-def _case(name: str, launcher, m: int, n: int, k: int, torch, torch_dtype, seed: int) -> dict:
-    ops = _Operands(m, n, k, seed)
-    return {
-        "name": name,
-        "shape": f"M={m} N={n} K={k}",
-        "run": lambda: launcher(ops.x, ops.w, ops.out),
-        "bytes": n * k * 2 + m * k * 4 + m * n * 4,
-        "flops": 2 * m * n * k,
-        "torch": None if torch is None else _torch_linear(torch, ops, torch_dtype),
-    }
-
-
-def cases() -> list[dict]:
-    """gemv at batch 1/8/32 on the four weight shapes, and gemm at M=4096, N=8192, K=2048."""
-    torch = _torch()
-    bf16 = None if torch is None else torch.bfloat16
-    f32 = None if torch is None else torch.float32
-    out = []
-    for n, k in WEIGHT_SHAPES:
-        for m in GEMV_BATCHES:
-            out.append(_case(f"gemv_b{m}", gemv, m, n, k, torch, bf16, seed=n + k + m))
-    m, n, k = GEMM_SHAPE
-    out.append(_case("gemm", gemm, m, n, k, torch, f32, seed=1))
-    return out
-
-
-def crossover_cases() -> list[dict]:
-    """gemv and gemm on one weight shape at M = 8..64: where matmul.GEMV_MAX_TOKENS should sit."""
-    n, k = CROSSOVER_SHAPE
-    out = []
-    for m in CROSSOVER_TOKENS:
-        out.append(_case(f"x_gemv_b{m}", gemv, m, n, k, None, None, seed=m))
-        out.append(_case(f"x_gemm_b{m}", gemm, m, n, k, None, None, seed=m))
-    return out
-
-
-def main() -> None:
-    import kernels  # the harness beside this file
-
-    torch = _torch()
-    flush = kernels.L2Flusher()
-    for case in cases() + crossover_cases():
-        for _ in range(3):
-            case["run"]()
-        cuda.synchronize()
-        if torch is not None:
-            t = kernels.kernel_times_cupti(torch, case["run"], flush, 20)
-        else:
-            t = kernels.kernel_times_events(case["run"], flush, 20)
-        t_torch = kernels.torch_time(torch, case["torch"], flush, 20) if case["torch"] and torch else None
-        print(
-            f"{case['name']:<12} {case['shape']:<26} {t * 1e6:9.1f} us {case['bytes'] / t / 1e9:7.0f} GB/s "
-            f"{case['flops'] / t / 1e12:6.2f} TFLOP/s" + ("" if t_torch is None else f"   torch {t_torch * 1e6:8.1f} us"),
-            flush=True,
-        )
-
+from numba_vllm.bench.matmul_cases import main  # noqa: E402
 
 if __name__ == "__main__":
     main()

@@ -1,16 +1,18 @@
-"""Benchmark cases for the matrix products (gemv.py, gemm.py), timed by `numba-vllm bench kernels`.
+"""Benchmark cases for the matrix products (gemv.py, gemm.py, gemm_tc.py), timed by `numba-vllm bench kernels`.
 
     numba-vllm bench kernels --only gemv           # the harness (kernels.py): CUPTI kernel time, L2 flushed
     python benchmarks/bench_matmul.py               # `main` below: same timing, plus the gemv/gemm crossover
 
 Shapes are Llama 3.2 1B's (hidden 2048, MLP 8192, vocabulary 128256): W (N, K) = 2048x2048
 (q/o_proj), 8192x2048 (gate/up), 2048x8192 (down_proj), 128256x2048 (the head), at batch 1, 8 and
-32 for gemv, and one prefill-sized product for gemm (M = 4096 tokens). ``bytes`` is the least a
+32 for gemv, one prefill-sized product for gemm and gemm_tc (M = 4096 tokens), and gemm_tc at 128,
+256 and 512 rows on every weight shape. ``bytes`` is the least a
 kernel must move: the weights once, x once, out once. ``flops`` = 2 M N K.
 
 The torch comparison does the nearest op torch has: ``F.linear`` on bf16 activations and bf16
-weights for gemv (same weight bytes, cuBLAS picks its GEMV), and float32 x float32 for gemm (cuBLAS
-SGEMM, the same FMA units our kernel uses; torch's bf16 tensor-core rate is the harness's ceiling).
+weights for gemv and gemm_tc (same weight bytes; cuBLAS picks its GEMV, or its tensor-core GEMM,
+which skips the fp32 -> bf16 rounding of x that gemm_tc does in-kernel), and float32 x float32 for
+gemm (cuBLAS SGEMM, the same FMA units our kernel uses).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from numba import cuda
 
 from ..bf16 import BF16, upload_bf16
 from ..kernels.gemm import gemm
+from ..kernels.gemm_tc import gemm_tc
 from ..kernels.gemv import gemv
 from .kernels import torch_or_none
 
@@ -27,7 +30,8 @@ WEIGHT_SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048), (128256, 2048)]  # (N
 GEMV_BATCHES = [1, 8, 32]
 GEMM_SHAPE = (4096, 8192, 2048)  # (M, N, K)
 CROSSOVER_SHAPE = (8192, 2048)  # (N, K) for gemv vs gemm at M = 8..64
-CROSSOVER_TOKENS = [8, 16, 32, 64]
+CROSSOVER_TOKENS = [8, 16, 32, 64, 128]
+TC_TOKENS = [128, 256, 512]  # gemm_tc rows on the weight shapes: decode batches past gemv, a short prefill
 _WEIGHTS: dict = {}  # (N, K) -> (host bf16, device bf16): one upload per weight shape
 
 
@@ -66,7 +70,8 @@ def _case(name: str, launcher, m: int, n: int, k: int, torch, torch_dtype, seed:
 
 
 def cases() -> list[dict]:
-    """gemv at batch 1/8/32 on the four weight shapes, and gemm at M=4096, N=8192, K=2048."""
+    """gemv at batch 1/8/32 on the four weight shapes; gemm and gemm_tc at M=4096, N=8192, K=2048;
+    gemm_tc at M = 128 and 256 (large decode batches) and 512 (a short prefill) on the weight shapes."""
     torch = torch_or_none()
     bf16 = None if torch is None else torch.bfloat16
     f32 = None if torch is None else torch.float32
@@ -76,16 +81,21 @@ def cases() -> list[dict]:
             out.append(_case(f"gemv_b{m}", gemv, m, n, k, torch, bf16, seed=n + k + m))
     m, n, k = GEMM_SHAPE
     out.append(_case("gemm", gemm, m, n, k, torch, f32, seed=1))
+    out.append(_case("gemm_tc", gemm_tc, m, n, k, torch, bf16, seed=1))
+    for n, k in WEIGHT_SHAPES:
+        for m in TC_TOKENS:
+            out.append(_case(f"gemm_tc_m{m}", gemm_tc, m, n, k, torch, bf16, seed=n + k + m))
     return out
 
 
 def crossover_cases() -> list[dict]:
-    """gemv and gemm on one weight shape at M = 8..64: where matmul.GEMV_MAX_TOKENS should sit."""
+    """gemv, gemm and gemm_tc on one weight shape at M = 8..128: where matmul.GEMV_MAX_TOKENS should sit."""
     n, k = CROSSOVER_SHAPE
     out = []
     for m in CROSSOVER_TOKENS:
         out.append(_case(f"x_gemv_b{m}", gemv, m, n, k, None, None, seed=m))
         out.append(_case(f"x_gemm_b{m}", gemm, m, n, k, None, None, seed=m))
+        out.append(_case(f"x_gemm_tc_b{m}", gemm_tc, m, n, k, None, None, seed=m))
     return out
 
 
@@ -106,7 +116,7 @@ def main() -> None:
             t = kernels.kernel_times_events(case["run"], flush, 20)
         t_torch = kernels.torch_time(torch, case["torch"], flush, 20) if case["torch"] and torch else None
         print(
-            f"{case['name']:<12} {case['shape']:<26} {t * 1e6:9.1f} us {case['bytes'] / t / 1e9:7.0f} GB/s "
+            f"{case['name']:<14} {case['shape']:<26} {t * 1e6:9.1f} us {case['bytes'] / t / 1e9:7.0f} GB/s "
             f"{case['flops'] / t / 1e12:6.2f} TFLOP/s" + ("" if t_torch is None else f"   torch {t_torch * 1e6:8.1f} us"),
             flush=True,
         )

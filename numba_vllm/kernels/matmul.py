@@ -1,16 +1,28 @@
 """``linear``: the one matrix product the model calls, out = x @ w.T, picking the kernel by token count.
 
 Decode (a few tokens) is bound by reading the weights once: ``gemv.py`` streams them with 16-byte
-loads. Prefill (many tokens) is bound by arithmetic: ``gemm.py`` reuses each staged weight across
-128 tokens. ``GEMV_MAX_TOKENS`` is where one stops beating the other (see
+loads. Prefill (many tokens) is bound by arithmetic: it goes to a tiled GEMM that reuses each staged
+weight across 128 tokens. ``GEMV_MAX_TOKENS`` is where one stops beating the other (see
 ``benchmarks/bench_matmul.py``, which times both around it).
+
+Two prefill GEMMs, chosen by ``PREFILL_GEMM``:
+
+- ``"tensor_core"`` (default): ``gemm_tc.py``, ``mma.sync`` on bf16 operands with fp32 accumulation.
+  The activations are rounded to bf16 as they are staged (the weights already are), so results
+  differ from the fp32 path by about 2^-9 relative per product.
+- ``"fp32"``: ``gemm.py``, the plain register-tiled SGEMM on the FMA units (x stays fp32): the
+  readable reference path, slower (~32 against a 200+ TFLOP/s target on an H200).
 """
 
 from numba_vllm.kernels.gemm import gemm
+from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemv import MAX_TOKENS, gemv
 
 GEMV_MAX_TOKENS = 64  # largest token count sent to gemv (<= gemv.MAX_TOKENS); on an H200 gemv won at every M <= 64
 assert GEMV_MAX_TOKENS <= MAX_TOKENS
+
+PREFILL_GEMMS = {"tensor_core": gemm_tc, "fp32": gemm}
+PREFILL_GEMM = "tensor_core"  # which of PREFILL_GEMMS runs prefill (more than GEMV_MAX_TOKENS tokens)
 
 
 def linear(x, w, out, accumulate: bool = False) -> None:
@@ -22,4 +34,4 @@ def linear(x, w, out, accumulate: bool = False) -> None:
     if x.shape[0] <= GEMV_MAX_TOKENS:
         gemv(x, w, out, accumulate)
     else:
-        gemm(x, w, out, accumulate)
+        PREFILL_GEMMS[PREFILL_GEMM](x, w, out, accumulate)

@@ -1,0 +1,282 @@
+"""Tensor-core matrix product for prefill: out (M, N) f32 = x (M, K) f32 @ w (N, K) bf16 .T (or out += ...).
+
+The same contract as ``gemm.py``, computed on the tensor cores with ``mma.sync`` m16n8k16 (bf16 x
+bf16, fp32 accumulate; ``mma.py`` has the instruction and its fragment layout). The activations are
+float32 in this engine: they are rounded to bf16 (nearest even) as they are staged into shared
+memory, so the result is that of the bf16-rounded x and w, accumulated in fp32 (relative error
+~2^-9 per product against the fp32 ``gemm``, which uses x unrounded).
+
+Tiling (all sizes are the UPPER_CASE constants below):
+
+- A block of ``BLOCK_THREADS`` = 256 threads (8 warps) computes a ``BLOCK_M x BLOCK_N`` = 128 x 256
+  tile of ``out``; ``blockIdx.x`` picks the columns (rows of ``w``), ``blockIdx.y`` the rows (tokens).
+  A wide N tile because x is read as float32 (4 bytes an element against w's 2): per K step the
+  block reads 16 KB of x and 16 KB of w for 2 MFLOP.
+- The warps form a 2 x 4 grid; warp ``(warp % 2, warp // 2)`` owns a 64 x 64 warp tile: 4 x 8
+  mma tiles of 16 x 8, i.e. 4 x 8 x 4 = 128 fp32 accumulators per lane in ``acc`` (a
+  ``cuda.local.array`` indexed only by constants in fully unrolled loops: registers).
+- The block walks K in steps of ``BLOCK_K`` = 32. Each step stages a 128 x 32 slice of x (rounded to
+  bf16) and a 256 x 32 slice of w in shared memory, k contiguous, 64 bytes a row. Per 16-wide half of
+  the slice each warp loads its A fragments with 4 ``ldmatrix.x4`` (one per 16 rows) and its B
+  fragments with 4 (each covers two 8-row n tiles), then issues 4 x 8 = 32 ``mma.sync``.
+- Lane layout of a fragment (``g = lane >> 2``, ``t = lane & 3``): of a 16 x 16 block of x the lane
+  holds rows g and g + 8, k = 2t, 2t + 1, 2t + 8, 2t + 9; of an 8-row tile of w, row g at the same k;
+  of the 16 x 8 output tile, rows g and g + 8, columns 2t and 2t + 1. The epilogue writes those.
+
+Shared memory: ``xs`` (2, 128, 16) and ``ws`` (2, 256, 16) uint32 words (two bf16 each), double
+buffered: 2 x (8 + 16) KB = 48 KB, all of the static limit. Rows are 64 bytes = 4 chunks of 16
+bytes. ``ldmatrix`` reads, per 8 lanes, one 16-byte chunk from each of 8 consecutive rows; stored
+plainly, rows r and r + 2 would share banks (4-way conflicts). So chunk ``c`` of row ``r`` is stored
+at chunk position ``c ^ ((r >> 1) & 3)`` (an XOR swizzle): the 8 rows then cover all 32 banks once,
+for the ldmatrix reads and for the 16-byte stores alike, with no padding bytes (which would not fit).
+
+Staging and double buffering: a thread stages the 16-byte chunks of rows ``tid // 4 + 64 j`` at k
+chunk ``tid % 4`` (four consecutive threads cover a row's 64 bytes): 2 chunks of x, 4 of w.
+
+- x needs converting, so it goes through registers: 2 x two 16-byte ``ld.global.nc.v4.f32`` per
+  slice into ``x_next``; at the top of step s the thread rounds them to bf16 pairs
+  (``cvt.rn.bf16x2.f32``) and writes buffer ``s % 2`` with 16-byte ``st.shared.v4`` stores.
+- w is already bf16, so it is copied global -> shared without registers: 4 ``cp.async`` of 16
+  bytes per slice, waited for (``cp.async.wait_all``) just before the barrier of the step that
+  uses them.
+- Step s: store x, wait for own copies, ``syncthreads``, then start slice s + 1 (x loads into
+  registers, w copies into buffer ``(s + 1) % 2``), then the mma on buffer ``s % 2``: the memory
+  latency of slice s + 1 hides behind the 64 mma per warp of slice s. One barrier per step (see
+  the comment at it).
+
+Edges: rows past M and N are clamped to the last row when loading (their products land only in
+outputs that are not stored) and the stores are guarded. A K slice that runs past K, or any slice
+when K % 8 != 0 or x / w is not 16-byte aligned, is loaded element by element with zeros past K
+(zero products add nothing).
+
+Registers: 128 accumulators, 16 staged floats of x, 32 fragment words and addresses. ptxas (CUDA
+13.0, sm_90) assigns 247 registers with no spills (it fits in 223 without spilling when capped), so
+one block of 256 threads runs per SM (8 warps); ``tests/test_ptx_matmul.py`` checks that the PTX
+has no local memory (acc indexed at run time would put it there).
+
+Not done (next steps for speed): a 3-4 stage ``cp.async`` pipeline needs more than the 48 KB of
+static shared memory (dynamic shared memory with the opt-in attribute, which Numba does not set);
+storing x as bf16 once per layer instead of rounding it in every block would halve the bytes read.
+"""
+
+from numba import cuda, float32, uint32
+
+from numba_vllm.kernels.gemv import check_linear_args, weight_bits
+from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.launch import launch
+from numba_vllm.kernels.mma import (
+    MMA_K,
+    MMA_M,
+    MMA_N,
+    cp_async_16,
+    cp_async_wait_all,
+    ldmatrix_x4,
+    mma_bf16_16816,
+    pack_bf16x2,
+    store_shared_u32x4,
+)
+from numba_vllm.kernels.vector_load import SHARED_ALIGN, load_f32x4, vector_aligned
+
+BLOCK_M = 128  # output rows (tokens) per block
+BLOCK_N = 256  # output columns (rows of w) per block
+BLOCK_K = 32  # K per shared-memory stage
+WARPS_M = 2  # warps along M
+WARPS_N = 4  # warps along N
+WARP_SIZE = 32
+BLOCK_THREADS = WARPS_M * WARPS_N * WARP_SIZE  # 256
+WARP_M = BLOCK_M // WARPS_M  # 64 rows per warp
+WARP_N = BLOCK_N // WARPS_N  # 64 columns per warp
+FRAGS_M = WARP_M // MMA_M  # 4 mma tiles along M per warp
+FRAGS_N = WARP_N // MMA_N  # 8 mma tiles along N per warp
+K_STEPS = BLOCK_K // MMA_K  # 2 mma k-steps per stage
+ROW_WORDS = BLOCK_K // 2  # 16 uint32 words (32 bf16, 64 bytes) per staged row
+CHUNK_WORDS = 4  # 16 bytes = 4 words = 8 bf16
+ROW_CHUNKS = ROW_WORDS // CHUNK_WORDS  # 4 chunks per staged row
+CHUNK_VALUES = 2 * CHUNK_WORDS  # 8 values of k per chunk
+STAGE_ROWS = BLOCK_THREADS // ROW_CHUNKS  # 64 rows staged per pass of the whole block
+X_CHUNKS = BLOCK_M // STAGE_ROWS  # 2 chunks of x per thread per stage
+W_CHUNKS = BLOCK_N // STAGE_ROWS  # 4 chunks of w per thread per stage
+SHARED_BYTES = 2 * (BLOCK_M + BLOCK_N) * ROW_WORDS * 4  # 49152: two stages of x and w slices
+
+assert WARP_M % 16 == 0 and STAGE_ROWS % 8 == 0  # the swizzle of a row depends only on row % 8
+assert FRAGS_M == 4  # the epilogue calls _store_band once per band
+assert SHARED_BYTES <= 48 * 1024  # static shared memory per block
+
+
+@device_function
+def _swizzle(row, chunk):
+    """Where chunk ``chunk`` (0..3) of staged row ``row`` is stored: its word offset in the row."""
+    return (chunk ^ ((row >> 1) & 3)) * CHUNK_WORDS
+
+
+@kernel(launch_bounds=BLOCK_THREADS)
+def gemm_tc_kernel(x, w_bits, out, accumulate, vectors_ok):
+    # x (M, K) f32; w_bits (N, K) uint16 (bf16 bits); out (M, N) f32
+    # vectors_ok: 1 when K % 8 == 0 and x, w are 16-byte aligned (16-byte loads allowed)
+    k_dim = x.shape[1]
+    xs = cuda.shared.array((2, BLOCK_M, ROW_WORDS), uint32, SHARED_ALIGN)  # x slices as bf16 pairs, swizzled
+    ws = cuda.shared.array((2, BLOCK_N, ROW_WORDS), uint32, SHARED_ALIGN)  # w slices as bf16 pairs, swizzled
+    acc = cuda.local.array((FRAGS_M, FRAGS_N, 4), float32)  # this lane's D fragments
+    a = cuda.local.array((FRAGS_M, 4), uint32)  # A fragments of one k-step
+    b = cuda.local.array((FRAGS_N, 2), uint32)  # B fragments of one k-step
+    x_next = cuda.local.array((X_CHUNKS, CHUNK_VALUES), float32)  # next x slice, on its way to shared
+
+    tid = cuda.threadIdx.x
+    lane = tid % WARP_SIZE
+    warp = tid // WARP_SIZE
+    m0 = cuda.blockIdx.y * BLOCK_M
+    n0 = cuda.blockIdx.x * BLOCK_N
+    wm0 = (warp % WARPS_M) * WARP_M  # this warp's tile within the block
+    wn0 = (warp // WARPS_M) * WARP_N
+
+    # Staging: rows stage_row + STAGE_ROWS * j, k chunk stage_chunk (the swizzle is the same for all j).
+    stage_row = tid // ROW_CHUNKS
+    stage_chunk = tid % ROW_CHUNKS
+    stage_word = _swizzle(stage_row, stage_chunk)
+
+    # ldmatrix rows of this lane: for A, row (lane & 15) of a 16-row block, chunk + (lane >> 4);
+    # for B, row (lane & 7) + 8 * (lane >> 4) of a 16-row block (two n tiles), chunk + ((lane >> 3) & 1).
+    a_row = wm0 + (lane & 15)
+    a_half = lane >> 4
+    b_row = wn0 + (lane & 7) + ((lane >> 4) << 3)
+    b_half = (lane >> 3) & 1
+
+    for i in range(FRAGS_M):
+        for j in range(FRAGS_N):
+            for r in range(4):
+                acc[i, j, r] = float32(0.0)
+
+    num_tiles = (k_dim + BLOCK_K - 1) // BLOCK_K
+    _load_x(x, x_next, m0, stage_row, stage_chunk, 0, vectors_ok)  # slice 0
+    _stage_w(w_bits, ws, 0, n0, stage_row, stage_chunk, stage_word, 0, vectors_ok)
+    for tile in range(num_tiles):
+        buf = tile % 2
+        for j in range(X_CHUNKS):
+            store_shared_u32x4(
+                xs,
+                (buf, stage_row + j * STAGE_ROWS, stage_word),
+                pack_bf16x2(x_next[j, 0], x_next[j, 1]),
+                pack_bf16x2(x_next[j, 2], x_next[j, 3]),
+                pack_bf16x2(x_next[j, 4], x_next[j, 5]),
+                pack_bf16x2(x_next[j, 6], x_next[j, 7]),
+            )
+        cp_async_wait_all()  # this thread's copies of the w slice into buffer `buf` have landed
+        # Wait until the whole slice (everyone's x stores and w copies) is in buffer `buf`. This
+        # also guarantees that every warp finished its mma on the previous slice, which lived in
+        # the other buffer: the next slice goes there, right below, with no second barrier.
+        cuda.syncthreads()
+        if tile + 1 < num_tiles:  # start the next slice's loads and copies before the mma
+            k_next = (tile + 1) * BLOCK_K
+            _load_x(x, x_next, m0, stage_row, stage_chunk, k_next, vectors_ok)
+            _stage_w(w_bits, ws, 1 - buf, n0, stage_row, stage_chunk, stage_word, k_next, vectors_ok)
+        for kk in range(K_STEPS):
+            a_word = _swizzle(a_row, kk * 2 + a_half)
+            b_word = _swizzle(b_row, kk * 2 + b_half)
+            for i in range(FRAGS_M):
+                a[i, 0], a[i, 1], a[i, 2], a[i, 3] = ldmatrix_x4(xs, (buf, a_row + i * MMA_M, a_word))
+            for j in range(FRAGS_N // 2):
+                b[2 * j, 0], b[2 * j, 1], b[2 * j + 1, 0], b[2 * j + 1, 1] = ldmatrix_x4(ws, (buf, b_row + j * 2 * MMA_N, b_word))
+            for i in range(FRAGS_M):
+                for j in range(FRAGS_N):
+                    acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_16816(
+                        a[i, 0], a[i, 1], a[i, 2], a[i, 3],  # A: 16 x 16 of x
+                        b[j, 0], b[j, 1],  # B: 16 (k) x 8 (n) of w.T
+                        acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3],  # C, replaced by D
+                    )  # fmt: skip
+
+    # Epilogue. Each call is its own loop nest over one 16-row band of mma tiles: small enough for
+    # the compiler to unroll fully, so acc is indexed by constants only and stays in registers (one
+    # nest over all 128 values is not unrolled, and acc would go to local memory).
+    m_base = m0 + wm0
+    n_base = n0 + wn0
+    _store_band(out, acc, 0, m_base, n_base, lane, accumulate)
+    _store_band(out, acc, 1, m_base, n_base, lane, accumulate)
+    _store_band(out, acc, 2, m_base, n_base, lane, accumulate)
+    _store_band(out, acc, 3, m_base, n_base, lane, accumulate)
+
+
+@device_function
+def _store_band(out, acc, i, m_base, n_base, lane, accumulate):
+    """Write (or add) this lane's outputs of the i-th 16-row band of the warp tile.
+
+    acc[i, j, 2h + e] is out[m_base + 16i + 8h + g, n_base + 8j + 2t + e] (g = lane >> 2, t = lane & 3).
+    """
+    num_tokens = out.shape[0]
+    num_rows = out.shape[1]
+    g = lane >> 2
+    t = lane & 3
+    for h in range(2):
+        m = m_base + i * MMA_M + h * 8 + g
+        if m < num_tokens:
+            for j in range(FRAGS_N):
+                n = n_base + j * MMA_N + 2 * t
+                for e in range(2):
+                    if n + e < num_rows:
+                        if accumulate:
+                            out[m, n + e] += acc[i, j, 2 * h + e]
+                        else:
+                            out[m, n + e] = acc[i, j, 2 * h + e]
+
+
+@device_function
+def _load_x(x, x_next, m0, stage_row, stage_chunk, k0, vectors_ok):
+    """Load this thread's chunks of the x slice starting at k0 into registers (zeros past K)."""
+    num_tokens = x.shape[0]
+    k_dim = x.shape[1]
+    k = k0 + stage_chunk * CHUNK_VALUES
+    for j in range(X_CHUNKS):
+        m = min(m0 + stage_row + j * STAGE_ROWS, num_tokens - 1)
+        if vectors_ok != 0 and k0 + BLOCK_K <= k_dim:
+            x_next[j, 0], x_next[j, 1], x_next[j, 2], x_next[j, 3] = load_f32x4(x, (m, k))
+            x_next[j, 4], x_next[j, 5], x_next[j, 6], x_next[j, 7] = load_f32x4(x, (m, k + 4))
+        else:
+            for e in range(CHUNK_VALUES):
+                x_next[j, e] = x[m, k + e] if k + e < k_dim else float32(0.0)
+
+
+@device_function
+def _stage_w(w_bits, ws, buf, n0, stage_row, stage_chunk, stage_word, k0, vectors_ok):
+    """Start copying this thread's chunks of the w slice starting at k0 into buffer ``buf``.
+
+    Fast path: 16-byte ``cp.async`` copies, complete after ``cp_async_wait_all``. Otherwise element
+    loads with zeros past K, stored at once.
+    """
+    num_rows = w_bits.shape[0]
+    k_dim = w_bits.shape[1]
+    k = k0 + stage_chunk * CHUNK_VALUES
+    for j in range(W_CHUNKS):
+        row = stage_row + j * STAGE_ROWS
+        n = min(n0 + row, num_rows - 1)
+        if vectors_ok != 0 and k0 + BLOCK_K <= k_dim:
+            cp_async_16(ws, (buf, row, stage_word), w_bits, (n, k))
+        else:
+            store_shared_u32x4(
+                ws,
+                (buf, row, stage_word),
+                _w_pair(w_bits, n, k, k_dim),
+                _w_pair(w_bits, n, k + 2, k_dim),
+                _w_pair(w_bits, n, k + 4, k_dim),
+                _w_pair(w_bits, n, k + 6, k_dim),
+            )
+
+
+@device_function
+def _w_pair(w_bits, n, k, k_dim):
+    """w[n, k] and w[n, k + 1] as one uint32 (k in the low half), zero past K."""
+    lo = uint32(w_bits[n, k]) if k < k_dim else uint32(0)
+    hi = uint32(w_bits[n, k + 1]) if k + 1 < k_dim else uint32(0)
+    return lo | (hi << uint32(16))
+
+
+def gemm_tc(x, w, out, accumulate: bool = False) -> None:
+    """out = x @ w.T (or out += x @ w.T) on the tensor cores, any shape; x is rounded to bf16.
+
+    x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits view), out (M, N) f32.
+    """
+    num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
+    if num_tokens == 0 or num_rows == 0:
+        return
+    w_bits = weight_bits(w)
+    vectors_ok = 1 if k_dim % CHUNK_VALUES == 0 and vector_aligned(x) and vector_aligned(w_bits) else 0
+    grid = (-(-num_rows // BLOCK_N), -(-num_tokens // BLOCK_M))
+    launch(gemm_tc_kernel, grid, BLOCK_THREADS, x, w_bits, out, 1 if accumulate else 0, vectors_ok)
