@@ -65,7 +65,7 @@ def test_cuda_graph_replay_equals_eager_launches(tmp_path):
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
     runs = {}
     for eager in (True, False):
-        llm = LLM(str(path), backend="cuda", max_num_seqs=16, enforce_eager=eager)
+        llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=256, enforce_eager=eager)
         logits = _record_sampled_logits(llm.engine.runner)
         outs = llm.generate(prompts, params)
         runs[eager] = ([o.token_ids for o in outs], [np.stack(logits[o.request_id]) for o in outs], llm.engine.runner)
