@@ -18,6 +18,8 @@ against integer round to nearest even. ``gpu`` tests run Llama 3.2 1B prefill sh
 M, N, K with fresh random inputs.
 """
 
+import functools
+
 import numpy as np
 import pytest
 from numba import cuda, uint32
@@ -25,7 +27,7 @@ from test_gemv import check_product, random_case
 
 from numba_vllm.bf16 import BF16, upload_bf16
 from numba_vllm.kernels import matmul
-from numba_vllm.kernels.gemm_tc import gemm_tc
+from numba_vllm.kernels.gemm_tc import LARGE, SMALL, TILE_CONFIGS, gemm_tc, pick_tile_config
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import ldmatrix_x4, mma_bf16_16816, pack_bf16x2
 from numba_vllm.kernels.vector_load import SHARED_ALIGN
@@ -174,9 +176,17 @@ SIM_CASES = [
 ]
 
 
+@pytest.mark.parametrize("config", TILE_CONFIGS, ids=["large", "small"])
 @pytest.mark.parametrize("m,n,k,accumulate", SIM_CASES)
-def test_gemm_tc_small(m, n, k, accumulate):
-    run_gemm_tc(m, n, k, accumulate)
+def test_gemm_tc_small(m, n, k, accumulate, config):
+    run_gemm_tc(m, n, k, accumulate, launcher=functools.partial(gemm_tc, config=config))
+
+
+@pytest.mark.parametrize(
+    "m, n, want", [(4096, 8192, LARGE), (512, 128256, LARGE), (256, 2048, SMALL), (8, 8192, SMALL), (1, 1, SMALL)]
+)
+def test_the_largest_tiling_that_fills_132_sms_is_picked(m, n, want):
+    assert pick_tile_config(m, n, num_sms=132) == want
 
 
 def test_gemm_tc_misaligned_x():
@@ -204,6 +214,13 @@ GPU_CASES = [
 @pytest.mark.parametrize("m,n,k,accumulate", GPU_CASES)
 def test_gemm_tc_gpu(m, n, k, accumulate):
     run_gemm_tc(m, n, k, accumulate, seed=m + k)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", TILE_CONFIGS, ids=["large", "small"])
+@pytest.mark.parametrize("m,n,k,accumulate", [(256, 2048, 8192, True), (77, 3072, 2048, False)])
+def test_gemm_tc_gpu_each_tiling(m, n, k, accumulate, config):
+    run_gemm_tc(m, n, k, accumulate, seed=m, launcher=functools.partial(gemm_tc, config=config))
 
 
 @pytest.mark.gpu

@@ -18,9 +18,13 @@ import subprocess
 import ptx_check
 import pytest
 
+from numba_vllm.kernels.gemm_tc import LARGE, SMALL, gemm_tc_kernel_for
+
+gemm_tc_large = gemm_tc_kernel_for(LARGE)  # module-level names for the compiler child
+gemm_tc_small = gemm_tc_kernel_for(SMALL)
+HERE = __name__
 GEMV = "numba_vllm.kernels.gemv"
 GEMM = "numba_vllm.kernels.gemm"
-GEMM_TC = "numba_vllm.kernels.gemm_tc"
 LINEAR_SIG = "(f32(2), u16(2), f32(2), int64, int64)"
 SPECS = [  # (module, kernel, signature, hot)
     (GEMV, "gemv_t1_kernel", LINEAR_SIG, True),
@@ -28,8 +32,10 @@ SPECS = [  # (module, kernel, signature, hot)
     (GEMV, "gemv_t4_kernel", LINEAR_SIG, True),
     (GEMV, "gemv_unaligned_kernel", "(f32(2), u16(2), f32(2), int64)", False),
     (GEMM, "gemm_kernel", LINEAR_SIG, True),
-    (GEMM_TC, "gemm_tc_kernel", LINEAR_SIG, True),
+    (HERE, "gemm_tc_large", LINEAR_SIG, True),
+    (HERE, "gemm_tc_small", LINEAR_SIG, True),
 ]
+MMA_PER_STAGE = {"gemm_tc_large": 64, "gemm_tc_small": 16}  # warp's mma tiles (4 x 8, 2 x 4) x 2 k-steps, unrolled
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +61,11 @@ def test_hot_kernels_use_16_byte_loads(ptx, name):
         assert "ld.shared.v4.f32" in text
 
 
-def test_gemm_tc_runs_on_tensor_cores(ptx):
-    text = ptx[f"{GEMM_TC}.gemm_tc_kernel"]["ptx"]
+@pytest.mark.parametrize("name", sorted(MMA_PER_STAGE))
+def test_gemm_tc_runs_on_tensor_cores(ptx, name):
+    text = ptx[f"{HERE}.{name}"]["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
-    # the 4 x 8 mma tiles of a warp, for each of the 2 k-steps of a stage: the loops are unrolled
-    assert text.count("mma.sync") == 64
+    assert text.count("mma.sync") == MMA_PER_STAGE[name]
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
     assert "cvt.rn.bf16x2.f32" in text  # x rounded to bf16 on its way to shared memory
     assert "st.shared.v4.u32" in text
@@ -68,8 +74,9 @@ def test_gemm_tc_runs_on_tensor_cores(ptx):
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on the PATH")
-def test_gemm_tc_assembles_without_spills(ptx, tmp_path):
-    text = ptx[f"{GEMM_TC}.gemm_tc_kernel"]["ptx"]
+@pytest.mark.parametrize("name", sorted(MMA_PER_STAGE))
+def test_gemm_tc_assembles_without_spills(ptx, tmp_path, name):
+    text = ptx[f"{HERE}.{name}"]["ptx"]
     version = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout)
     if version and (int(version[1]), int(version[2])) < (13, 0):
         pytest.skip("ptxas older than CUDA 13")

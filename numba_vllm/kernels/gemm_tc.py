@@ -6,7 +6,13 @@ float32 in this engine: they are rounded to bf16 (nearest even) as they are stag
 memory, so the result is that of the bf16-rounded x and w, accumulated in fp32 (relative error
 ~2^-9 per product against the fp32 ``gemm``, which uses x unrounded).
 
-Tiling (all sizes are the UPPER_CASE constants below):
+Two tilings (``TileConfig``; the kernel is compiled once per tiling by ``gemm_tc_kernel_for``, its
+sizes constants in the code): ``LARGE`` for prefill, described below, and ``SMALL``, 64 x 64 block
+tiles of 4 warps owning 32 x 32 each (2 x 4 mma tiles), for decode batches of a few hundred tokens,
+where LARGE's grid would leave most SMs idle (M = 256, N = 2048: 16 blocks for 132 SMs). The
+launcher takes the largest tiling whose grid has a block for every SM.
+
+Tiling of ``LARGE`` (SMALL is the same with its sizes):
 
 - A block of ``BLOCK_THREADS`` = 256 threads (8 warps) computes a ``BLOCK_M x BLOCK_N`` = 128 x 256
   tile of ``out``; ``blockIdx.x`` picks the columns (rows of ``w``), ``blockIdx.y`` the rows (tokens).
@@ -59,6 +65,9 @@ static shared memory (dynamic shared memory with the opt-in attribute, which Num
 storing x as bf16 once per layer instead of rounding it in every block would halve the bytes read.
 """
 
+import functools
+from dataclasses import dataclass
+
 from numba import cuda, float32, uint32
 
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
@@ -77,187 +86,45 @@ from numba_vllm.kernels.mma import (
 )
 from numba_vllm.kernels.vector_load import SHARED_ALIGN, load_f32x4, vector_aligned
 
-BLOCK_M = 128  # output rows (tokens) per block
-BLOCK_N = 256  # output columns (rows of w) per block
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One tiling of the product: block tile, warp grid, and everything that follows from them."""
+
+    block_m: int  # output rows (tokens) per block
+    block_n: int  # output columns (rows of w) per block
+    warps_m: int  # warps along M
+    warps_n: int  # warps along N
+
+    @property
+    def threads(self) -> int:
+        return self.warps_m * self.warps_n * WARP_SIZE
+
+    @property
+    def shared_bytes(self) -> int:  # two stages of x and w slices
+        return 2 * (self.block_m + self.block_n) * ROW_WORDS * 4
+
+
 BLOCK_K = 32  # K per shared-memory stage
-WARPS_M = 2  # warps along M
-WARPS_N = 4  # warps along N
 WARP_SIZE = 32
-BLOCK_THREADS = WARPS_M * WARPS_N * WARP_SIZE  # 256
-WARP_M = BLOCK_M // WARPS_M  # 64 rows per warp
-WARP_N = BLOCK_N // WARPS_N  # 64 columns per warp
-FRAGS_M = WARP_M // MMA_M  # 4 mma tiles along M per warp
-FRAGS_N = WARP_N // MMA_N  # 8 mma tiles along N per warp
 K_STEPS = BLOCK_K // MMA_K  # 2 mma k-steps per stage
 ROW_WORDS = BLOCK_K // 2  # 16 uint32 words (32 bf16, 64 bytes) per staged row
 CHUNK_WORDS = 4  # 16 bytes = 4 words = 8 bf16
 ROW_CHUNKS = ROW_WORDS // CHUNK_WORDS  # 4 chunks per staged row
 CHUNK_VALUES = 2 * CHUNK_WORDS  # 8 values of k per chunk
-STAGE_ROWS = BLOCK_THREADS // ROW_CHUNKS  # 64 rows staged per pass of the whole block
-X_CHUNKS = BLOCK_M // STAGE_ROWS  # 2 chunks of x per thread per stage
-W_CHUNKS = BLOCK_N // STAGE_ROWS  # 4 chunks of w per thread per stage
-SHARED_BYTES = 2 * (BLOCK_M + BLOCK_N) * ROW_WORDS * 4  # 49152: two stages of x and w slices
 
-assert WARP_M % 16 == 0 and STAGE_ROWS % 8 == 0  # the swizzle of a row depends only on row % 8
-assert FRAGS_M == 4  # the epilogue calls _store_band once per band
-assert SHARED_BYTES <= 48 * 1024  # static shared memory per block
+# Prefill: 128 x 256 tiles, 8 warps of 64 x 64 (4 x 8 mma tiles each). 48 KB of shared memory.
+LARGE = TileConfig(block_m=128, block_n=256, warps_m=2, warps_n=4)
+# Decode batches (M up to a few hundred): 64 x 64 tiles, 4 warps of 32 x 32 (2 x 4 mma tiles), 16 KB:
+# 16 times the blocks of LARGE, so a 256-token product with N = 2048 still fills an H200's 132 SMs.
+SMALL = TileConfig(block_m=64, block_n=64, warps_m=2, warps_n=2)
+TILE_CONFIGS = (LARGE, SMALL)  # largest first: `gemm_tc` takes the first that fills the GPU
 
 
 @device_function
 def _swizzle(row, chunk):
     """Where chunk ``chunk`` (0..3) of staged row ``row`` is stored: its word offset in the row."""
     return (chunk ^ ((row >> 1) & 3)) * CHUNK_WORDS
-
-
-@kernel(launch_bounds=BLOCK_THREADS)
-def gemm_tc_kernel(x, w_bits, out, accumulate, vectors_ok):
-    # x (M, K) f32; w_bits (N, K) uint16 (bf16 bits); out (M, N) f32
-    # vectors_ok: 1 when K % 8 == 0 and x, w are 16-byte aligned (16-byte loads allowed)
-    k_dim = x.shape[1]
-    xs = cuda.shared.array((2, BLOCK_M, ROW_WORDS), uint32, SHARED_ALIGN)  # x slices as bf16 pairs, swizzled
-    ws = cuda.shared.array((2, BLOCK_N, ROW_WORDS), uint32, SHARED_ALIGN)  # w slices as bf16 pairs, swizzled
-    acc = cuda.local.array((FRAGS_M, FRAGS_N, 4), float32)  # this lane's D fragments
-    a = cuda.local.array((FRAGS_M, 4), uint32)  # A fragments of one k-step
-    b = cuda.local.array((FRAGS_N, 2), uint32)  # B fragments of one k-step
-    x_next = cuda.local.array((X_CHUNKS, CHUNK_VALUES), float32)  # next x slice, on its way to shared
-
-    tid = cuda.threadIdx.x
-    lane = tid % WARP_SIZE
-    warp = tid // WARP_SIZE
-    m0 = cuda.blockIdx.y * BLOCK_M
-    n0 = cuda.blockIdx.x * BLOCK_N
-    wm0 = (warp % WARPS_M) * WARP_M  # this warp's tile within the block
-    wn0 = (warp // WARPS_M) * WARP_N
-
-    # Staging: rows stage_row + STAGE_ROWS * j, k chunk stage_chunk (the swizzle is the same for all j).
-    stage_row = tid // ROW_CHUNKS
-    stage_chunk = tid % ROW_CHUNKS
-    stage_word = _swizzle(stage_row, stage_chunk)
-
-    # ldmatrix rows of this lane: for A, row (lane & 15) of a 16-row block, chunk + (lane >> 4);
-    # for B, row (lane & 7) + 8 * (lane >> 4) of a 16-row block (two n tiles), chunk + ((lane >> 3) & 1).
-    a_row = wm0 + (lane & 15)
-    a_half = lane >> 4
-    b_row = wn0 + (lane & 7) + ((lane >> 4) << 3)
-    b_half = (lane >> 3) & 1
-
-    for i in range(FRAGS_M):
-        for j in range(FRAGS_N):
-            for r in range(4):
-                acc[i, j, r] = float32(0.0)
-
-    num_tiles = (k_dim + BLOCK_K - 1) // BLOCK_K
-    _load_x(x, x_next, m0, stage_row, stage_chunk, 0, vectors_ok)  # slice 0
-    _stage_w(w_bits, ws, 0, n0, stage_row, stage_chunk, stage_word, 0, vectors_ok)
-    for tile in range(num_tiles):
-        buf = tile % 2
-        for j in range(X_CHUNKS):
-            store_shared_u32x4(
-                xs,
-                (buf, stage_row + j * STAGE_ROWS, stage_word),
-                pack_bf16x2(x_next[j, 0], x_next[j, 1]),
-                pack_bf16x2(x_next[j, 2], x_next[j, 3]),
-                pack_bf16x2(x_next[j, 4], x_next[j, 5]),
-                pack_bf16x2(x_next[j, 6], x_next[j, 7]),
-            )
-        cp_async_wait_all()  # this thread's copies of the w slice into buffer `buf` have landed
-        # Wait until the whole slice (everyone's x stores and w copies) is in buffer `buf`. This
-        # also guarantees that every warp finished its mma on the previous slice, which lived in
-        # the other buffer: the next slice goes there, right below, with no second barrier.
-        cuda.syncthreads()
-        if tile + 1 < num_tiles:  # start the next slice's loads and copies before the mma
-            k_next = (tile + 1) * BLOCK_K
-            _load_x(x, x_next, m0, stage_row, stage_chunk, k_next, vectors_ok)
-            _stage_w(w_bits, ws, 1 - buf, n0, stage_row, stage_chunk, stage_word, k_next, vectors_ok)
-        for kk in range(K_STEPS):
-            a_word = _swizzle(a_row, kk * 2 + a_half)
-            b_word = _swizzle(b_row, kk * 2 + b_half)
-            for i in range(FRAGS_M):
-                a[i, 0], a[i, 1], a[i, 2], a[i, 3] = ldmatrix_x4(xs, (buf, a_row + i * MMA_M, a_word))
-            for j in range(FRAGS_N // 2):
-                b[2 * j, 0], b[2 * j, 1], b[2 * j + 1, 0], b[2 * j + 1, 1] = ldmatrix_x4(ws, (buf, b_row + j * 2 * MMA_N, b_word))
-            for i in range(FRAGS_M):
-                for j in range(FRAGS_N):
-                    acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_16816(
-                        a[i, 0], a[i, 1], a[i, 2], a[i, 3],  # A: 16 x 16 of x
-                        b[j, 0], b[j, 1],  # B: 16 (k) x 8 (n) of w.T
-                        acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3],  # C, replaced by D
-                    )  # fmt: skip
-
-    # Epilogue. Each call is its own loop nest over one 16-row band of mma tiles: small enough for
-    # the compiler to unroll fully, so acc is indexed by constants only and stays in registers (one
-    # nest over all 128 values is not unrolled, and acc would go to local memory).
-    m_base = m0 + wm0
-    n_base = n0 + wn0
-    _store_band(out, acc, 0, m_base, n_base, lane, accumulate)
-    _store_band(out, acc, 1, m_base, n_base, lane, accumulate)
-    _store_band(out, acc, 2, m_base, n_base, lane, accumulate)
-    _store_band(out, acc, 3, m_base, n_base, lane, accumulate)
-
-
-@device_function
-def _store_band(out, acc, i, m_base, n_base, lane, accumulate):
-    """Write (or add) this lane's outputs of the i-th 16-row band of the warp tile.
-
-    acc[i, j, 2h + e] is out[m_base + 16i + 8h + g, n_base + 8j + 2t + e] (g = lane >> 2, t = lane & 3).
-    """
-    num_tokens = out.shape[0]
-    num_rows = out.shape[1]
-    g = lane >> 2
-    t = lane & 3
-    for h in range(2):
-        m = m_base + i * MMA_M + h * 8 + g
-        if m < num_tokens:
-            for j in range(FRAGS_N):
-                n = n_base + j * MMA_N + 2 * t
-                for e in range(2):
-                    if n + e < num_rows:
-                        if accumulate:
-                            out[m, n + e] += acc[i, j, 2 * h + e]
-                        else:
-                            out[m, n + e] = acc[i, j, 2 * h + e]
-
-
-@device_function
-def _load_x(x, x_next, m0, stage_row, stage_chunk, k0, vectors_ok):
-    """Load this thread's chunks of the x slice starting at k0 into registers (zeros past K)."""
-    num_tokens = x.shape[0]
-    k_dim = x.shape[1]
-    k = k0 + stage_chunk * CHUNK_VALUES
-    for j in range(X_CHUNKS):
-        m = min(m0 + stage_row + j * STAGE_ROWS, num_tokens - 1)
-        if vectors_ok != 0 and k0 + BLOCK_K <= k_dim:
-            x_next[j, 0], x_next[j, 1], x_next[j, 2], x_next[j, 3] = load_f32x4(x, (m, k))
-            x_next[j, 4], x_next[j, 5], x_next[j, 6], x_next[j, 7] = load_f32x4(x, (m, k + 4))
-        else:
-            for e in range(CHUNK_VALUES):
-                x_next[j, e] = x[m, k + e] if k + e < k_dim else float32(0.0)
-
-
-@device_function
-def _stage_w(w_bits, ws, buf, n0, stage_row, stage_chunk, stage_word, k0, vectors_ok):
-    """Start copying this thread's chunks of the w slice starting at k0 into buffer ``buf``.
-
-    Fast path: 16-byte ``cp.async`` copies, complete after ``cp_async_wait_all``. Otherwise element
-    loads with zeros past K, stored at once.
-    """
-    num_rows = w_bits.shape[0]
-    k_dim = w_bits.shape[1]
-    k = k0 + stage_chunk * CHUNK_VALUES
-    for j in range(W_CHUNKS):
-        row = stage_row + j * STAGE_ROWS
-        n = min(n0 + row, num_rows - 1)
-        if vectors_ok != 0 and k0 + BLOCK_K <= k_dim:
-            cp_async_16(ws, (buf, row, stage_word), w_bits, (n, k))
-        else:
-            store_shared_u32x4(
-                ws,
-                (buf, row, stage_word),
-                _w_pair(w_bits, n, k, k_dim),
-                _w_pair(w_bits, n, k + 2, k_dim),
-                _w_pair(w_bits, n, k + 4, k_dim),
-                _w_pair(w_bits, n, k + 6, k_dim),
-            )
 
 
 @device_function
@@ -268,15 +135,200 @@ def _w_pair(w_bits, n, k, k_dim):
     return lo | (hi << uint32(16))
 
 
-def gemm_tc(x, w, out, accumulate: bool = False) -> None:
+@functools.cache
+def gemm_tc_kernel_for(config: TileConfig):
+    """Compile-time specialisation of the kernel for one tiling (its sizes are constants in it)."""
+    block_m, block_n, warps_m = config.block_m, config.block_n, config.warps_m
+    block_threads = config.threads
+    warp_m = block_m // warps_m  # rows per warp
+    warp_n = block_n // config.warps_n  # columns per warp
+    frags_m = warp_m // MMA_M  # mma tiles along M per warp
+    frags_n = warp_n // MMA_N  # mma tiles along N per warp
+    stage_rows = block_threads // ROW_CHUNKS  # rows staged per pass of the whole block
+    x_chunks = block_m // stage_rows  # chunks of x per thread per stage
+    w_chunks = block_n // stage_rows  # chunks of w per thread per stage
+    assert warp_m % 16 == 0 and stage_rows % 8 == 0  # the swizzle of a row depends only on row % 8
+    assert frags_m in (2, 4) and frags_n % 2 == 0  # the epilogue's bands; B fragments load in pairs
+    assert config.shared_bytes <= 48 * 1024  # static shared memory per block
+
+    @device_function
+    def _store_band(out, acc, i, m_base, n_base, lane, accumulate):
+        """Write (or add) this lane's outputs of the i-th 16-row band of the warp tile.
+
+        acc[i, j, 2h + e] is out[m_base + 16i + 8h + g, n_base + 8j + 2t + e] (g = lane >> 2, t = lane & 3).
+        """
+        num_tokens = out.shape[0]
+        num_rows = out.shape[1]
+        g = lane >> 2
+        t = lane & 3
+        for h in range(2):
+            m = m_base + i * MMA_M + h * 8 + g
+            if m < num_tokens:
+                for j in range(frags_n):
+                    n = n_base + j * MMA_N + 2 * t
+                    for e in range(2):
+                        if n + e < num_rows:
+                            if accumulate:
+                                out[m, n + e] += acc[i, j, 2 * h + e]
+                            else:
+                                out[m, n + e] = acc[i, j, 2 * h + e]
+
+    @device_function
+    def _load_x(x, x_next, m0, stage_row, stage_chunk, k0, vectors_ok):
+        """Load this thread's chunks of the x slice starting at k0 into registers (zeros past K)."""
+        num_tokens = x.shape[0]
+        k_dim = x.shape[1]
+        k = k0 + stage_chunk * CHUNK_VALUES
+        for j in range(x_chunks):
+            m = min(m0 + stage_row + j * stage_rows, num_tokens - 1)
+            if vectors_ok != 0 and k0 + BLOCK_K <= k_dim:
+                x_next[j, 0], x_next[j, 1], x_next[j, 2], x_next[j, 3] = load_f32x4(x, (m, k))
+                x_next[j, 4], x_next[j, 5], x_next[j, 6], x_next[j, 7] = load_f32x4(x, (m, k + 4))
+            else:
+                for e in range(CHUNK_VALUES):
+                    x_next[j, e] = x[m, k + e] if k + e < k_dim else float32(0.0)
+
+    @device_function
+    def _stage_w(w_bits, ws, buf, n0, stage_row, stage_chunk, stage_word, k0, vectors_ok):
+        """Start copying this thread's chunks of the w slice starting at k0 into buffer ``buf``.
+
+        Fast path: 16-byte ``cp.async`` copies, complete after ``cp_async_wait_all``. Otherwise element
+        loads with zeros past K, stored at once.
+        """
+        num_rows = w_bits.shape[0]
+        k_dim = w_bits.shape[1]
+        k = k0 + stage_chunk * CHUNK_VALUES
+        for j in range(w_chunks):
+            row = stage_row + j * stage_rows
+            n = min(n0 + row, num_rows - 1)
+            if vectors_ok != 0 and k0 + BLOCK_K <= k_dim:
+                cp_async_16(ws, (buf, row, stage_word), w_bits, (n, k))
+            else:
+                store_shared_u32x4(
+                    ws,
+                    (buf, row, stage_word),
+                    _w_pair(w_bits, n, k, k_dim),
+                    _w_pair(w_bits, n, k + 2, k_dim),
+                    _w_pair(w_bits, n, k + 4, k_dim),
+                    _w_pair(w_bits, n, k + 6, k_dim),
+                )
+
+    @kernel(launch_bounds=block_threads)
+    def gemm_tc_kernel(x, w_bits, out, accumulate, vectors_ok):
+        # x (M, K) f32; w_bits (N, K) uint16 (bf16 bits); out (M, N) f32
+        # vectors_ok: 1 when K % 8 == 0 and x, w are 16-byte aligned (16-byte loads allowed)
+        k_dim = x.shape[1]
+        xs = cuda.shared.array((2, block_m, ROW_WORDS), uint32, SHARED_ALIGN)  # x slices as bf16 pairs, swizzled
+        ws = cuda.shared.array((2, block_n, ROW_WORDS), uint32, SHARED_ALIGN)  # w slices as bf16 pairs, swizzled
+        acc = cuda.local.array((frags_m, frags_n, 4), float32)  # this lane's D fragments
+        a = cuda.local.array((frags_m, 4), uint32)  # A fragments of one k-step
+        b = cuda.local.array((frags_n, 2), uint32)  # B fragments of one k-step
+        x_next = cuda.local.array((x_chunks, CHUNK_VALUES), float32)  # next x slice, on its way to shared
+
+        tid = cuda.threadIdx.x
+        lane = tid % WARP_SIZE
+        warp = tid // WARP_SIZE
+        m0 = cuda.blockIdx.y * block_m
+        n0 = cuda.blockIdx.x * block_n
+        wm0 = (warp % warps_m) * warp_m  # this warp's tile within the block
+        wn0 = (warp // warps_m) * warp_n
+
+        # Staging: rows stage_row + stage_rows * j, k chunk stage_chunk (the swizzle is the same for all j).
+        stage_row = tid // ROW_CHUNKS
+        stage_chunk = tid % ROW_CHUNKS
+        stage_word = _swizzle(stage_row, stage_chunk)
+
+        # ldmatrix rows of this lane: for A, row (lane & 15) of a 16-row block, chunk + (lane >> 4);
+        # for B, row (lane & 7) + 8 * (lane >> 4) of a 16-row block (two n tiles), chunk + ((lane >> 3) & 1).
+        a_row = wm0 + (lane & 15)
+        a_half = lane >> 4
+        b_row = wn0 + (lane & 7) + ((lane >> 4) << 3)
+        b_half = (lane >> 3) & 1
+
+        for i in range(frags_m):
+            for j in range(frags_n):
+                for r in range(4):
+                    acc[i, j, r] = float32(0.0)
+
+        num_tiles = (k_dim + BLOCK_K - 1) // BLOCK_K
+        _load_x(x, x_next, m0, stage_row, stage_chunk, 0, vectors_ok)  # slice 0
+        _stage_w(w_bits, ws, 0, n0, stage_row, stage_chunk, stage_word, 0, vectors_ok)
+        for tile in range(num_tiles):
+            buf = tile % 2
+            for j in range(x_chunks):
+                store_shared_u32x4(
+                    xs,
+                    (buf, stage_row + j * stage_rows, stage_word),
+                    pack_bf16x2(x_next[j, 0], x_next[j, 1]),
+                    pack_bf16x2(x_next[j, 2], x_next[j, 3]),
+                    pack_bf16x2(x_next[j, 4], x_next[j, 5]),
+                    pack_bf16x2(x_next[j, 6], x_next[j, 7]),
+                )
+            cp_async_wait_all()  # this thread's copies of the w slice into buffer `buf` have landed
+            # Wait until the whole slice (everyone's x stores and w copies) is in buffer `buf`. This
+            # also guarantees that every warp finished its mma on the previous slice, which lived in
+            # the other buffer: the next slice goes there, right below, with no second barrier.
+            cuda.syncthreads()
+            if tile + 1 < num_tiles:  # start the next slice's loads and copies before the mma
+                k_next = (tile + 1) * BLOCK_K
+                _load_x(x, x_next, m0, stage_row, stage_chunk, k_next, vectors_ok)
+                _stage_w(w_bits, ws, 1 - buf, n0, stage_row, stage_chunk, stage_word, k_next, vectors_ok)
+            for kk in range(K_STEPS):
+                a_word = _swizzle(a_row, kk * 2 + a_half)
+                b_word = _swizzle(b_row, kk * 2 + b_half)
+                for i in range(frags_m):
+                    a[i, 0], a[i, 1], a[i, 2], a[i, 3] = ldmatrix_x4(xs, (buf, a_row + i * MMA_M, a_word))
+                for j in range(frags_n // 2):
+                    b[2 * j, 0], b[2 * j, 1], b[2 * j + 1, 0], b[2 * j + 1, 1] = ldmatrix_x4(
+                        ws, (buf, b_row + j * 2 * MMA_N, b_word)
+                    )
+                for i in range(frags_m):
+                    for j in range(frags_n):
+                        acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_16816(
+                            a[i, 0], a[i, 1], a[i, 2], a[i, 3],  # A: 16 x 16 of x
+                            b[j, 0], b[j, 1],  # B: 16 (k) x 8 (n) of w.T
+                            acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3],  # C, replaced by D
+                        )  # fmt: skip
+
+        # Epilogue. Each call is its own loop nest over one 16-row band of mma tiles: small enough for
+        # the compiler to unroll fully, so acc is indexed by constants only and stays in registers (one
+        # nest over all the values is not unrolled, and acc would go to local memory).
+        m_base = m0 + wm0
+        n_base = n0 + wn0
+        _store_band(out, acc, 0, m_base, n_base, lane, accumulate)
+        _store_band(out, acc, 1, m_base, n_base, lane, accumulate)
+        if frags_m == 4:  # a compile-time constant: the branch is folded away
+            _store_band(out, acc, 2, m_base, n_base, lane, accumulate)
+            _store_band(out, acc, 3, m_base, n_base, lane, accumulate)
+
+    return gemm_tc_kernel
+
+
+def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig:
+    """The largest tiling whose grid has at least one block per SM (else the smallest)."""
+    for config in TILE_CONFIGS:
+        if -(-num_rows // config.block_n) * -(-num_tokens // config.block_m) >= num_sms:
+            return config
+    return TILE_CONFIGS[-1]
+
+
+@functools.cache
+def _num_sms() -> int:
+    """Streaming multiprocessors of the current GPU (the simulator reports one; any count works there)."""
+    return getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 1)
+
+
+def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = None) -> None:
     """out = x @ w.T (or out += x @ w.T) on the tensor cores, any shape; x is rounded to bf16.
 
     x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits view), out (M, N) f32.
+    `config` forces a tiling (tests); by default the largest one that fills the GPU.
     """
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
     if num_tokens == 0 or num_rows == 0:
         return
     w_bits = weight_bits(w)
     vectors_ok = 1 if k_dim % CHUNK_VALUES == 0 and vector_aligned(x) and vector_aligned(w_bits) else 0
-    grid = (-(-num_rows // BLOCK_N), -(-num_tokens // BLOCK_M))
-    launch(gemm_tc_kernel, grid, BLOCK_THREADS, x, w_bits, out, 1 if accumulate else 0, vectors_ok)
+    config = config or pick_tile_config(num_tokens, num_rows, _num_sms())
+    grid = (-(-num_rows // config.block_n), -(-num_tokens // config.block_m))
+    launch(gemm_tc_kernel_for(config), grid, config.threads, x, w_bits, out, 1 if accumulate else 0, vectors_ok)
