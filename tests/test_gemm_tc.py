@@ -27,7 +27,7 @@ from test_gemv import check_product, random_case
 
 from numba_vllm.bf16 import BF16, upload_bf16
 from numba_vllm.kernels import matmul
-from numba_vllm.kernels.gemm_tc import LARGE, SMALL, TILE_CONFIGS, gemm_tc, pick_tile_config
+from numba_vllm.kernels.gemm_tc import LARGE, SMALL, TILE_CONFIGS, gemm_tc, pick_k_split, pick_tile_config
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import ldmatrix_x4, mma_bf16_16816, pack_bf16x2
 from numba_vllm.kernels.vector_load import SHARED_ALIGN
@@ -180,6 +180,20 @@ SIM_CASES = [
 @pytest.mark.parametrize("m,n,k,accumulate", SIM_CASES)
 def test_gemm_tc_small(m, n, k, accumulate, config):
     run_gemm_tc(m, n, k, accumulate, launcher=functools.partial(gemm_tc, config=config))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_tc_split_k_sums_its_parts(accumulate):
+    """K = 80: three 32-wide slices, split 2 ways (2 + 1 slices) and 3 ways, added atomically."""
+    for split in (2, 3):
+        run_gemm_tc(20, 24, 80, accumulate, seed=split, launcher=functools.partial(gemm_tc, config=SMALL, split=split))
+
+
+@pytest.mark.parametrize(
+    "blocks, k, want", [(1024, 2048, 1), (128, 8192, 4), (128, 2048, 4), (16, 2048, 8), (16, 512, 2), (128, 64, 1)]
+)
+def test_k_is_split_until_the_gpu_has_four_blocks_per_sm(blocks, k, want):
+    assert pick_k_split(blocks, k, num_sms=132) == want
 
 
 @pytest.mark.parametrize(

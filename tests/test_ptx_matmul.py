@@ -26,14 +26,15 @@ HERE = __name__
 GEMV = "numba_vllm.kernels.gemv"
 GEMM = "numba_vllm.kernels.gemm"
 LINEAR_SIG = "(f32(2), u16(2), f32(2), int64, int64)"
+GEMM_TC_SIG = "(f32(2), u16(2), f32(2), int64, int64, int64)"  # + K slices per split
 SPECS = [  # (module, kernel, signature, hot)
     (GEMV, "gemv_t1_kernel", LINEAR_SIG, True),
     (GEMV, "gemv_t2_kernel", LINEAR_SIG, True),
     (GEMV, "gemv_t4_kernel", LINEAR_SIG, True),
     (GEMV, "gemv_unaligned_kernel", "(f32(2), u16(2), f32(2), int64)", False),
     (GEMM, "gemm_kernel", LINEAR_SIG, True),
-    (HERE, "gemm_tc_large", LINEAR_SIG, True),
-    (HERE, "gemm_tc_small", LINEAR_SIG, True),
+    (HERE, "gemm_tc_large", GEMM_TC_SIG, True),
+    (HERE, "gemm_tc_small", GEMM_TC_SIG, True),
 ]
 MMA_PER_STAGE = {"gemm_tc_large": 64, "gemm_tc_small": 16}  # warp's mma tiles (4 x 8, 2 x 4) x 2 k-steps, unrolled
 
@@ -71,6 +72,7 @@ def test_gemm_tc_runs_on_tensor_cores(ptx, name):
     assert "st.shared.v4.u32" in text
     assert "ld.global.nc.v4.f32" in text  # x, 4 floats per load
     assert "cp.async.cg.shared.global" in text  # w, 16 bytes global -> shared without registers
+    assert "red.global.add.f32" in text or "atom.global.add.f32" in text  # split K: partial tiles added atomically
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on the PATH")

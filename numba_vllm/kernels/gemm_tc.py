@@ -119,6 +119,8 @@ LARGE = TileConfig(block_m=128, block_n=256, warps_m=2, warps_n=4)
 # 16 times the blocks of LARGE, so a 256-token product with N = 2048 still fills an H200's 132 SMs.
 SMALL = TileConfig(block_m=64, block_n=64, warps_m=2, warps_n=2)
 TILE_CONFIGS = (LARGE, SMALL)  # largest first: `gemm_tc` takes the first that fills the GPU
+SPLIT_BLOCKS_PER_SM = 4  # split K until the grid has about this many blocks per SM ...
+MIN_SPLIT_TILES = 8  # ... but keep at least this many BLOCK_K slices (256 of K) in each part
 
 
 @device_function
@@ -156,6 +158,7 @@ def gemm_tc_kernel_for(config: TileConfig):
         """Write (or add) this lane's outputs of the i-th 16-row band of the warp tile.
 
         acc[i, j, 2h + e] is out[m_base + 16i + 8h + g, n_base + 8j + 2t + e] (g = lane >> 2, t = lane & 3).
+        accumulate: 0 store, 1 add, 2 add atomically (split K: other blocks add to the same outputs).
         """
         num_tokens = out.shape[0]
         num_rows = out.shape[1]
@@ -168,7 +171,9 @@ def gemm_tc_kernel_for(config: TileConfig):
                     n = n_base + j * MMA_N + 2 * t
                     for e in range(2):
                         if n + e < num_rows:
-                            if accumulate:
+                            if accumulate == 2:
+                                cuda.atomic.add(out, (m, n + e), acc[i, j, 2 * h + e])
+                            elif accumulate == 1:
                                 out[m, n + e] += acc[i, j, 2 * h + e]
                             else:
                                 out[m, n + e] = acc[i, j, 2 * h + e]
@@ -214,9 +219,11 @@ def gemm_tc_kernel_for(config: TileConfig):
                 )
 
     @kernel(launch_bounds=block_threads)
-    def gemm_tc_kernel(x, w_bits, out, accumulate, vectors_ok):
+    def gemm_tc_kernel(x, w_bits, out, accumulate, vectors_ok, tiles_per_split):
         # x (M, K) f32; w_bits (N, K) uint16 (bf16 bits); out (M, N) f32
+        # accumulate: 0 out =, 1 out +=, 2 out += atomically (K split over blockIdx.z)
         # vectors_ok: 1 when K % 8 == 0 and x, w are 16-byte aligned (16-byte loads allowed)
+        # tiles_per_split: BLOCK_K slices of K this block sums, from blockIdx.z * tiles_per_split
         k_dim = x.shape[1]
         xs = cuda.shared.array((2, block_m, ROW_WORDS), uint32, SHARED_ALIGN)  # x slices as bf16 pairs, swizzled
         ws = cuda.shared.array((2, block_n, ROW_WORDS), uint32, SHARED_ALIGN)  # w slices as bf16 pairs, swizzled
@@ -250,9 +257,11 @@ def gemm_tc_kernel_for(config: TileConfig):
                 for r in range(4):
                     acc[i, j, r] = float32(0.0)
 
-        num_tiles = (k_dim + BLOCK_K - 1) // BLOCK_K
-        _load_x(x, x_next, m0, stage_row, stage_chunk, 0, vectors_ok)  # slice 0
-        _stage_w(w_bits, ws, 0, n0, stage_row, stage_chunk, stage_word, 0, vectors_ok)
+        first_tile = cuda.blockIdx.z * tiles_per_split
+        num_tiles = min(tiles_per_split, (k_dim + BLOCK_K - 1) // BLOCK_K - first_tile)
+        k_first = first_tile * BLOCK_K
+        _load_x(x, x_next, m0, stage_row, stage_chunk, k_first, vectors_ok)  # this block's first slice
+        _stage_w(w_bits, ws, 0, n0, stage_row, stage_chunk, stage_word, k_first, vectors_ok)
         for tile in range(num_tiles):
             buf = tile % 2
             for j in range(x_chunks):
@@ -270,7 +279,7 @@ def gemm_tc_kernel_for(config: TileConfig):
             # the other buffer: the next slice goes there, right below, with no second barrier.
             cuda.syncthreads()
             if tile + 1 < num_tiles:  # start the next slice's loads and copies before the mma
-                k_next = (tile + 1) * BLOCK_K
+                k_next = k_first + (tile + 1) * BLOCK_K
                 _load_x(x, x_next, m0, stage_row, stage_chunk, k_next, vectors_ok)
                 _stage_w(w_bits, ws, 1 - buf, n0, stage_row, stage_chunk, stage_word, k_next, vectors_ok)
             for kk in range(K_STEPS):
@@ -312,17 +321,42 @@ def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig
     return TILE_CONFIGS[-1]
 
 
+def pick_k_split(num_blocks: int, k_dim: int, num_sms: int) -> int:
+    """Into how many parts to split K: doubling while the grid stays under ``SPLIT_BLOCKS_PER_SM``
+    blocks per SM and each part keeps at least ``MIN_SPLIT_TILES`` slices.
+
+    Why: a decode batch gives few output tiles (M = 256, N = 2048: 128 SMALL blocks, one per SM), and
+    one block's loads in flight, a slice or two, cannot cover memory latency: splitting K puts
+    several blocks on each SM, each summing part of K and adding its partial tile atomically.
+    """
+    num_tiles = -(-k_dim // BLOCK_K)
+    split = 1
+    while num_blocks * split * 2 <= SPLIT_BLOCKS_PER_SM * num_sms and num_tiles // (split * 2) >= MIN_SPLIT_TILES:
+        split *= 2
+    return split
+
+
 @functools.cache
 def _num_sms() -> int:
     """Streaming multiprocessors of the current GPU (the simulator reports one; any count works there)."""
     return getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 1)
 
 
-def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = None) -> None:
+@kernel
+def _zero_kernel(out):
+    """out (M, N) f32 = 0, grid-stride over rows and columns: the start of a split-K sum."""
+    for m in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+        for n in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+            out[m, n] = float32(0.0)
+
+
+def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None) -> None:
     """out = x @ w.T (or out += x @ w.T) on the tensor cores, any shape; x is rounded to bf16.
 
     x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits view), out (M, N) f32.
-    `config` forces a tiling (tests); by default the largest one that fills the GPU.
+    `config` and `split` force a tiling and a K split (tests); by default the largest tiling that
+    fills the GPU, and K split while the GPU has room for more blocks. A split K sums its parts with
+    atomic adds: the result is correct to fp32 rounding, but the order of the adds may vary by run.
     """
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
     if num_tokens == 0 or num_rows == 0:
@@ -330,5 +364,15 @@ def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = Non
     w_bits = weight_bits(w)
     vectors_ok = 1 if k_dim % CHUNK_VALUES == 0 and vector_aligned(x) and vector_aligned(w_bits) else 0
     config = config or pick_tile_config(num_tokens, num_rows, _num_sms())
-    grid = (-(-num_rows // config.block_n), -(-num_tokens // config.block_m))
-    launch(gemm_tc_kernel_for(config), grid, config.threads, x, w_bits, out, 1 if accumulate else 0, vectors_ok)
+    grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)
+    split = split or pick_k_split(grid_n * grid_m, k_dim, _num_sms())
+    num_tiles = -(-k_dim // BLOCK_K)
+    tiles_per_split = -(-num_tiles // split)
+    grid = (grid_n, grid_m, -(-num_tiles // tiles_per_split))  # no empty split
+    if grid[2] > 1:
+        if not accumulate:
+            launch(_zero_kernel, min(num_tokens, 1024), 256, out)
+        mode = 2
+    else:
+        mode = 1 if accumulate else 0
+    launch(gemm_tc_kernel_for(config), grid, config.threads, x, w_bits, out, mode, vectors_ok, tiles_per_split)
