@@ -23,8 +23,8 @@ from numba import cuda
 from ..bf16 import BF16, upload_bf16
 from ..kernels.gemm import gemm
 from ..kernels.gemm_tc import gemm_tc
+from ..kernels.gemv import MAX_TOKENS as GEMV_MAX_ROWS
 from ..kernels.gemv import gemv
-from ..kernels.matmul import GEMV_MAX_TOKENS
 from .kernels import torch_or_none
 
 WEIGHT_SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048), (128256, 2048)]  # (N, K)
@@ -94,7 +94,7 @@ def crossover_cases() -> list[dict]:
     n, k = CROSSOVER_SHAPE
     out = []
     for m in CROSSOVER_TOKENS:
-        if m <= GEMV_MAX_TOKENS:
+        if m <= GEMV_MAX_ROWS:
             out.append(_case(f"x_gemv_b{m}", gemv, m, n, k, None, None, seed=m))
         out.append(_case(f"x_gemm_b{m}", gemm, m, n, k, None, None, seed=m))
         out.append(_case(f"x_gemm_tc_b{m}", gemm_tc, m, n, k, None, None, seed=m))

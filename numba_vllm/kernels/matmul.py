@@ -1,8 +1,8 @@
 """``linear``: the one matrix product the model calls, out = x @ w.T, picking the kernel by token count.
 
-Decode (a few tokens) is bound by reading the weights once: ``gemv.py`` streams them with 16-byte
-loads. Prefill (many tokens) is bound by arithmetic: it goes to a tiled GEMM that reuses each staged
-weight across 128 tokens. ``GEMV_MAX_TOKENS`` is where one stops beating the other (see
+Decode of a few sequences is bound by reading the weights once: ``gemv.py`` streams them with 16-byte
+loads. More tokens (a large decode batch, a prefill) go to a tiled GEMM that reuses each staged
+weight across its block's tokens. ``GEMV_MAX_TOKENS`` is where one stops beating the other (see
 ``benchmarks/bench_matmul.py``, which times both around it).
 
 Two prefill GEMMs, chosen by ``PREFILL_GEMM``:
@@ -18,7 +18,8 @@ from numba_vllm.kernels.gemm import gemm
 from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemv import MAX_TOKENS, gemv
 
-GEMV_MAX_TOKENS = 64  # largest token count sent to gemv (<= gemv.MAX_TOKENS); on an H200 gemv won at every M <= 64
+GEMV_MAX_TOKENS = 8  # largest token count sent to gemv (<= gemv.MAX_TOKENS). H200, N=8192 K=2048 (us, gemv / gemm_tc):
+# M=8 21.6 / 26.6, M=16 36.2 / 27.3, M=64 126 / 34.8: past a few tokens gemv's FMAs, not its loads, bound it
 assert GEMV_MAX_TOKENS <= MAX_TOKENS
 
 PREFILL_GEMMS = {"tensor_core": gemm_tc, "fp32": gemm}
