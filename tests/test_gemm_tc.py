@@ -184,7 +184,7 @@ def test_gemm_tc_small(m, n, k, accumulate, config):
 
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_tc_split_k_sums_its_parts(accumulate):
-    """K = 80: three 32-wide slices, split 2 ways (2 + 1 slices) and 3 ways, added atomically."""
+    """K = 80: three 32-wide slices, split 2 ways (2 + 1 slices) and 3 ways, the parts summed by a second kernel."""
     for split in (2, 3):
         run_gemm_tc(20, 24, 80, accumulate, seed=split, launcher=functools.partial(gemm_tc, config=SMALL, split=split))
 

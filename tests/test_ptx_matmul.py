@@ -72,7 +72,6 @@ def test_gemm_tc_runs_on_tensor_cores(ptx, name):
     assert "st.shared.v4.u32" in text
     assert "ld.global.nc.v4.f32" in text  # x, 4 floats per load
     assert "cp.async.cg.shared.global" in text  # w, 16 bytes global -> shared without registers
-    assert "red.global.add.f32" in text or "atom.global.add.f32" in text  # split K: partial tiles added atomically
 
 
 @pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on the PATH")

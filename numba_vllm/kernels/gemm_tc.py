@@ -68,11 +68,12 @@ storing x as bf16 once per layer instead of rounding it in every block would hal
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 from numba import cuda, float32, uint32
 
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.launch import launch
+from numba_vllm.kernels.launch import KernelError, launch
 from numba_vllm.kernels.mma import (
     MMA_K,
     MMA_M,
@@ -154,13 +155,12 @@ def gemm_tc_kernel_for(config: TileConfig):
     assert config.shared_bytes <= 48 * 1024  # static shared memory per block
 
     @device_function
-    def _store_band(out, acc, i, m_base, n_base, lane, accumulate):
+    def _store_band(out, acc, i, m_base, n_base, lane, accumulate, num_tokens, row_offset):
         """Write (or add) this lane's outputs of the i-th 16-row band of the warp tile.
 
-        acc[i, j, 2h + e] is out[m_base + 16i + 8h + g, n_base + 8j + 2t + e] (g = lane >> 2, t = lane & 3).
-        accumulate: 0 store, 1 add, 2 add atomically (split K: other blocks add to the same outputs).
+        acc[i, j, 2h + e] is out[m_base + 16i + 8h + g, n_base + 8j + 2t + e] (g = lane >> 2, t = lane & 3),
+        stored at row ``row_offset + m`` (a split K's partial tile goes to its own rows of the workspace).
         """
-        num_tokens = out.shape[0]
         num_rows = out.shape[1]
         g = lane >> 2
         t = lane & 3
@@ -171,12 +171,10 @@ def gemm_tc_kernel_for(config: TileConfig):
                     n = n_base + j * MMA_N + 2 * t
                     for e in range(2):
                         if n + e < num_rows:
-                            if accumulate == 2:
-                                cuda.atomic.add(out, (m, n + e), acc[i, j, 2 * h + e])
-                            elif accumulate == 1:
-                                out[m, n + e] += acc[i, j, 2 * h + e]
+                            if accumulate:
+                                out[row_offset + m, n + e] += acc[i, j, 2 * h + e]
                             else:
-                                out[m, n + e] = acc[i, j, 2 * h + e]
+                                out[row_offset + m, n + e] = acc[i, j, 2 * h + e]
 
     @device_function
     def _load_x(x, x_next, m0, stage_row, stage_chunk, k0, vectors_ok):
@@ -220,8 +218,8 @@ def gemm_tc_kernel_for(config: TileConfig):
 
     @kernel(launch_bounds=block_threads)
     def gemm_tc_kernel(x, w_bits, out, accumulate, vectors_ok, tiles_per_split):
-        # x (M, K) f32; w_bits (N, K) uint16 (bf16 bits); out (M, N) f32
-        # accumulate: 0 out =, 1 out +=, 2 out += atomically (K split over blockIdx.z)
+        # x (M, K) f32; w_bits (N, K) uint16 (bf16 bits); accumulate: 1 out +=, 0 out =
+        # out: (M, N) f32, or with K split over blockIdx.z, (splits * M, N): part z's rows z*M .. z*M + M - 1
         # vectors_ok: 1 when K % 8 == 0 and x, w are 16-byte aligned (16-byte loads allowed)
         # tiles_per_split: BLOCK_K slices of K this block sums, from blockIdx.z * tiles_per_split
         k_dim = x.shape[1]
@@ -304,11 +302,13 @@ def gemm_tc_kernel_for(config: TileConfig):
         # nest over all the values is not unrolled, and acc would go to local memory).
         m_base = m0 + wm0
         n_base = n0 + wn0
-        _store_band(out, acc, 0, m_base, n_base, lane, accumulate)
-        _store_band(out, acc, 1, m_base, n_base, lane, accumulate)
+        num_tokens = x.shape[0]
+        row_offset = cuda.blockIdx.z * num_tokens
+        _store_band(out, acc, 0, m_base, n_base, lane, accumulate, num_tokens, row_offset)
+        _store_band(out, acc, 1, m_base, n_base, lane, accumulate, num_tokens, row_offset)
         if frags_m == 4:  # a compile-time constant: the branch is folded away
-            _store_band(out, acc, 2, m_base, n_base, lane, accumulate)
-            _store_band(out, acc, 3, m_base, n_base, lane, accumulate)
+            _store_band(out, acc, 2, m_base, n_base, lane, accumulate, num_tokens, row_offset)
+            _store_band(out, acc, 3, m_base, n_base, lane, accumulate, num_tokens, row_offset)
 
     return gemm_tc_kernel
 
@@ -327,7 +327,7 @@ def pick_k_split(num_blocks: int, k_dim: int, num_sms: int) -> int:
 
     Why: a decode batch gives few output tiles (M = 256, N = 2048: 128 SMALL blocks, one per SM), and
     one block's loads in flight, a slice or two, cannot cover memory latency: splitting K puts
-    several blocks on each SM, each summing part of K and adding its partial tile atomically.
+    several blocks on each SM, each summing part of K into its own partial tile.
     """
     num_tiles = -(-k_dim // BLOCK_K)
     split = 1
@@ -342,12 +342,31 @@ def _num_sms() -> int:
     return getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 1)
 
 
+@functools.cache
+def _split_workspace():
+    """Device float32 scratch for split-K partial tiles, allocated once at its largest size.
+
+    A split grid has at most ``SPLIT_BLOCKS_PER_SM * num_sms`` blocks, each with one tile of partial
+    sums. Its address never changes, so a CUDA graph that recorded a split product stays valid.
+    """
+    largest_tile = max(c.block_m * c.block_n for c in TILE_CONFIGS)
+    return cuda.device_array(SPLIT_BLOCKS_PER_SM * _num_sms() * largest_tile, np.float32)
+
+
 @kernel
-def _zero_kernel(out):
-    """out (M, N) f32 = 0, grid-stride over rows and columns: the start of a split-K sum."""
-    for m in range(cuda.blockIdx.x, out.shape[0], cuda.gridDim.x):
+def _sum_splits_kernel(partials, out, accumulate):
+    """out (M, N) f32 (+)= the sum over z of partials[z*M + m, n], z in a fixed order (deterministic).
+
+    partials (splits * M, N) f32. A block per row m (grid-stride), threads over n.
+    """
+    num_tokens = out.shape[0]
+    splits = partials.shape[0] // num_tokens
+    for m in range(cuda.blockIdx.x, num_tokens, cuda.gridDim.x):
         for n in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
-            out[m, n] = float32(0.0)
+            total = out[m, n] if accumulate else float32(0.0)
+            for z in range(splits):
+                total += partials[z * num_tokens + m, n]
+            out[m, n] = total
 
 
 def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None) -> None:
@@ -355,8 +374,9 @@ def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = Non
 
     x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits view), out (M, N) f32.
     `config` and `split` force a tiling and a K split (tests); by default the largest tiling that
-    fills the GPU, and K split while the GPU has room for more blocks. A split K sums its parts with
-    atomic adds: the result is correct to fp32 rounding, but the order of the adds may vary by run.
+    fills the GPU, and K split while the GPU has room for more blocks. The parts of a split K are
+    written to a workspace and summed in a fixed order by a second kernel: the same inputs give the
+    same bits on every run (atomic adds would not, and bf16 rounding downstream amplifies their order).
     """
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
     if num_tokens == 0 or num_rows == 0:
@@ -368,11 +388,15 @@ def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = Non
     split = split or pick_k_split(grid_n * grid_m, k_dim, _num_sms())
     num_tiles = -(-k_dim // BLOCK_K)
     tiles_per_split = -(-num_tiles // split)
-    grid = (grid_n, grid_m, -(-num_tiles // tiles_per_split))  # no empty split
-    if grid[2] > 1:
-        if not accumulate:
-            launch(_zero_kernel, min(num_tokens, 1024), 256, out)
-        mode = 2
-    else:
-        mode = 1 if accumulate else 0
-    launch(gemm_tc_kernel_for(config), grid, config.threads, x, w_bits, out, mode, vectors_ok, tiles_per_split)
+    splits = -(-num_tiles // tiles_per_split)  # no empty part
+    kernel_ = gemm_tc_kernel_for(config)
+    flag = 1 if accumulate else 0
+    if splits == 1:
+        launch(kernel_, (grid_n, grid_m, 1), config.threads, x, w_bits, out, flag, vectors_ok, tiles_per_split)
+        return
+    workspace = _split_workspace()
+    if splits * num_tokens * num_rows > workspace.shape[0]:
+        raise KernelError(f"gemm_tc: a {splits}-way K split of a {num_tokens}x{num_rows} product exceeds the workspace")
+    partials = workspace[: splits * num_tokens * num_rows].reshape(splits * num_tokens, num_rows)
+    launch(kernel_, (grid_n, grid_m, splits), config.threads, x, w_bits, partials, 0, vectors_ok, tiles_per_split)
+    launch(_sum_splits_kernel, min(num_tokens, 1024), 256, partials, out, flag)
