@@ -21,6 +21,7 @@ import numpy as np
 
 from ..checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from ..config import EngineConfig, ModelConfig
+from ..engine.kv_cache import pages_for_tokens
 from ..sampling import SamplingParams
 
 TOKEN_ID_HIGH = 10000  # prompt token ids are uniform in [0, TOKEN_ID_HIGH) (capped by the vocabulary)
@@ -174,6 +175,18 @@ def warm_up(engine, prompt_len: int, num_requests: int = 2, max_tokens: int = 3)
     synchronize(engine.backend)
     if not all(o.finished for o in outs):
         raise BenchError("the warm-up requests did not finish")
+    return time.perf_counter() - t0
+
+
+def record_decode_graphs(engine, max_tokens_per_sequence: int) -> float:
+    """cuda: record the decode-step CUDA graphs every batch of the workload can need, before timing
+    (a server does this at start-up); returns the seconds taken (0 without graphs)."""
+    graphs = getattr(engine.runner, "decode_graphs", None)
+    if graphs is None or not graphs.capture:
+        return 0.0
+    t0 = time.perf_counter()
+    graphs.record_all(pages_for_tokens(max_tokens_per_sequence))
+    synchronize(engine.backend)
     return time.perf_counter() - t0
 
 

@@ -39,6 +39,7 @@ from .common import (
     ms_stats,
     random_token_ids,
     ratio,
+    record_decode_graphs,
     release_device_memory,
     synchronize,
     warm_up,
@@ -155,6 +156,8 @@ def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len:
     backend = engine.backend
     try:
         warmup_s = warm_up(engine, min(64, max(len(p) for p in workload.prompts)))
+        longest = max(len(p) + n for p, n in zip(workload.prompts, workload.output_lens, strict=True))
+        warmup_s += record_decode_graphs(engine, longest)
         memory = DeviceMemory(backend)
         memory.sample()
         outs = [
@@ -211,7 +214,7 @@ ROWS = [  # (label, key in a run)
     ("preemptions", "preemptions"),
     ("median step ms", "median_step_ms"),
     ("load s", "load_s"),
-    ("warm-up s (compile)", "warmup_s"),
+    ("warm-up s (compile, graphs)", "warmup_s"),
     ("peak device memory GiB", "peak_device_memory_GiB"),
 ]
 

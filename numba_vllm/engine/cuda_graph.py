@@ -123,18 +123,35 @@ class DecodeGraphs:
     def run(self, seqs: list[ScheduledSequence]):
         """Run one decode step; returns the logits (len(seqs), V) f32 device array, row i for seqs[i]."""
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(seqs))]
-        width = table_width(max(len(s.page_ids) for s in seqs))
-        step = self._graphs.get((batch, width))
-        if step is None:
-            step = self._graphs[(batch, width)] = _StepGraph(batch, width, self._sample_rows)
+        step = self._step(batch, table_width(max(len(s.page_ids) for s in seqs)))
         step.upload(seqs)
         if step.graph is not None:
             step.graph.launch(self._stream)
         else:
-            step.logits = self.model.forward(step.inputs)  # eager: this step's result (and kernels compiled)
-            if self.capture:
-                step.graph = self._record(step)
+            self._first_run(step)
         return step.logits[: len(seqs)]
+
+    def record_all(self, max_pages: int) -> None:
+        """Make every graph a sequence of up to `max_pages` pages can need, now (each bucket run once
+        on padding rows only), so that no later step pays for compiling and recording."""
+        for batch in self.batch_sizes:
+            for width in sorted({table_width(p) for p in range(1, max_pages + 1)}):
+                step = self._step(batch, width)
+                if step.logits is None:
+                    step.upload([])
+                    self._first_run(step)
+
+    def _step(self, batch: int, width: int) -> _StepGraph:
+        step = self._graphs.get((batch, width))
+        if step is None:
+            step = self._graphs[(batch, width)] = _StepGraph(batch, width, self._sample_rows)
+        return step
+
+    def _first_run(self, step: _StepGraph) -> None:
+        """Run the step eagerly (its result, and its kernels compiled), then record it."""
+        step.logits = self.model.forward(step.inputs)
+        if self.capture:
+            step.graph = self._record(step)
 
     def _record(self, step: _StepGraph):
         """Record `forward` on the step's buffers into a CUDA graph (nothing runs while recording)."""
