@@ -122,6 +122,7 @@ SMALL = TileConfig(block_m=64, block_n=64, warps_m=2, warps_n=2)
 TILE_CONFIGS = (LARGE, SMALL)  # largest first: `gemm_tc` takes the first that fills the GPU
 SPLIT_BLOCKS_PER_SM = 4  # split K until the grid has about this many blocks per SM ...
 MIN_SPLIT_TILES = 8  # ... but keep at least this many BLOCK_K slices (256 of K) in each part
+SUM_THREADS = 256  # threads per block of the kernel that adds the parts of a split K
 
 
 @device_function
@@ -357,12 +358,14 @@ def _split_workspace():
 def _sum_splits_kernel(partials, out, accumulate):
     """out (M, N) f32 (+)= the sum over z of partials[z*M + m, n], z in a fixed order (deterministic).
 
-    partials (splits * M, N) f32. A block per row m (grid-stride), threads over n.
+    partials (splits * M, N) f32. Thread (blockIdx.x * blockDim.x + threadIdx.x) owns column n;
+    blockIdx.y walks the rows (grid-stride): N/256 x M blocks, enough to keep every SM streaming.
     """
     num_tokens = out.shape[0]
     splits = partials.shape[0] // num_tokens
-    for m in range(cuda.blockIdx.x, num_tokens, cuda.gridDim.x):
-        for n in range(cuda.threadIdx.x, out.shape[1], cuda.blockDim.x):
+    n = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if n < out.shape[1]:
+        for m in range(cuda.blockIdx.y, num_tokens, cuda.gridDim.y):
             total = out[m, n] if accumulate else float32(0.0)
             for z in range(splits):
                 total += partials[z * num_tokens + m, n]
@@ -399,4 +402,4 @@ def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = Non
         raise KernelError(f"gemm_tc: a {splits}-way K split of a {num_tokens}x{num_rows} product exceeds the workspace")
     partials = workspace[: splits * num_tokens * num_rows].reshape(splits * num_tokens, num_rows)
     launch(kernel_, (grid_n, grid_m, splits), config.threads, x, w_bits, partials, 0, vectors_ok, tiles_per_split)
-    launch(_sum_splits_kernel, min(num_tokens, 1024), 256, partials, out, flag)
+    launch(_sum_splits_kernel, (-(-num_rows // SUM_THREADS), min(num_tokens, 1024)), SUM_THREADS, partials, out, flag)
