@@ -8,6 +8,7 @@ unsupported config, prompt too long).
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -28,6 +29,25 @@ DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 @click.version_option(package_name="numba-vllm")
 def main() -> None:
     """numba-vllm: LLM inference with Numba CUDA kernels."""
+
+
+def _one_line_errors(fn):
+    """A command's user mistakes and unusable setups end in one `Error:` line (no traceback);
+    Ctrl-C exits with status 130."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except click.ClickException:
+            raise
+        except (ValueError, OSError, KernelError) as e:
+            raise click.ClickException(str(e)) from None
+        except KeyboardInterrupt:
+            _log("interrupted")
+            sys.exit(130)
+
+    return wrapper
 
 
 def engine_options(command):
@@ -87,44 +107,37 @@ def engine_options(command):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
 @engine_options
 @click.option("--verbose", "-v", is_flag=True, help="Print every step's slots and free pages to stderr.")
+@_one_line_errors
 def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ignore_eos, chat, system, prompt_ids, prompt_file,
         as_json, verbose, **engine_args):  # fmt: skip
     """Generate answers to PROMPTS (default: a sample question), all batched together."""
-    try:
-        params = SamplingParams(
-            temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos
-        )
-        engine_config = EngineConfig(backend=backend, verbose=verbose, **engine_args)
-        texts = list(prompts)
-        if prompt_file is not None:
-            texts += _read_prompt_file(prompt_file)
-        id_prompts = [_parse_ids(s) for s in prompt_ids]
-        if not texts and not id_prompts:
-            texts = [DEFAULT_QUESTION]
-        prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
-        resolve_backend(backend)  # an unusable backend fails now, before the model loads
-        t0 = time.perf_counter()
-        ckpt = load_checkpoint(model)
-        tok = ckpt.tokenizer
-        if texts and tok is None:
-            raise click.UsageError(f"{ckpt.source} has no tokenizer; give prompts as token ids with --prompt-ids")
-        use_chat = (tok is not None and tok.has_chat_template) if chat is None else chat
-        if use_chat and texts and not tok.has_chat_template:
-            raise click.UsageError(f"{ckpt.source} has no chat template; use --no-chat")
-        encoded = [_encode(tok, t, use_chat, system) for t in texts] + id_prompts
-        engine = LLMEngine(ckpt, engine_config)
-        _log(
-            f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
-            f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}"
-        )
-        ok = _run_batch(engine, encoded, params, as_json)
-    except click.ClickException:
-        raise
-    except (ValueError, OSError, KernelError) as e:
-        raise click.ClickException(str(e)) from None
-    except KeyboardInterrupt:
-        _log("interrupted")
-        sys.exit(130)
+    params = SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos
+    )
+    engine_config = EngineConfig(backend=backend, verbose=verbose, **engine_args)
+    texts = list(prompts)
+    if prompt_file is not None:
+        texts += _read_prompt_file(prompt_file)
+    id_prompts = [_parse_ids(s) for s in prompt_ids]
+    if not texts and not id_prompts:
+        texts = [DEFAULT_QUESTION]
+    prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
+    resolve_backend(backend)  # an unusable backend fails now, before the model loads
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(model)
+    tok = ckpt.tokenizer
+    if texts and tok is None:
+        raise click.UsageError(f"{ckpt.source} has no tokenizer; give prompts as token ids with --prompt-ids")
+    use_chat = (tok is not None and tok.has_chat_template) if chat is None else chat
+    if use_chat and texts and not tok.has_chat_template:
+        raise click.UsageError(f"{ckpt.source} has no chat template; use --no-chat")
+    encoded = [_encode(tok, t, use_chat, system) for t in texts] + id_prompts
+    engine = LLMEngine(ckpt, engine_config)
+    _log(
+        f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
+        f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}"
+    )
+    ok = _run_batch(engine, encoded, params, as_json)
     if not ok:
         sys.exit(1)
 
@@ -350,23 +363,6 @@ def _bench_setup(backend: str, model, random_weights, compare_hf: bool, json_pat
     return ckpt, desc
 
 
-def _bench_errors(fn):
-    """Bench commands: mistakes and unusable setups end in one `Error:` line."""
-    import functools
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except click.ClickException:
-            raise
-        except (ValueError, OSError, KernelError) as e:
-            raise click.ClickException(str(e)) from None
-        except KeyboardInterrupt:
-            _log("interrupted")
-            sys.exit(130)
-
-    return wrapper
 
 
 def _parse_batch_sizes(s: str) -> list[int]:
@@ -391,7 +387,7 @@ def _parse_batch_sizes(s: str) -> list[int]:
 @click.option("--peak-bandwidth-tbs", type=click.FloatRange(0, min_open=True), default=4.24, show_default=True,
               help="Device bandwidth (TB/s) for the batch-1 floor; 4.24 = H200 copy bandwidth.")  # fmt: skip
 @click.option("--hf-compile", is_flag=True, help="With --compare-hf: static cache + torch.compile for transformers (slow).")
-@_bench_errors
+@_one_line_errors
 def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_sizes, prompt_len, output_len, warmup_runs,
             peak_bandwidth_tbs, hf_compile, **engine_args):  # fmt: skip
     """Decode ms per token at each batch size and time to first token (greedy, EOS ignored)."""
@@ -420,7 +416,7 @@ def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_s
 @click.option("--max-output-len", type=click.IntRange(1), default=1024, show_default=True)
 @click.option("--scheduling", type=click.Choice(["both", "continuous", "static"]), default="both", show_default=True,
               help="Run the workload under continuous batching, static batching, or both side by side.")  # fmt: skip
-@_bench_errors
+@_one_line_errors
 def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_requests, min_prompt_len, max_prompt_len,
                min_output_len, max_output_len, scheduling, **engine_args):  # fmt: skip
     """Offline throughput: requests of mixed lengths submitted at once, continuous vs static batching."""
@@ -445,7 +441,7 @@ def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_
 @click.option("--only", default=None, help="Run only the cases whose name contains this (e.g. gemv, attention).")
 @click.option("--iters", type=click.IntRange(1), default=30, show_default=True, help="Timed launches per case (median).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the table as JSON here.")
-@_bench_errors
+@_one_line_errors
 def kernels(only, iters, json_path):
     """Per-kernel roofline table on the GPU: time, GB/s or TFLOP/s, share of the measured ceiling."""
     from .bench.common import check_json_path, write_json

@@ -23,9 +23,10 @@ import functools
 import numpy as np
 import pytest
 from numba import cuda, uint32
-from test_gemv import check_product, random_case
+from test_gemm import GPU_CASES as GEMM_GPU_CASES
+from test_gemv import check_product, launch_case
 
-from numba_vllm.bf16 import BF16, upload_bf16
+from numba_vllm.bf16 import BF16
 from numba_vllm.kernels import matmul
 from numba_vllm.kernels.gemm_tc import LARGE, SMALL, TILE_CONFIGS, gemm_tc, pick_k_split, pick_tile_config
 from numba_vllm.kernels.jit import device_function, kernel
@@ -39,18 +40,8 @@ MMA_RTOL = 4e-6
 
 def run_gemm_tc(m, n, k, accumulate, seed=0, x_offset=0, launcher=gemm_tc):
     """Launch on fresh random data, check against the bf16-rounded reference. x_offset > 0 misaligns x."""
-    rng = np.random.default_rng(seed)
-    x, w, out0 = random_case(rng, m, n, k, accumulate)
-    if x_offset:
-        x_big = np.zeros(m * k + x_offset, np.float32)
-        x_big[x_offset:] = x.ravel()
-        d_x = cuda.to_device(x_big)[x_offset:].reshape(m, k)
-    else:
-        d_x = cuda.to_device(x)
-    d_out = cuda.to_device(out0)
-    launcher(d_x, upload_bf16(w), d_out, accumulate)
-    x_rounded = x.astype(BF16).astype(np.float32)
-    check_product(d_out.copy_to_host(), x_rounded, w, out0, accumulate)
+    got, x, w, out0 = launch_case(m, n, k, accumulate, seed, x_offset, launcher)
+    check_product(got, x.astype(BF16).astype(np.float32), w, out0, accumulate)
 
 
 # ---- the intrinsics, one warp --------------------------------------------------------------------
@@ -212,16 +203,7 @@ def test_linear_sends_prefill_to_gemm_tc(monkeypatch):
     run_gemm_tc(matmul.GEMV_MAX_TOKENS + 1, 33, 16, True, launcher=matmul.linear)
 
 
-GPU_CASES = [
-    (512, 2048, 2048, False),  # q_proj / o_proj
-    (512, 2048, 2048, True),  # o_proj + residual
-    (300, 8192, 2048, False),  # gate / up, M not a multiple of 128
-    (257, 2048, 8192, True),  # down_proj + residual
-    (4096, 8192, 2048, False),  # the benchmark shape
-    (100, 1000, 2050, False),  # K % 8 != 0 at size
-    (333, 1003, 1000, True),  # ragged M, N and K (K % 32 != 0 on the 16-byte path)
-    (65, 128256, 2048, False),  # vocabulary head over many tokens
-]
+GPU_CASES = GEMM_GPU_CASES + [(333, 1003, 1000, True)]  # the fp32 gemm's shapes, and ragged M, N and K (K % 32 != 0)
 
 
 @pytest.mark.gpu

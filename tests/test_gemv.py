@@ -57,8 +57,9 @@ def check_product(got, x, w, out0, accumulate):
     assert np.all(err <= RTOL * scale + 1e-30), f"at {worst}: got {got[worst]}, want {ref[worst]}"
 
 
-def run_gemv(m, n, k, accumulate, seed=0, x_offset=0, launcher=gemv):
-    """Launch on fresh random data and check. x_offset > 0 views x at a misaligned address."""
+def launch_case(m, n, k, accumulate, seed, x_offset, launcher):
+    """Run `launcher(x, w, out, accumulate)` on fresh random data; returns (out, x, w, out0) on the host.
+    x_offset > 0 views x at a misaligned address."""
     rng = np.random.default_rng(seed)
     x, w, out0 = random_case(rng, m, n, k, accumulate)
     if x_offset:
@@ -69,7 +70,13 @@ def run_gemv(m, n, k, accumulate, seed=0, x_offset=0, launcher=gemv):
         d_x = cuda.to_device(x)
     d_out = cuda.to_device(out0)
     launcher(d_x, upload_bf16(w), d_out, accumulate)
-    check_product(d_out.copy_to_host(), x, w, out0, accumulate)
+    return d_out.copy_to_host(), x, w, out0
+
+
+def run_gemv(m, n, k, accumulate, seed=0, x_offset=0, launcher=gemv):
+    """Launch on fresh random data and check against the float64 product."""
+    got, x, w, out0 = launch_case(m, n, k, accumulate, seed, x_offset, launcher)
+    check_product(got, x, w, out0, accumulate)
 
 
 # (M, N, K, accumulate): N = 33, 70 are not multiples of 32 or 16 rows per block.
