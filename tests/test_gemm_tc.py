@@ -188,10 +188,12 @@ def test_k_is_split_until_the_gpu_has_four_blocks_per_sm(blocks, k, want):
 
 
 @pytest.mark.parametrize(
-    "m, n, want", [(4096, 8192, LARGE), (512, 128256, LARGE), (256, 2048, SMALL), (8, 8192, SMALL), (1, 1, SMALL)]
-)
-def test_the_largest_tiling_that_fills_132_sms_is_picked(m, n, want):
-    assert pick_tile_config(m, n, num_sms=132) == want
+    "m, n, sms, want",
+    [(4096, 8192, 132, LARGE), (512, 128256, 132, LARGE), (256, 2048, 132, SMALL), (8, 8192, 132, SMALL), (1, 1, 132, SMALL),
+     (100, 128256, 132, SMALL), (82, 192, 1, SMALL), (128, 256, 1, LARGE)],
+)  # fmt: skip
+def test_the_largest_tiling_that_fits_and_fills_the_sms_is_picked(m, n, sms, want):
+    assert pick_tile_config(m, n, num_sms=sms) == want
 
 
 def test_gemm_tc_misaligned_x():

@@ -315,9 +315,11 @@ def gemm_tc_kernel_for(config: TileConfig):
 
 
 def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig:
-    """The largest tiling whose grid has at least one block per SM (else the smallest)."""
+    """The largest tiling whose tile fits inside the product and whose grid has at least one block
+    per SM (else the smallest): a tile larger than the product would mostly compute padding."""
     for config in TILE_CONFIGS:
-        if -(-num_rows // config.block_n) * -(-num_tokens // config.block_m) >= num_sms:
+        fits = num_tokens >= config.block_m and num_rows >= config.block_n
+        if fits and -(-num_rows // config.block_n) * -(-num_tokens // config.block_m) >= num_sms:
             return config
     return TILE_CONFIGS[-1]
 
