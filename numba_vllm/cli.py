@@ -237,6 +237,10 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
         else:
             ckpt = load_checkpoint(model)
         engine = LLMEngine(ckpt, engine_config)
+        if engine.backend == "cuda":  # compile and record graphs now, not in the first requests
+            t1 = time.perf_counter()
+            engine.warm_up()
+            _log(f"kernels compiled and decode graphs recorded in {time.perf_counter() - t1:.1f} s")
     except (ValueError, OSError, KernelError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:

@@ -144,11 +144,12 @@ class DeviceModel:
             linear(act, w["down"], x, accumulate=True)  # x += MLP output
             report("mlp_residual", i, x)
 
-        nb = s.sample_rows.shape[0]
+        nb = s.sample_rows.shape[0]  # 0 when every sequence is in the middle of its prompt (chunked prefill)
         last, logits = b["last"][:nb], b["logits"][:nb]
-        gather_rows(x, s.sample_rows, last)
-        rms_norm(last, self.final_norm, last, c.rms_norm_eps)
-        linear(last, self.lm_head, logits)
+        if nb:
+            gather_rows(x, s.sample_rows, last)
+            rms_norm(last, self.final_norm, last, c.rms_norm_eps)
+            linear(last, self.lm_head, logits)
         return logits
 
 

@@ -10,6 +10,7 @@ from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.config import ModelConfig
+from numba_vllm.engine import kernel_runner
 from numba_vllm.engine.cuda_graph import MIN_TABLE_WIDTH, DecodeGraphs, batch_buckets, table_width
 
 
@@ -34,15 +35,40 @@ def test_table_width(pages, want):
     assert table_width(pages) == want
 
 
-def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tmp_path):
+PROMPTS = [[5], list(range(3, 18)), list(range(3, 20))]  # 3 sequences: bucket 4 has a padding row; 15 and 17 tokens
+GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A 1-layer GQA model and its NumPy greedy tokens for PROMPTS."""
     cfg = tiny_config_dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
                            intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
-    path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
-    prompts = [[5], list(range(3, 18)), list(range(3, 20))]  # 3 sequences: bucket 4 has a padding row; 15 and 17 tokens
-    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    want = [o.token_ids for o in LLM(str(path), backend="numpy").generate(prompts, params)]
-    sim = LLM(str(path), backend="sim", max_num_seqs=4, num_pages=8)
+    path = write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    return str(path), [o.token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
+
+
+def _sim_with_emulated_graphs(path, **engine_args):
+    sim = LLM(path, backend="sim", **engine_args)
     runner = sim.engine.runner
     runner.decode_graphs = DecodeGraphs(runner.model, runner.max_num_seqs, capture=False)
-    assert [o.token_ids for o in sim.generate(prompts, params)] == want
-    assert set(runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
+    return sim
+
+
+def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
+    path, want = tiny
+    sim = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8)
+    assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
+    assert set(sim.engine.runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
+
+
+def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny, monkeypatch):
+    """Warm-up steps (decode of 1 .. GEMV_MAX_TOKENS + 1 tokens, a full prefill, every graph bucket)
+    write only the null page: the requests that follow still give NumPy's tokens. (Decode warm-ups
+    cut to 1 and 2 tokens: each simulated step costs seconds, and their count changes nothing here.)"""
+    path, want = tiny
+    monkeypatch.setattr(kernel_runner, "GEMV_MAX_TOKENS", 1)
+    sim = _sim_with_emulated_graphs(path, max_num_seqs=2, num_pages=8, max_num_batched_tokens=16)
+    sim.engine.warm_up()
+    assert set(sim.engine.runner.decode_graphs._graphs) == {(1, MIN_TABLE_WIDTH), (2, MIN_TABLE_WIDTH)}
+    assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want

@@ -166,6 +166,8 @@ def warm_up(engine, prompt_len: int, num_requests: int = 2, max_tokens: int = 3)
     prompt_len = max(1, min(prompt_len, engine.max_model_len - max_tokens - 1))
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     t0 = time.perf_counter()
+    if engine.backend == "cuda":
+        engine.warm_up()  # every kernel variant and the common decode graphs (slow in the simulator: skipped there)
     outs = [
         engine.add_request(f"warmup-{i}", random_token_ids(rng, prompt_len, engine.config.vocab_size), params)
         for i in range(num_requests)

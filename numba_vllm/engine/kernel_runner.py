@@ -18,7 +18,8 @@ import numpy as np
 from numba import cuda
 
 from ..checkpoint import Checkpoint
-from ..config import EngineConfig
+from ..config import PAGE_SIZE, EngineConfig
+from ..kernels.matmul import GEMV_MAX_TOKENS
 from ..kernels.sample import argmax, sample_gumbel
 from ..model import DeviceModel, StepInputs, activation_shapes
 from .cuda_graph import DecodeGraphs
@@ -38,7 +39,8 @@ class KernelRunner:
         self.model = model
         self.num_pages = num_pages
         self.max_num_seqs = engine_config.max_num_seqs
-        model.allocate(num_pages, _max_step_tokens(engine_config), engine_config.max_num_seqs)
+        self.max_step_tokens = _max_step_tokens(engine_config)
+        model.allocate(num_pages, self.max_step_tokens, engine_config.max_num_seqs)
         self.decode_graphs = None if graphs == "none" else DecodeGraphs(model, self.max_num_seqs, capture=graphs == "capture")
         self.host_samplers = RequestSamplers()
         self._seeds: dict[str, int] = {}
@@ -95,16 +97,36 @@ class KernelRunner:
             "decode_context_lens": np.array([s.context_len for s in decode], np.int32),
             "sample_rows": np.array([end - 1 for s, end in zip(seqs, ends, strict=True) if s.samples], np.int32),
         }
-        packed = cuda.to_device(np.concatenate([a.ravel() for a in parts.values()]).astype(np.int32, copy=False))
-        views, start = {}, 0
-        for name, a in parts.items():
-            views[name] = packed[start : start + a.size].reshape(a.shape)
-            start += a.size
-        return StepInputs(
-            **views,
-            num_prefill_tokens=int(cu[-1]),
-            prefill_max_new_tokens=max((s.num_new_tokens for s in prefill), default=0),
-        )
+        return _upload(parts, int(cu[-1]), max((s.num_new_tokens for s in prefill), default=0))
+
+    # ---- warming up ----------------------------------------------------------------------------
+    def warm_up(self, max_pages: int) -> None:
+        """Compile every kernel variant a step can use, and record the decode graphs of sequences up
+        to `max_pages` pages, before the first request: otherwise the first steps of each new shape
+        pay for it (a second or so per kernel). Each run is a dummy step whose tokens all read and
+        write the null page; the KV cache of real sequences is not touched.
+
+        Variants: gemv per token count 1 .. GEMV_MAX_TOKENS, the tensor-core tilings (a full prefill
+        step uses the large one, small batches the small one and split K), both attention kernels, the
+        samplers.
+        """
+        for num_tokens in range(1, min(GEMV_MAX_TOKENS + 1, self.max_step_tokens) + 1):  # every gemv, then gemm_tc
+            step = _null_decode_step(num_tokens, min(num_tokens, self.max_num_seqs))
+            self._sample_all(self.model.forward(_upload(step, 0, 0)))
+        prefill = _null_prefill_step(self.max_step_tokens - self.max_num_seqs)
+        self._sample_all(self.model.forward(_upload(prefill, self.max_step_tokens - self.max_num_seqs, 0)))
+        if self.decode_graphs is not None:
+            self.decode_graphs.record_all(max_pages)
+
+    def _sample_all(self, logits) -> None:
+        """Run both device samplers on every row (their results are dropped)."""
+        rows = logits.shape[0]
+        tokens = cuda.device_array(rows, np.int32)
+        argmax(logits, tokens)
+        ones = cuda.to_device(np.ones(rows, np.float32))
+        zeros = cuda.to_device(np.zeros(rows, np.int32))
+        sample_gumbel(logits, ones, cuda.to_device(np.zeros(rows, np.uint32)), zeros, tokens)
+        tokens.copy_to_host()
 
     # ---- sampling ------------------------------------------------------------------------------
     def _sample(self, requests, logits) -> list[int]:
@@ -134,6 +156,41 @@ class KernelRunner:
             seed = given & SEED_MASK if given is not None else int(self._seed_rng.integers(0, SEED_MASK))
             self._seeds[request.request_id] = seed
         return seed
+
+
+def _upload(parts: dict[str, np.ndarray], num_prefill_tokens: int, prefill_max_new_tokens: int) -> StepInputs:
+    """Pack a step's int32 arrays (StepInputs' names) into one buffer, upload it in one copy, and
+    return the StepInputs whose fields are views of it."""
+    packed = cuda.to_device(np.concatenate([a.ravel() for a in parts.values()]).astype(np.int32, copy=False))
+    views, start = {}, 0
+    for name, a in parts.items():
+        views[name] = packed[start : start + a.size].reshape(a.shape)
+        start += a.size
+    return StepInputs(**views, num_prefill_tokens=num_prefill_tokens, prefill_max_new_tokens=prefill_max_new_tokens)
+
+
+def _null_decode_step(num_tokens: int, num_sampled: int) -> dict[str, np.ndarray]:
+    """`num_tokens` sequences decoding token 0 at position 0 into the null page, each attending to it;
+    the first `num_sampled` are sampled (the logits buffer holds max_num_seqs rows)."""
+    zeros = np.zeros(num_tokens, np.int32)
+    return {
+        "token_ids": zeros, "positions": zeros, "kv_indices": zeros,
+        "prefill_cu_seqlens": np.zeros(1, np.int32), "prefill_start_pos": np.zeros(0, np.int32),
+        "prefill_block_tables": np.zeros((0, 1), np.int32), "decode_block_tables": np.zeros((num_tokens, 1), np.int32),
+        "decode_context_lens": np.ones(num_tokens, np.int32), "sample_rows": np.arange(num_sampled, dtype=np.int32),
+    }  # fmt: skip
+
+
+def _null_prefill_step(num_tokens: int) -> dict[str, np.ndarray]:
+    """One sequence prefilling `num_tokens` tokens at positions 0.. whose pages are all the null page."""
+    return {
+        "token_ids": np.zeros(num_tokens, np.int32), "positions": np.arange(num_tokens, dtype=np.int32),
+        "kv_indices": np.zeros(num_tokens, np.int32), "prefill_cu_seqlens": np.array([0, num_tokens], np.int32),
+        "prefill_start_pos": np.zeros(1, np.int32),
+        "prefill_block_tables": np.zeros((1, -(-num_tokens // PAGE_SIZE)), np.int32),
+        "decode_block_tables": np.zeros((0, 1), np.int32), "decode_context_lens": np.zeros(0, np.int32),
+        "sample_rows": np.array([num_tokens - 1], np.int32),
+    }  # fmt: skip
 
 
 def _max_step_tokens(engine_config: EngineConfig) -> int:

@@ -24,6 +24,7 @@ from .scheduler import Scheduler
 
 HOST_CACHE_SEQUENCES = 4  # numpy / sim default: a cache that holds this many full-length sequences
 DEFAULT_MAX_MODEL_LEN_CPU = 4096  # numpy / sim default length cap (the model's own may be 128k)
+WARM_UP_GRAPH_TOKENS = 4096  # `warm_up` records decode graphs for sequences up to this long; longer ones on first use
 
 _STATUS_OF_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
@@ -95,6 +96,14 @@ class LLMEngine:
         if builder is not None and self.scheduler.abort(request_id):
             builder.abort()
             self.runner.release(request_id)
+
+    def warm_up(self) -> None:
+        """Compile the kernels and record the decode-step CUDA graphs (for sequences of up to
+        `WARM_UP_GRAPH_TOKENS`) now, before the first request: a server does this once at start-up so
+        no request pays for it. Nothing to do on the numpy backend; slow in the simulator."""
+        warm = getattr(self.runner, "warm_up", None)
+        if warm is not None:
+            warm(pages_for_tokens(min(self.max_model_len, WARM_UP_GRAPH_TOKENS)))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
