@@ -8,10 +8,11 @@ block tables widened, one upload. The tokens must be NumPy's.
 import pytest
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
-from numba_vllm import LLM, SamplingParams
+from numba_vllm import LLM, SamplingParams, model
 from numba_vllm.config import ModelConfig
 from numba_vllm.engine import kernel_runner
 from numba_vllm.engine.cuda_graph import MIN_TABLE_WIDTH, DecodeGraphs, batch_buckets, table_width
+from numba_vllm.kernels.prefill_attention import prefill_attention
 
 
 @pytest.mark.parametrize(
@@ -68,7 +69,15 @@ def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny,
     cut to 1 and 2 tokens: each simulated step costs seconds, and their count changes nothing here.)"""
     path, want = tiny
     monkeypatch.setattr(kernel_runner, "GEMV_MAX_TOKENS", 1)
+    prefill_rows = []  # the prefill attention grid's longest chunk, per call
+
+    def spy(*args):
+        prefill_rows.append(args[-1])
+        return prefill_attention(*args)
+
+    monkeypatch.setattr(model, "prefill_attention", spy)
     sim = _sim_with_emulated_graphs(path, max_num_seqs=2, num_pages=8, max_num_batched_tokens=16)
     sim.engine.warm_up()
+    assert prefill_rows == [16]  # one layer: the full-budget prefill ran its attention
     assert set(sim.engine.runner.decode_graphs._graphs) == {(1, MIN_TABLE_WIDTH), (2, MIN_TABLE_WIDTH)}
     assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want

@@ -113,8 +113,8 @@ class KernelRunner:
         for num_tokens in range(1, min(GEMV_MAX_TOKENS + 1, self.max_step_tokens) + 1):  # every gemv, then gemm_tc
             step = _null_decode_step(num_tokens, min(num_tokens, self.max_num_seqs))
             self._sample_all(self.model.forward(_upload(step, 0, 0)))
-        prefill = _null_prefill_step(self.max_step_tokens - self.max_num_seqs)
-        self._sample_all(self.model.forward(_upload(prefill, self.max_step_tokens - self.max_num_seqs, 0)))
+        num_tokens = self.max_step_tokens - self.max_num_seqs  # a full token budget of one prompt
+        self._sample_all(self.model.forward(_upload(_null_prefill_step(num_tokens), num_tokens, num_tokens)))
         if self.decode_graphs is not None:
             self.decode_graphs.record_all(max_pages)
 
