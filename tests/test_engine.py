@@ -85,9 +85,9 @@ def test_abort_frees_pages(tiny_dir):
 
 def test_simulated_chunk_steps_that_sample_nothing(tiny_dir, alone):
     """A prompt longer than the token budget, alone: its first chunks sample no token (no logits)."""
-    sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=1, max_num_batched_tokens=8, num_pages=8)
-    out = sim.generate([PAGE_EDGE_PROMPTS[3]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
-    assert out.token_ids == alone[3][:1]  # 17 tokens: chunks of 8, 8 (no sample) and 1
+    sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=1, max_num_batched_tokens=16, num_pages=8)
+    out = sim.generate([PAGE_EDGE_PROMPTS[4]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
+    assert out.token_ids == alone[4][:1]  # 33 tokens: chunks of 16 and 16 (no sample), then 1
 
 
 def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alone):
