@@ -110,7 +110,8 @@ class DecodeGraphs:
         self.batch_sizes = batch_buckets(max_num_seqs)
         self._sample_rows = cuda.to_device(np.arange(self.batch_sizes[-1], dtype=np.int32))
         self._graphs: dict[tuple[int, int], _StepGraph] = {}
-        self._stream = None  # cuda.core Stream the graphs are recorded and replayed on
+        self._numba_stream = None  # made at the first recording (the simulator has none)
+        self._stream = None  # the same stream as cuda.core sees it: graphs are recorded and replayed on it
 
     @property
     def num_graphs(self) -> int:
@@ -134,8 +135,9 @@ class DecodeGraphs:
     def record_all(self, max_pages: int) -> None:
         """Make every graph a sequence of up to `max_pages` pages can need, now (each bucket run once
         on padding rows only), so that no later step pays for compiling and recording."""
+        widths = sorted({table_width(p) for p in range(1, max_pages + 1)})
         for batch in self.batch_sizes:
-            for width in sorted({table_width(p) for p in range(1, max_pages + 1)}):
+            for width in widths:
                 step = self._step(batch, width)
                 if step.logits is None:
                     step.upload([])
