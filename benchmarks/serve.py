@@ -184,6 +184,9 @@ def summarize(results: list[Result], wall: float, not_run: int) -> dict:
 
 
 def metrics(base_url: str) -> dict[str, float]:
+    """The server's /metrics as {'name{labels}': value}. Parsed here rather than with
+    numba_vllm.server.metrics.parse_metrics, whose import pulls in the server and the engine: the
+    load-test client needs only httpx."""
     try:
         text = httpx.get(base_url + "/metrics", timeout=10).text
     except httpx.HTTPError:

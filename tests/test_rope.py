@@ -84,6 +84,18 @@ def _run(q, k, positions, inv_freq, rng=None, v=None):
     return d_q.copy_to_host(), rows[0], rows[1]
 
 
+def _random_case(num_tokens, num_heads, num_kv_heads, head_dim):
+    """Random q, k at Llama 3.2's frequencies and edge-heavy positions, through the kernel:
+    (q, k, positions, inv_freq, rotated q, rotated k read back from the cache)."""
+    rng = _rng()
+    q = rng.standard_normal((num_tokens, num_heads, head_dim), dtype=np.float32)
+    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
+    positions = _positions(rng, num_tokens)
+    inv_freq = _inv_freq(head_dim)
+    q_out, k_out, _ = _run(q, k, positions, inv_freq, rng)
+    return q, k, positions, inv_freq, q_out, k_out
+
+
 def _angles32(positions, inv_freq):
     """(T, HD/2) float32: the kernel's angles, float32(pos) * inv_freq rounded once."""
     return positions.astype(np.float32)[:, None] * inv_freq[None, :]
@@ -103,12 +115,7 @@ SHAPES = [  # (T, H, KVH, HD)
 
 @pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", SHAPES)
 def test_rope_matches_reference_at_the_same_float32_angles(num_tokens, num_heads, num_kv_heads, head_dim):
-    rng = _rng()
-    q = rng.standard_normal((num_tokens, num_heads, head_dim), dtype=np.float32)
-    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
-    positions = _positions(rng, num_tokens)
-    inv_freq = _inv_freq(head_dim)
-    q_out, k_out, _ = _run(q, k, positions, inv_freq, rng)
+    q, k, positions, inv_freq, q_out, k_out = _random_case(num_tokens, num_heads, num_kv_heads, head_dim)
 
     angles = _angles32(positions, inv_freq).astype(np.float64)
     cos, sin = np.cos(angles), np.sin(angles)
@@ -119,12 +126,7 @@ def test_rope_matches_reference_at_the_same_float32_angles(num_tokens, num_heads
 
 @pytest.mark.parametrize("num_tokens, num_heads, num_kv_heads, head_dim", SHAPES)
 def test_rope_matches_the_float64_oracle_within_angle_rounding(num_tokens, num_heads, num_kv_heads, head_dim):
-    rng = _rng()
-    q = rng.standard_normal((num_tokens, num_heads, head_dim), dtype=np.float32)
-    k = rng.standard_normal((num_tokens, num_kv_heads, head_dim), dtype=np.float32)
-    positions = _positions(rng, num_tokens)
-    inv_freq = _inv_freq(head_dim)
-    q_out, k_out, _ = _run(q, k, positions, inv_freq, rng)
+    q, k, positions, inv_freq, q_out, k_out = _random_case(num_tokens, num_heads, num_kv_heads, head_dim)
 
     exact = positions.astype(np.float64)[:, None] * inv_freq.astype(np.float64)[None, :]  # (T, HD/2)
     angle_error = np.abs(_angles32(positions, inv_freq) - exact)  # the float32 angle's rounding

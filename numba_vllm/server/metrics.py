@@ -100,7 +100,7 @@ class ServerMetrics:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (for tests and the benchmark)."""
+    """Prometheus text -> {'name{labels}': value} (for the tests)."""
     values = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
