@@ -12,8 +12,12 @@ bf16, the KV cache bf16 in 16-token pages. Per layer:
     a = prefill_attention(q[:Tp]) | decode_attention(q[Tp:])   over the pages in the block tables
     x += a @ Wo.T                        (the residual add is fused into the product)
     h = rmsnorm(x)                       mlp_norm
-    x += silu(h @ Wg.T) * (h @ Wu.T) @ Wd.T   (gate and up as one product, the add fused again)
+    a = silu(h @ Wg.T) * (h @ Wu.T)      (gate and up as one product)
+    x += a @ Wd.T                        (the add fused again)
 
+Each norm is handed to the product after it (`linear(..., norm=...)`), and SwiGLU to the gate/up
+product (`silu_mul`): in a decode-sized step gemv applies the norm as it loads x and SwiGLU as it
+stores, so they cost no launch and no pass over memory; in a prefill they run as their own kernels.
 then the last token of every sampling sequence is gathered, normed and multiplied by the head.
 Sizes: T tokens, Tp of them prefill; D hidden, H heads, KVH kv heads, HD head dim, F MLP width,
 V vocabulary, B sampled rows.
@@ -29,7 +33,6 @@ from numba import cuda
 
 from .bf16 import bf16_from_bits, empty_bf16_device, to_bf16, upload_bf16
 from .config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
-from .kernels.activation import silu_and_mul
 from .kernels.decode_attention import decode_attention
 from .kernels.embedding import embedding
 from .kernels.gather import gather_rows
@@ -115,12 +118,13 @@ class DeviceModel:
 
         embedding(s.token_ids, self.embed, x)
         report("embed", None, x)
+        eps = c.rms_norm_eps
         for i, w in enumerate(self.layers):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # (P, PAGE_SIZE, KVH, HD) this layer's pages
-            rms_norm(x, w["attn_norm"], h, c.rms_norm_eps)
-            report("attn_norm", i, h)
-            linear(h, w["qkv"], qkv2)
+            linear(x, w["qkv"], qkv2, norm=(w["attn_norm"], eps), normed=h)  # the norm fused in when gemv runs
             if trace is not None:
+                rms_norm(x, w["attn_norm"], h, eps)  # the fused norm leaves no h behind: make one to report
+                report("attn_norm", i, h)
                 trace("v", i, qkv.copy_to_host()[:, c.num_attention_heads + c.num_key_value_heads :])
             rope_and_cache_write(qkv, s.positions, self.inv_freq, s.kv_indices, q, k_cache, v_cache)
             report("q_rope", i, q)
@@ -136,10 +140,10 @@ class DeviceModel:
             report("attn", i, attn)
             linear(attn2, w["o"], x, accumulate=True)  # x += attention output
             report("attn_residual", i, x)
-            rms_norm(x, w["mlp_norm"], h, c.rms_norm_eps)
-            report("mlp_norm", i, h)
-            linear(h, w["gate_up"], gate_up)
-            silu_and_mul(gate_up, act)
+            if trace is not None:
+                rms_norm(x, w["mlp_norm"], h, eps)
+                report("mlp_norm", i, h)
+            linear(x, w["gate_up"], act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=h, gate_up=gate_up)
             report("mlp_act", i, act)
             linear(act, w["down"], x, accumulate=True)  # x += MLP output
             report("mlp_residual", i, x)
@@ -148,8 +152,7 @@ class DeviceModel:
         last, logits = b["last"][:nb], b["logits"][:nb]
         if nb:
             gather_rows(x, s.sample_rows, last)
-            rms_norm(last, self.final_norm, last, c.rms_norm_eps)
-            linear(last, self.lm_head, logits)
+            linear(last, self.lm_head, logits, norm=(self.final_norm, eps), normed=last)
         return logits
 
 

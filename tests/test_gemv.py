@@ -112,6 +112,51 @@ def test_linear_dispatches_both_ways(monkeypatch):
     run_gemv(65, 33, 40, True, launcher=linear)  # gemm
 
 
+def fused_reference(x, w, g, eps, silu_mul):
+    """float64 rms_norm(x) * g @ w.T, then silu(gate) * up over its two halves when `silu_mul`."""
+    x64 = x.astype(np.float64)
+    normed = x64 / np.sqrt((x64**2).mean(axis=1, keepdims=True) + eps) * g.astype(np.float64)
+    product = normed @ w.astype(np.float64).T
+    if not silu_mul:
+        return product, np.abs(normed) @ np.abs(w.astype(np.float64)).T
+    gate, up = np.split(product, 2, axis=1)
+    return gate / (1 + np.exp(-gate)) * up, np.abs(product).max() * np.ones_like(gate)
+
+
+# (M, N, K, silu_mul): N = 10 has 5 output columns of SwiGLU, the last group's second one clamped;
+# K = 512 with few rows splits K over warps (the sums of x^2 cross warps too); M = 5, 17: token blocks
+FUSED_CASES = [(1, 36, 48, False), (3, 20, 72, True), (5, 10, 40, True), (1, 6, 512, True), (17, 12, 40, False)]
+
+
+@pytest.mark.parametrize("m,n,k,silu_mul", FUSED_CASES)
+def test_fused_norm_and_silu_match_numpy(monkeypatch, m, n, k, silu_mul):
+    """gemv with the RMSNorm applied on load (and SwiGLU on store); `linear` above the gemv token
+    limit runs rms_norm, the product and silu_and_mul as separate kernels and must agree."""
+    monkeypatch.setattr(matmul, "PREFILL_GEMM", "fp32")  # the tensor-core path rounds x to bf16
+    rng = np.random.default_rng(m * n + k)
+    x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
+    w = (rng.standard_normal((n, k)) * 0.1).astype(BF16)
+    g = (1 + 0.3 * rng.standard_normal(k)).astype(BF16)
+    eps = 1e-5
+    want, scale = fused_reference(x, w, g, eps, silu_mul)
+    out = cuda.to_device(np.full(want.shape, np.nan, np.float32))
+    normed = cuda.to_device(np.zeros((m, k), np.float32))
+    gate_up = cuda.to_device(np.zeros((m, n), np.float32))
+    linear(cuda.to_device(x), upload_bf16(w), out, norm=(upload_bf16(g), eps), silu_mul=silu_mul, normed=normed, gate_up=gate_up)
+    got = out.copy_to_host()
+    assert not np.isnan(got).any()
+    assert np.all(np.abs(got - want) <= 1e-4 * scale + 1e-6), np.abs(got - want).max()
+
+
+def test_fused_variants_need_the_fast_path():
+    x = cuda.to_device(np.zeros((2, 100), np.float32))  # K % 8 != 0: the unaligned kernel, which fuses nothing
+    w = upload_bf16(np.zeros((8, 100), np.float32))
+    with pytest.raises(KernelError, match="norm and silu_mul need"):
+        gemv(x, w, cuda.to_device(np.zeros((2, 8), np.float32)), norm=(upload_bf16(np.ones(100, np.float32)), 1e-5))
+    with pytest.raises(KernelError, match="even number of rows"):
+        gemv(x, upload_bf16(np.zeros((7, 100), np.float32)), cuda.to_device(np.zeros((2, 3), np.float32)), silu_mul=True)
+
+
 def test_gemv_rejects_bad_arguments():
     x = cuda.to_device(np.zeros((2, 16), np.float32))
     w = upload_bf16(np.zeros((8, 16), np.float32))
@@ -211,3 +256,12 @@ def test_gemv_gpu_misaligned_x():
 @pytest.mark.gpu
 def test_vector_load_helpers_gpu():
     test_vector_load_helpers()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "m,n,k,silu_mul", [(1, 3072, 2048, False), (1, 16384, 2048, True), (8, 16384, 2048, True), (3, 128256, 2048, False)]
+)
+def test_fused_norm_and_silu_gpu(monkeypatch, m, n, k, silu_mul):
+    """Llama 3.2 1B's fused products: qkv with attn_norm, gate_up with mlp_norm and SwiGLU, the head."""
+    test_fused_norm_and_silu_match_numpy(monkeypatch, m, n, k, silu_mul)

@@ -19,18 +19,25 @@ import ptx_check
 import pytest
 
 from numba_vllm.kernels.gemm_tc import LARGE, SMALL, gemm_tc_kernel_for
+from numba_vllm.kernels.gemv import gemv_kernel_for
 
 gemm_tc_large = gemm_tc_kernel_for(LARGE)  # module-level names for the compiler child
 gemm_tc_small = gemm_tc_kernel_for(SMALL)
+gemv_t1_kernel, gemv_t2_kernel, gemv_t4_kernel = (gemv_kernel_for(t) for t in (1, 2, 4))
+gemv_t1_norm_kernel = gemv_kernel_for(1, normalize=True)
+gemv_t4_norm_silu_kernel = gemv_kernel_for(4, normalize=True, silu_mul=True)
 HERE = __name__
 GEMV = "numba_vllm.kernels.gemv"
 GEMM = "numba_vllm.kernels.gemm"
 LINEAR_SIG = "(f32(2), u16(2), f32(2), int64, int64)"
+GEMV_SIG = "(f32(2), u16(2), f32(2), int64, int64, u16(1), float32)"  # + norm weight bits, eps
 GEMM_TC_SIG = "(f32(2), u16(2), f32(2), int64, int64, int64)"  # + K slices per split
 SPECS = [  # (module, kernel, signature, hot)
-    (GEMV, "gemv_t1_kernel", LINEAR_SIG, True),
-    (GEMV, "gemv_t2_kernel", LINEAR_SIG, True),
-    (GEMV, "gemv_t4_kernel", LINEAR_SIG, True),
+    (HERE, "gemv_t1_kernel", GEMV_SIG, True),
+    (HERE, "gemv_t2_kernel", GEMV_SIG, True),
+    (HERE, "gemv_t4_kernel", GEMV_SIG, True),
+    (HERE, "gemv_t1_norm_kernel", GEMV_SIG, True),
+    (HERE, "gemv_t4_norm_silu_kernel", GEMV_SIG, True),
     (GEMV, "gemv_unaligned_kernel", "(f32(2), u16(2), f32(2), int64)", False),
     (GEMM, "gemm_kernel", LINEAR_SIG, True),
     (HERE, "gemm_tc_large", GEMM_TC_SIG, True),
@@ -51,9 +58,12 @@ def test_kernel_compiles_clean(ptx, module, name, sig, hot):
     assert ptx_check.ptx_problems(result["ptx"], hot) == []
 
 
-@pytest.mark.parametrize("name", ["gemv_t1_kernel", "gemv_t2_kernel", "gemv_t4_kernel", "gemm_kernel"])
+GEMV_NAMES = ["gemv_t1_kernel", "gemv_t2_kernel", "gemv_t4_kernel", "gemv_t1_norm_kernel", "gemv_t4_norm_silu_kernel"]
+
+
+@pytest.mark.parametrize("name", [*GEMV_NAMES, "gemm_kernel"])
 def test_hot_kernels_use_16_byte_loads(ptx, name):
-    module = GEMM if name.startswith("gemm") else GEMV
+    module = GEMM if name.startswith("gemm") else HERE
     text = ptx[f"{module}.{name}"]["ptx"]
     assert "ld.global.nc.v4.u32" in text  # weights: 8 bf16 per load
     assert "ld.global.nc.v4.f32" in text  # activations: 4 f32 per load

@@ -42,15 +42,32 @@ result is not written), so every lane of every warp runs the same loop and takes
 shuffles.
 
 Variants: ``ROWS`` and ``tokens`` size register arrays, so they are compile-time constants; the
-module builds one kernel per token count in ``TOKEN_TILES`` (``gemv_t1_kernel``, ``gemv_t2_kernel``,
-``gemv_t4_kernel``) and the launcher picks the smallest one >= M (M > 4 uses several token blocks).
+module builds one kernel per token count in ``TOKEN_TILES`` and fusion (``gemv_t1_kernel``,
+``gemv_t4_norm_silu_kernel``, ...: ``gemv_kernel_for``) and the launcher picks the smallest token
+tile >= M (M > 4 uses several token blocks).
 Measured on an H200 (Llama 3.2 1B shapes): 4 rows per group beat 1, 2 and 8; 4 tokens per block
 beat 8 (whose 32 accumulators per lane cost occupancy and shuffles).
+
+Fusions (fast path only), each a compile-time variant, so the plain kernel pays nothing for them:
+
+- ``normalize``: the RMSNorm before the product, ``x <- x / sqrt(mean(x^2) + eps) * g``, done on
+  the fly. A lane multiplies each x value it loads by the norm weight ``g`` (one more 16-byte load
+  per chunk, shared by all tokens) and adds its square to a per-token ``sum_sq``; the warps of a row
+  group together see every x of a token exactly once, so ``sum_sq`` reduces with the dot products
+  (one more partial per token in shared memory), and the stored value is ``dot * 1/sqrt(sum_sq/K +
+  eps)``: the scale is the same for the whole row, so it can come after the sum. This removes the
+  norm's launch and its pass over x; the cost is 8 FMAs per loaded x chunk per token.
+- ``silu_mul``: SwiGLU's ``silu(gate) * up`` in the store. ``w`` is ``[gate; up]`` (2F, K); a row
+  group takes 2 gate rows and the 2 up rows of the same columns (``ROWS / 2`` columns), so the
+  thread that stores column ``j`` holds both dot products and writes ``silu(gate_j) * up_j`` to an
+  (M, F) output: no (M, 2F) intermediate, no activation launch.
 
 Requirements of the fast path: K % 8 == 0 and 16-byte aligned ``x`` and ``w``. Otherwise (tiny test
 models with K = 48 are fine, K = 100 is not) the launcher uses ``gemv_unaligned_kernel``: one warp
 per row, scalar 2-byte loads, tokens in a loop. Correct for any shape; not fast.
 """
+
+import math
 
 import numpy as np
 from numba import cuda, float32
@@ -77,20 +94,30 @@ TARGET_WARPS = 16384  # at batch 1, warps to launch before splitting K stops (~2
 MAX_WARPS_PER_GROUP = WARPS_PER_BLOCK
 
 
-def _make_gemv_kernel(tokens, rows=ROWS):
-    """The fast-path kernel for a (rows, tokens) register tile; see the module docstring."""
-    outputs = rows * tokens
+def _make_gemv_kernel(tokens, normalize=False, silu_mul=False, rows=ROWS):
+    """The fast-path kernel for a (rows, tokens) register tile, optionally with an RMSNorm of x
+    fused into its loads (``normalize``) and SwiGLU fused into its stores (``silu_mul``); see the
+    module docstring."""
+    outputs = rows * tokens  # dot products of a row group
+    sums = outputs + tokens if normalize else outputs  # per warp: the dot products, then each token's sum of x^2
+    half = rows // 2  # silu_mul: a row group's gate rows (then as many up rows), its output columns
+    stored = half * tokens if silu_mul else outputs  # values a row group writes
 
     @kernel(fastmath=True)
-    def gemv_kernel(x, w_bits, out, accumulate, group_shift):
-        # x (M, K) f32; w_bits (N, K) uint16 (bf16 bits); out (M, N) f32; K % 8 == 0
+    def gemv_kernel(x, w_bits, out, accumulate, group_shift, norm_bits, eps):
+        # x (M, K) f32; w_bits (N, K) uint16 (bf16 bits); K % 8 == 0
+        # out (M, N) f32, or with silu_mul (M, N / 2) (w is [gate; up], each N / 2 rows)
+        # norm_bits (K,) uint16: the RMSNorm weight's bf16 bits (read only with normalize); eps f32
         # group_shift: log2(warps_per_group), so that the splits below are shifts, not divisions
         num_tokens = x.shape[0]
         k_dim = x.shape[1]
         num_rows = w_bits.shape[0]
-        partial = cuda.shared.array((WARPS_PER_BLOCK, outputs), float32)  # each warp's sums
+        num_cols = num_rows // 2 if silu_mul else num_rows  # columns of out
+        partial = cuda.shared.array((WARPS_PER_BLOCK, sums), float32)  # each warp's sums
         acc = cuda.local.array((rows, tokens), float32)  # this lane's partial dot products
+        sum_sq = cuda.local.array(tokens, float32)  # normalize: this lane's partial sums of x^2
         wf = cuda.local.array((rows, BF16_PER_VECTOR), float32)  # one chunk of each row
+        gf = cuda.local.array(BF16_PER_VECTOR, float32)  # normalize: the chunk's norm weights
 
         lane = cuda.threadIdx.x % WARP_SIZE
         warp = cuda.threadIdx.x // WARP_SIZE
@@ -98,28 +125,44 @@ def _make_gemv_kernel(tokens, rows=ROWS):
         groups_per_block = WARPS_PER_BLOCK >> group_shift
         group = warp >> group_shift
         part = warp & (warps_per_group - 1)
-        row0 = (cuda.blockIdx.y * groups_per_block + group) * rows
+        # first output column of the group: with silu_mul its rows are gate col0.., then up col0..
+        col0 = (cuda.blockIdx.y * groups_per_block + group) * (half if silu_mul else rows)
         token0 = cuda.blockIdx.x * tokens
 
         for r in range(rows):
             for t in range(tokens):
                 acc[r, t] = float32(0.0)
+        for t in range(tokens):
+            sum_sq[t] = float32(0.0)
 
         num_chunks = k_dim // BF16_PER_VECTOR
         chunk = part * WARP_SIZE + lane
         while chunk < num_chunks:  # (a while loop: range() with a run-time step divides to count)
             k = chunk * BF16_PER_VECTOR
             for r in range(rows):
-                row = min(row0 + r, num_rows - 1)
+                if silu_mul:  # rows past the end are clamped: computed, never stored
+                    row = min(col0 + r % half, num_cols - 1) + (r // half) * num_cols
+                else:
+                    row = min(col0 + r, num_rows - 1)
                 w0, w1, w2, w3 = load_u32x4(w_bits, (row, k))
                 wf[r, 0], wf[r, 1] = bf16x2_to_f32(w0)
                 wf[r, 2], wf[r, 3] = bf16x2_to_f32(w1)
                 wf[r, 4], wf[r, 5] = bf16x2_to_f32(w2)
                 wf[r, 6], wf[r, 7] = bf16x2_to_f32(w3)
+            if normalize:
+                g0, g1, g2, g3 = load_u32x4(norm_bits, k)
+                gf[0], gf[1] = bf16x2_to_f32(g0)
+                gf[2], gf[3] = bf16x2_to_f32(g1)
+                gf[4], gf[5] = bf16x2_to_f32(g2)
+                gf[6], gf[7] = bf16x2_to_f32(g3)
             for t in range(tokens):
                 token = min(token0 + t, num_tokens - 1)
                 x0, x1, x2, x3 = load_f32x4(x, (token, k))
                 x4, x5, x6, x7 = load_f32x4(x, (token, k + 4))
+                if normalize:  # sum x^2 for the norm's scale, and apply its weights now
+                    sum_sq[t] += x0 * x0 + x1 * x1 + x2 * x2 + x3 * x3 + x4 * x4 + x5 * x5 + x6 * x6 + x7 * x7
+                    x0, x1, x2, x3 = x0 * gf[0], x1 * gf[1], x2 * gf[2], x3 * gf[3]
+                    x4, x5, x6, x7 = x4 * gf[4], x5 * gf[5], x6 * gf[6], x7 * gf[7]
                 for r in range(rows):
                     a = acc[r, t]
                     a += wf[r, 0] * x0
@@ -138,32 +181,58 @@ def _make_gemv_kernel(tokens, rows=ROWS):
                 total = warp_sum(acc[r, t])
                 if lane == 0:
                     partial[warp, r * tokens + t] = total
+        if normalize:
+            for t in range(tokens):
+                total = warp_sum(sum_sq[t])
+                if lane == 0:
+                    partial[warp, outputs + t] = total
         cuda.syncthreads()  # wait for every warp's sums
 
-        i = cuda.threadIdx.x  # one thread per (group, output)
-        if i < groups_per_block * outputs:
-            g = i // outputs
-            o = i % outputs
+        i = cuda.threadIdx.x  # one thread per value the block stores: (group g, row r, token t)
+        if i < groups_per_block * stored:
+            g = i // stored
+            o = i % stored  # = r * tokens + t
+            t = o % tokens
+            first = g * warps_per_group
             total = float32(0.0)
             for p in range(warps_per_group):
-                total += partial[g * warps_per_group + p, o]
-            row = (cuda.blockIdx.y * groups_per_block + g) * rows + o // tokens
-            token = token0 + o % tokens
-            if row < num_rows and token < num_tokens:
+                total += partial[first + p, o]
+            scale = float32(1.0)
+            if normalize:  # the group's warps together saw each x of the token once
+                sq = float32(0.0)
+                for p in range(warps_per_group):
+                    sq += partial[first + p, outputs + t]
+                scale = float32(1.0) / math.sqrt(sq / float32(k_dim) + eps)
+            total *= scale
+            if silu_mul:  # o is a gate row's; the up row of the same column is half rows further
+                up = float32(0.0)
+                for p in range(warps_per_group):
+                    up += partial[first + p, o + half * tokens]
+                total = total / (float32(1.0) + math.exp(-total)) * (up * scale)
+            col = (cuda.blockIdx.y * groups_per_block + g) * (half if silu_mul else rows) + o // tokens
+            token = token0 + t
+            if col < num_cols and token < num_tokens:
                 if accumulate:
-                    out[token, row] += total
+                    out[token, col] += total
                 else:
-                    out[token, row] = total
+                    out[token, col] = total
 
-    gemv_kernel.py_func.__name__ = f"gemv_t{tokens}_kernel"  # errors name the tile that failed
+    suffix = ("_norm" if normalize else "") + ("_silu" if silu_mul else "")
+    gemv_kernel.py_func.__name__ = f"gemv_t{tokens}{suffix}_kernel"  # errors name the variant that failed
     return gemv_kernel
 
 
-gemv_t1_kernel = _make_gemv_kernel(1)
-gemv_t2_kernel = _make_gemv_kernel(2)
-gemv_t4_kernel = _make_gemv_kernel(4)
-_KERNELS = {1: gemv_t1_kernel, 2: gemv_t2_kernel, 4: gemv_t4_kernel}
-assert tuple(_KERNELS) == TOKEN_TILES
+_KERNELS = {  # (tokens, normalize, silu_mul) -> kernel; numba compiles each on its first launch
+    (tokens, normalize, silu_mul): _make_gemv_kernel(tokens, normalize, silu_mul)
+    for tokens in TOKEN_TILES
+    for normalize in (False, True)
+    for silu_mul in (False, True)
+}
+
+
+def gemv_kernel_for(tokens: int, normalize: bool = False, silu_mul: bool = False):
+    """The fast-path kernel of a token tile (one of TOKEN_TILES) and fusions."""
+    return _KERNELS[(tokens, normalize, silu_mul)]
 
 
 @kernel(fastmath=True)
@@ -193,15 +262,15 @@ def weight_bits(w):
     return w if np.dtype(w.dtype) == np.uint16 else w.view(np.uint16)
 
 
-def check_linear_args(x, w, out):
-    """Check x (M, K) f32, w (N, K) bf16 (or its uint16 bits), out (M, N) f32; return M, N, K."""
+def check_linear_args(x, w, out, out_cols=None):
+    """Check x (M, K) f32, w (N, K) bf16 (or its uint16 bits), out (M, out_cols or N) f32; return M, N, K."""
     check_array("x", x, np.float32, ndim=2)
     if np.dtype(w.dtype) not in (BF16, np.dtype(np.uint16)):
         raise KernelError(f"w: dtype {w.dtype}, expected bfloat16 (or its uint16 bits)")
     num_tokens, k_dim = x.shape
     check_array("w", w, shape=(None, k_dim))
     num_rows = w.shape[0]
-    check_array("out", out, np.float32, shape=(num_tokens, num_rows))
+    check_array("out", out, np.float32, shape=(num_tokens, num_rows if out_cols is None else out_cols))
     return num_tokens, num_rows, k_dim
 
 
@@ -227,20 +296,38 @@ def plan_gemv(num_tokens: int, num_rows: int, k_dim: int):
     return tokens, warps_per_group, grid
 
 
-def gemv(x, w, out, accumulate: bool = False) -> None:
+def gemv_fuses(x, w) -> bool:
+    """Whether the fast path runs for x and w, and with it the fusions (``norm``, ``silu_mul``):
+    K a multiple of 8 and both 16-byte aligned."""
+    return x.shape[1] % BF16_PER_VECTOR == 0 and vector_aligned(x) and vector_aligned(weight_bits(w))
+
+
+def gemv(x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False) -> None:
     """out = x @ w.T (or out += x @ w.T) for M <= 64 tokens.
 
     x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits view), out (M, N) f32.
+    Fusions (fast path only, see ``gemv_fuses``):
+    - ``norm=(weight, eps)``, weight (K,) bf16: the product uses rms_norm(x) * weight in place of x,
+      normalised on the fly (no launch, no pass over memory for the norm);
+    - ``silu_mul=True``: w is [gate; up] (2F, K) and out (M, F) = silu(x @ gate.T) * (x @ up.T).
     """
-    num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
+    out_cols = w.shape[0] // 2 if silu_mul else None
+    num_tokens, num_rows, k_dim = check_linear_args(x, w, out, out_cols)
     if not 1 <= num_tokens <= MAX_TOKENS:
         raise KernelError(f"gemv: {num_tokens} tokens, expected 1..{MAX_TOKENS} (use gemm)")
+    if silu_mul and num_rows % 2:
+        raise KernelError(f"gemv: silu_mul needs [gate; up] stacked, an even number of rows, got {num_rows}")
     w_bits = weight_bits(w)
     flag = 1 if accumulate else 0
-    if k_dim % BF16_PER_VECTOR == 0 and vector_aligned(x) and vector_aligned(w_bits):
+    if gemv_fuses(x, w_bits):
+        norm_weight, eps = norm if norm is not None else (w_bits[0], 0.0)  # without norm: never read
+        check_array("norm weight", norm_weight, shape=(k_dim,))
         tokens, warps_per_group, grid = plan_gemv(num_tokens, num_rows, k_dim)
         group_shift = warps_per_group.bit_length() - 1
-        launch(_KERNELS[tokens], grid, BLOCK_THREADS, x, w_bits, out, flag, group_shift)
+        kernel_ = gemv_kernel_for(tokens, norm is not None, silu_mul)
+        launch(kernel_, grid, BLOCK_THREADS, x, w_bits, out, flag, group_shift, weight_bits(norm_weight), float32(eps))
+    elif norm is not None or silu_mul:
+        raise KernelError("gemv: norm and silu_mul need K % 8 == 0 and 16-byte aligned x and w (see gemv_fuses)")
     else:
         grid = -(-num_rows // WARPS_PER_BLOCK)
         launch(gemv_unaligned_kernel, grid, BLOCK_THREADS, x, w_bits, out, flag)
