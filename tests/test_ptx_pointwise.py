@@ -21,8 +21,9 @@ KERNELS = [  # (module, kernel, signature)
     ("numba_vllm.kernels.rmsnorm", "rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)"),
     ("numba_vllm.kernels.rmsnorm", "add_rms_norm_kernel", "(f32(2), f32(2), u16(1), f32(2), float32)"),
     ("numba_vllm.kernels.activation", "silu_and_mul_kernel", "(f32(2), f32(2))"),
-    ("numba_vllm.kernels.sample", "argmax_kernel", "(f32(2), i32(1))"),
-    ("numba_vllm.kernels.sample", "sample_gumbel_kernel", "(f32(2), f32(1), u32(1), i32(1), i32(1))"),
+    ("numba_vllm.kernels.sample", "argmax_kernel", "(f32(2), int64, i32(1), f32(1), i32(1))"),
+    ("numba_vllm.kernels.sample", "sample_gumbel_kernel", "(f32(2), f32(1), u32(1), i32(1), int64, i32(1), f32(1), i32(1))"),
+    ("numba_vllm.kernels.sample", "reduce_parts_kernel", "(f32(1), i32(1), int64, i32(1))"),
 ]
 
 

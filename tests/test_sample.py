@@ -8,6 +8,9 @@
   draw a different step), with a threshold at p ~ 1e-6; the kernel is deterministic, so a given
   seed passes or fails every time.
 - Determinism: the same (seed, step, logits) gives the same token, in any row of any batch.
+- Split rows (grid (B, parts), then a second kernel over the part winners) must give the same
+  tokens as one block per row: forced here with small parts on small rows (the simulator runs each
+  thread as a Python thread), with ties, NaNs and -inf rows across part boundaries.
 """
 
 import numpy as np
@@ -17,6 +20,7 @@ from numba import cuda
 from numba_vllm.kernels import sample as sample_module
 from numba_vllm.kernels.launch import KernelError
 from numba_vllm.kernels.sample import argmax, gumbel_noise, sample_gumbel
+from numba_vllm.kernels.simulator import simulator_enabled
 
 gpu = pytest.mark.gpu
 VOCAB = 128256
@@ -64,6 +68,7 @@ GREEDY = [pytest.param(_argmax, id="argmax"), pytest.param(_greedy_sample, id="s
         (2, 1000),  # 8 warps
         (1, 5000),  # 32 warps, two tiles
         pytest.param(1, VOCAB, marks=gpu),
+        pytest.param(3, VOCAB, marks=gpu),
         pytest.param(64, VOCAB, marks=gpu),
         pytest.param(256, VOCAB, marks=gpu),
     ],
@@ -197,3 +202,154 @@ def test_bad_arguments_are_named():
         argmax(logits, cuda.to_device(np.zeros(3, np.int32)))
     with pytest.raises(KernelError, match="logits: dtype float64"):
         argmax(cuda.to_device(np.zeros((2, 10))), token_ids)
+    with pytest.raises(KernelError, match="argmax: logits have no columns"):
+        argmax(cuda.to_device(np.zeros((2, 0), np.float32)), token_ids)
+
+
+# ---- split rows --------------------------------------------------------------------------------
+def test_parts_rule_on_an_h200():
+    """132 SMs, the Llama 3 vocabulary: about 2 blocks per SM, parts of at least 2048 columns."""
+    assert [sample_module.pick_parts(b, VOCAB, 132) for b in (1, 3, 8, 64, 132, 133, 256)] == [62, 62, 33, 4, 2, 1, 1]
+    assert sample_module.pick_parts(1, 4095, 132) == 1  # too short to split
+    for b in range(1, 300):  # a split grid never exceeds 2 blocks per SM
+        parts = sample_module.pick_parts(b, VOCAB, 132)
+        assert parts == 1 or b * parts <= 264, b
+
+
+def _force_parts(monkeypatch, parts):
+    """Make the launchers cut every row into `parts` parts; returns the (kernel, grid) of each launch."""
+    monkeypatch.setattr(sample_module, "pick_parts", lambda num_rows, vocab_size, num_sms: parts)
+    launches = []
+    real_launch = sample_module.launch
+
+    def spy(kernel_, grid, block, *args):
+        launches.append((kernel_, grid))
+        real_launch(kernel_, grid, block, *args)
+
+    monkeypatch.setattr(sample_module, "launch", spy)
+    return launches
+
+
+@pytest.mark.parametrize("pick", GREEDY)
+@pytest.mark.parametrize(
+    "num_rows, vocab_size, parts",
+    [
+        (2, 1000, 3),  # 352 columns a part (rounded up to 32): the last part has 296
+        (1, 3000, 7),  # 448 columns a part, the last 312
+        (1, 1300, 41),  # 32 columns a part: 41 winners, two for some lanes of the second pass
+    ],
+)
+def test_split_rows_match_numpy_argmax(pick, monkeypatch, num_rows, vocab_size, parts):
+    launches = _force_parts(monkeypatch, parts)
+    logits = _rng().standard_normal((num_rows, vocab_size), dtype=np.float32) * np.float32(5.0)
+    np.testing.assert_array_equal(pick(logits), np.argmax(logits, axis=1))
+    assert [grid for _, grid in launches] == [(num_rows, parts), num_rows]
+    assert launches[1][0] is sample_module.reduce_parts_kernel
+
+
+def _split_tie_rows():
+    """(10, 1000) float32 rows whose argmax needs the tie and NaN rules across 3 parts of 352 columns
+    (0-351, 352-703, 704-999)."""
+    rows = np.random.default_rng(1).standard_normal((10, 1000), dtype=np.float32)
+    rows[0, [900, 400, 10]] = 50.0  # equal maxima in the three parts: the lowest index wins
+    rows[1, [720, 360]] = 50.0  # in parts 2 and 1
+    rows[2] = -np.inf  # all -inf: index 0
+    rows[3, 5], rows[3, 800] = np.inf, np.nan  # a NaN in the last part beats +inf in the first
+    rows[4, [750, 400]] = np.nan  # NaNs in parts 2 and 1: the first NaN wins
+    rows[5] = np.nan  # all NaN: index 0
+    rows[6, -1] = 1e30  # the maximum at the very end of the short last part
+    rows[7] = -5.0
+    rows[7, 351], rows[7, 352] = 0.0, -0.0  # +0 == -0 on both sides of a part boundary: the lower index
+    rows[8] = 1.0  # all equal: index 0
+    rows[9] = -np.inf
+    rows[9, 703] = -1e30  # the only finite value, at the end of part 1: beats the -inf winners of parts 0 and 2
+    return rows
+
+
+@pytest.mark.parametrize("pick", GREEDY)
+def test_split_ties_go_to_the_lowest_index_and_nan_wins(pick, monkeypatch):
+    _force_parts(monkeypatch, 3)
+    rows = _split_tie_rows()
+    expected = np.argmax(rows, axis=1)
+    assert list(expected[[0, 1, 2, 3, 4, 5, 7, 8, 9]]) == [10, 360, 0, 800, 400, 0, 351, 0, 703]
+    np.testing.assert_array_equal(pick(rows), expected)
+
+
+def _mixed_batch(vocab_size):
+    """(logits, temperatures, seeds, steps) of 6 rows: greedy rows (T = 0) between sampled ones."""
+    rng = _rng()
+    logits = rng.standard_normal((6, vocab_size), dtype=np.float32) * np.float32(3.0)
+    logits[2, [vocab_size - 1, vocab_size // 2]] = np.nan  # a greedy row with NaNs in two parts
+    temperatures = np.array([0.0, 0.8, 0.0, 1.5, 0.3, 0.0], np.float32)
+    seeds = rng.integers(0, 2**32, 6, dtype=np.uint32)
+    steps = rng.integers(0, 5000, 6, dtype=np.int32)
+    return logits, temperatures, seeds, steps
+
+
+def _check_mirror(tokens, logits, temperatures, seeds, steps):
+    """tokens equal the host mirror's picks (sampled rows: up to a near tie) and numpy.argmax (greedy rows)."""
+    for b in range(len(logits)):
+        expected, values = _host_sample(logits[b], temperatures[b], int(seeds[b]), int(steps[b]))
+        if temperatures[b] == 0:
+            assert tokens[b] == expected, b
+        elif tokens[b] != expected:  # only acceptable at a near tie (the logs may differ by an ulp)
+            assert abs(values[tokens[b]] - values[expected]) < 1e-5 * max(1.0, abs(values[expected])), b
+
+
+def test_split_sampling_of_a_mixed_batch(monkeypatch):
+    """Greedy and sampled rows in one launch: the same tokens split or not, and as the host mirror."""
+    batch = _mixed_batch(1000)
+    whole = _sample(*batch)
+    launches = _force_parts(monkeypatch, 3)
+    split = _sample(*batch)
+    assert [grid for _, grid in launches] == [(6, 3), 6]
+    np.testing.assert_array_equal(split, whole)
+    _check_mirror(split, *batch)
+
+
+@pytest.mark.skipif(not simulator_enabled(), reason="replaces a device function, which only the simulator looks up at run time")
+def test_greedy_rows_compute_no_noise(monkeypatch):
+    def no_noise(*args):
+        raise AssertionError("noise computed for a greedy row")
+
+    monkeypatch.setattr(sample_module, "_noise_key", no_noise)
+    monkeypatch.setattr(sample_module, "_noise_uniform", no_noise)
+    rows = _split_tie_rows()
+    np.testing.assert_array_equal(_greedy_sample(rows), np.argmax(rows, axis=1))
+    with pytest.raises(KernelError, match="noise computed for a greedy row"):  # the trap does fire
+        _sample(rows[:1], np.ones(1), np.zeros(1), np.zeros(1))
+
+
+def test_per_row_inputs_may_be_views_of_an_int32_buffer():
+    """temperatures and seeds as float32 / uint32 views of slices of one int32 device buffer."""
+    logits, temperatures, seeds, steps = _mixed_batch(300)
+    seeds[1] = 2**32 - 5  # negative as int32: the view must keep the bits
+    packed = np.zeros(20, np.int32)  # 2 unused words, then 6 temperatures, 6 seeds, 6 steps
+    packed[2:8], packed[8:14], packed[14:20] = temperatures.view(np.int32), seeds.view(np.int32), steps
+    buffer = cuda.to_device(packed)
+    token_ids = cuda.to_device(np.full(6, -7, np.int32))
+    sample_gumbel(cuda.to_device(logits), buffer[2:8].view(np.float32), buffer[8:14].view(np.uint32), buffer[14:20], token_ids)
+    np.testing.assert_array_equal(token_ids.copy_to_host(), _sample(logits, temperatures, seeds, steps))
+
+
+def test_split_launches_use_one_persistent_workspace(monkeypatch):
+    workspace = sample_module._part_workspace()
+    assert workspace[0] is sample_module._part_workspace()[0]  # one allocation: a CUDA graph may point at it
+    assert workspace[0].dtype == np.float32 and workspace[1].dtype == np.int32
+    assert workspace[0].shape == workspace[1].shape == (sample_module.SAMPLE_WORKSPACE_SLOTS,)
+    _force_parts(monkeypatch, 3)
+    monkeypatch.setattr(sample_module, "SAMPLE_WORKSPACE_SLOTS", 5)
+    with pytest.raises(KernelError, match="argmax: 2 rows in 3 parts exceed the 5-slot workspace"):
+        argmax(cuda.to_device(np.zeros((2, 1000), np.float32)), cuda.to_device(np.zeros(2, np.int32)))
+
+
+@gpu
+@pytest.mark.parametrize("num_rows", [1, 3, 256])
+def test_sample_full_vocabulary_matches_the_host_mirror(num_rows):
+    """The default parts (62 parts for 1 and 3 rows on an H200, one block per row for 256)."""
+    rng = _rng()
+    logits = rng.standard_normal((num_rows, VOCAB), dtype=np.float32) * np.float32(3.0)
+    temperatures = np.where(np.arange(num_rows) % 3 == 1, 0.0, rng.uniform(0.2, 1.5, num_rows)).astype(np.float32)
+    seeds = rng.integers(0, 2**32, num_rows, dtype=np.uint32)
+    steps = rng.integers(0, 5000, num_rows, dtype=np.int32)
+    _check_mirror(_sample(logits, temperatures, seeds, steps), logits, temperatures, seeds, steps)

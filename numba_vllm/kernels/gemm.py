@@ -38,13 +38,12 @@ hide each other's barriers and latencies, which pays when there are more blocks 
 launcher picks by grid size; measured figures are at the definition below.
 """
 
-import functools
 
 from numba import cuda, float32
 
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.launch import launch
+from numba_vllm.kernels.launch import launch, num_sms
 from numba_vllm.kernels.vector_load import (
     SHARED_ALIGN,
     bf16_bits_to_f32,
@@ -70,7 +69,6 @@ WS_ROW = BLOCK_N + SMEM_PAD  # floats per k row of the staged w slice
 X_VECTORS = BLOCK_M * BLOCK_K // 4 // BLOCK_THREADS  # 16-byte loads of x per thread per stage (2)
 W_ROW_VECTORS = BLOCK_K // 8  # 16-byte loads per row of the w slice (2): 256 = one per thread
 TWO_BLOCK_REGISTERS = 128  # register cap of gemm_two_blocks_kernel: 2 blocks of 256 threads per SM
-DEFAULT_NUM_SMS = 132  # H100/H200 SXM, when the device cannot be asked
 
 
 @kernel(fastmath=True)
@@ -177,12 +175,6 @@ def _load_slice(x, w_bits, x_next, w_next, tid, m0, w_src, w_k, k0, vectors_ok):
 gemm_two_blocks_kernel = kernel(fastmath=True, max_registers=TWO_BLOCK_REGISTERS)(gemm_kernel.py_func)
 
 
-@functools.cache
-def _num_sms() -> int:
-    """Multiprocessors of the current GPU (the simulator's fake device has no count: use 132)."""
-    return getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", None) or DEFAULT_NUM_SMS
-
-
 def gemm(x, w, out, accumulate: bool = False) -> None:
     """out = x @ w.T (or out += x @ w.T), any shape.
 
@@ -193,6 +185,6 @@ def gemm(x, w, out, accumulate: bool = False) -> None:
     vectors_ok = 1 if k_dim % 8 == 0 and vector_aligned(x) and vector_aligned(w_bits) else 0
     grid = (-(-num_rows // BLOCK_N), -(-num_tokens // BLOCK_M))
     # More blocks than SMs: two blocks per SM pay for the spills. Fewer: keep every register.
-    chosen = gemm_two_blocks_kernel if grid[0] * grid[1] > _num_sms() else gemm_kernel
+    chosen = gemm_two_blocks_kernel if grid[0] * grid[1] > num_sms() else gemm_kernel
     launch(chosen, grid, BLOCK_THREADS, x, w_bits, out, 1 if accumulate else 0, vectors_ok)
 

@@ -73,7 +73,7 @@ from numba import cuda, float32, uint32
 
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.launch import KernelError, launch
+from numba_vllm.kernels.launch import KernelError, launch, num_sms
 from numba_vllm.kernels.mma import (
     MMA_K,
     MMA_M,
@@ -340,10 +340,6 @@ def pick_k_split(num_blocks: int, k_dim: int, num_sms: int) -> int:
 
 
 @functools.cache
-def _num_sms() -> int:
-    """Streaming multiprocessors of the current GPU (the simulator reports one; any count works there)."""
-    return getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 1)
-
 
 @functools.cache
 def _split_workspace():
@@ -353,7 +349,7 @@ def _split_workspace():
     sums. Its address never changes, so a CUDA graph that recorded a split product stays valid.
     """
     largest_tile = max(c.block_m * c.block_n for c in TILE_CONFIGS)
-    return cuda.device_array(SPLIT_BLOCKS_PER_SM * _num_sms() * largest_tile, np.float32)
+    return cuda.device_array(SPLIT_BLOCKS_PER_SM * num_sms() * largest_tile, np.float32)
 
 
 @kernel
@@ -388,9 +384,9 @@ def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = Non
         return
     w_bits = weight_bits(w)
     vectors_ok = 1 if k_dim % CHUNK_VALUES == 0 and vector_aligned(x) and vector_aligned(w_bits) else 0
-    config = config or pick_tile_config(num_tokens, num_rows, _num_sms())
+    config = config or pick_tile_config(num_tokens, num_rows, num_sms())
     grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)
-    split = split or pick_k_split(grid_n * grid_m, k_dim, _num_sms())
+    split = split or pick_k_split(grid_n * grid_m, k_dim, num_sms())
     num_tiles = -(-k_dim // BLOCK_K)
     tiles_per_split = -(-num_tiles // split)
     splits = -(-num_tiles // tiles_per_split)  # no empty part

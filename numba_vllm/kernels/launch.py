@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import numpy as np
 
 from ..errors import KernelError
 
-__all__ = ["KernelError", "check_array", "launch", "launching_on"]
+__all__ = ["KernelError", "check_array", "launch", "launching_on", "num_sms"]
 
 _stream = contextvars.ContextVar("launch_stream", default=0)  # 0: the default stream
 
@@ -41,6 +42,15 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
         kernel[grid, block, _stream.get(), shared_bytes](*args)
     except Exception as e:  # a CUDA driver, compile or simulator error: say which kernel
         raise KernelError(f"{name} (grid {grid}, block {block}): {type(e).__name__}: {e}") from e
+
+
+@functools.cache
+def num_sms() -> int:
+    """Streaming multiprocessors of the current GPU, which launchers size their grids by (the
+    simulator reports one; any count works there)."""
+    from numba import cuda
+
+    return getattr(cuda.get_current_device(), "MULTIPROCESSOR_COUNT", 1)
 
 
 def check_array(name: str, a, dtype=None, shape: tuple | None = None, ndim: int | None = None) -> None:
