@@ -11,9 +11,13 @@ kernels compute in float32 (products, exp, sums), so they differ from it by floa
 ``RTOL``/``ATOL`` below (measured: ~1e-6 at a few dozen keys, a few 1e-6 at 1024).
 
 Under the simulator the shapes are small (context lengths 1/15/16/17/33 around the 16-token page
-edges, GQA ratios 1/3/4/8, head dims 64 and small ones) and the whole file takes well under a
-minute; the ``gpu`` tests run Llama 3.2 1B's heads at 64 sequences x 1024 tokens with fresh random
-inputs (the seed is in the failure message).
+edges, GQA ratios 1/3/4/8, head dims 64 and small ones) and the whole file takes about a minute;
+the ``gpu`` tests run Llama 3.2 1B's heads at 64 sequences x 1024 tokens, and decode at batch 1 and
+2 over up to 3000 tokens (split over the context), with fresh random inputs (the seed is in the
+failure message).
+
+Decode splits a small grid over the context (flash-decoding) by the GPU's SM count; the simulator
+reports one SM, so the split tests pretend to have more (``force_splits``) to get a few splits.
 """
 
 from __future__ import annotations
@@ -87,19 +91,28 @@ def reference_attention(q, k, v, positions, scale):
 # ---- decode --------------------------------------------------------------------------------------
 
 
-def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None):
+def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, context_lens=None, extra_columns=0):
+    """Decode one query per sequence over a cache of `seq_lens` tokens, attending to the first
+    `context_lens` of them (default all): the same block tables with shorter contexts; the tables
+    get `extra_columns` more (unused) pages. Returns the output (B, H, HD) on the host."""
     num_heads = group * num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    context_lens = seq_lens if context_lens is None else context_lens
     cache = PagedCache(rng, seq_lens, num_kv_heads, head_dim)
+    cache.block_tables = np.pad(cache.block_tables, ((0, 0), (0, extra_columns)))
+    # Table entries past each context name no page at all: a kernel that looks one up fails.
+    past = np.arange(cache.block_tables.shape[1]) >= -(-np.array(context_lens)[:, None] // PAGE_SIZE)
+    cache.block_tables[past] = cache.num_pages
     q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
     out = nan_device(q.shape)
     k_cache, v_cache, block_tables = cache.device()
-    context_lens = cuda.to_device(np.array(seq_lens, np.int32))
-    decode_attention(cuda.to_device(q), k_cache, v_cache, block_tables, context_lens, scale, out)
+    lens = cuda.to_device(np.array(context_lens, np.int32))
+    decode_attention(cuda.to_device(q), k_cache, v_cache, block_tables, lens, scale, out)
     got = out.copy_to_host()
-    for s, n in enumerate(seq_lens):
+    for s, n in enumerate(context_lens):
         want = reference_attention(q[s : s + 1], cache.k[s], cache.v[s], [n - 1], scale)
         np.testing.assert_allclose(got[s : s + 1], want, rtol=RTOL, atol=ATOL, err_msg=f"sequence {s} of {n} tokens")
+    return got
 
 
 @pytest.mark.parametrize(
@@ -129,6 +142,102 @@ def test_decode_gpu():
         check_decode(rng, seq_lens, 4, 8, 64)
     except AssertionError as e:
         raise AssertionError(f"seed {seed}: {e}") from None
+
+
+# ---- decode split over the context (small batches) -----------------------------------------------
+
+SPLIT_LENGTHS = EDGE_LENGTHS + [100]  # a block table 8 pages wide: 7 pages and the padding column
+
+
+def force_splits(monkeypatch, pages_per_split, min_width=1):
+    """Split tables of `min_width` pages or more into ranges of `pages_per_split` pages (the engine's
+    sizes need contexts too long for the simulator), with a workspace poisoned with NaN: a partial
+    state the merge reads but no block wrote fails."""
+    monkeypatch.setattr(decode_attention_module, "SPLIT_MIN_WIDTH", min_width)
+    monkeypatch.setattr(decode_attention_module, "PAGES_PER_SPLIT", pages_per_split)
+    monkeypatch.setattr(decode_attention_module, "MAX_SPLITS", 16)
+    monkeypatch.setattr(decode_attention_module, "_split_workspace", lambda n: nan_device(n))
+
+
+def record_grids(monkeypatch):
+    """The (kernel name, grid) of every launch decode_attention makes from now on."""
+    grids = []
+    real_launch = decode_attention_module.launch
+
+    def launch(kernel, grid, *args):
+        grids.append((kernel.py_func.__name__, grid))
+        real_launch(kernel, grid, *args)
+
+    monkeypatch.setattr(decode_attention_module, "launch", launch)
+    return grids
+
+
+@pytest.mark.parametrize(
+    "group, num_kv_heads, head_dim, pages_per_split, splits",
+    [
+        (4, 1, 64, 2, 4),  # 2 pages a split: up to 33 tokens leave splits empty, 100 fill all 4 (the last partly)
+        (1, 2, 64, 2, 4),  # the same over 2 kv heads: each block's rows of the partials
+        (4, 1, 64, 1, 8),  # a page a split
+        (2, 1, 8, 1, 8),  # HD 8: a step is two pages, so its second page lies past a one-page split
+    ],
+)
+def test_decode_split(monkeypatch, group, num_kv_heads, head_dim, pages_per_split, splits):
+    force_splits(monkeypatch, pages_per_split)
+    grids = record_grids(monkeypatch)
+    check_decode(np.random.default_rng(6), SPLIT_LENGTHS, group, num_kv_heads, head_dim)
+    batch = len(SPLIT_LENGTHS)
+    assert grids[0] == ("decode_attention_kernel", (num_kv_heads, batch, splits))
+    assert grids[1][0] == "decode_attention_merge_kernel"
+
+
+def test_decode_split_grid_depends_on_table_width_only(monkeypatch):
+    """A CUDA graph replays a recorded launch with each step's context lengths: with the same
+    shapes (a table 9 pages wide), other lengths give the same grids and still the right results."""
+    force_splits(monkeypatch, 2)
+    grids = record_grids(monkeypatch)
+    for context_lens in ([120, 120], [1, 17], [33, 100], [128, 16]):
+        check_decode(np.random.default_rng(7), [128, 128], 4, 1, 32, context_lens=context_lens)
+    assert {grid for _, grid in grids[::2]} == {(1, 2, 5)}  # ceil(9 / 2) = 5 splits of 2 pages
+
+
+def test_decode_split_is_bit_identical_in_a_wider_table(monkeypatch):
+    """The engine's CUDA graphs run a step with its block table padded to a power of two: the extra
+    (empty) splits add exact zeros, so the output is the same bits as in a table just wide enough."""
+    force_splits(monkeypatch, 2, min_width=4)
+    grids = record_grids(monkeypatch)
+    narrow = check_decode(np.random.default_rng(8), [70, 33], 4, 1, 64)  # 5 pages + 1 column: 3 splits
+    wide = check_decode(np.random.default_rng(8), [70, 33], 4, 1, 64, extra_columns=10)  # 8 splits
+    assert [grid for _, grid in grids[::2]] == [(1, 2, 3), (1, 2, 8)]
+    np.testing.assert_array_equal(narrow, wide)
+
+
+def test_pick_splits_rule():
+    """Only tables of SPLIT_MIN_WIDTH pages or more, in small grids, are split: into 16-page ranges,
+    at most MAX_SPLITS; every split starts inside the table."""
+    pick = decode_attention_module.pick_splits
+    assert [pick(8, width) for width in (8, 16, 32, 63, 64, 256, 1024, 2048, 8192)] == [1, 1, 1, 1, 4, 16, 64, 64, 64]
+    assert pick(decode_attention_module.SMALL_GRID_BLOCKS, 1024) == 1
+    for width in [*range(60, 200), 1000, 1024, 4096, 8191]:
+        splits = pick(8, width)
+        pages_per_split = -(-width // splits)  # as the kernel computes it
+        assert (splits - 1) * pages_per_split < width <= splits * pages_per_split
+        assert splits <= decode_attention_module.MAX_SPLITS
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("seq_lens", [[3000], [1000, 3000], [140]])
+def test_decode_split_gpu(monkeypatch, seq_lens):
+    """Llama 3.2 1B heads (H 32, KVH 8, HD 64) at batch 1 and 2: few blocks, so a long context is
+    split (a table of 64 pages or more), a short one is not."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    rng = np.random.default_rng(seed)
+    grids = record_grids(monkeypatch)
+    try:
+        check_decode(rng, seq_lens, 4, 8, 64)
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}: {e}") from None
+    width = -(-max(seq_lens) // PAGE_SIZE) + 1
+    assert (grids[0][1][2] > 1 if len(grids[0][1]) == 3 else False) == (width >= decode_attention_module.SPLIT_MIN_WIDTH)
 
 
 # ---- prefill -------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from __future__ import annotations
 import ptx_check
 import pytest
 
-from numba_vllm.kernels.decode_attention import decode_attention_kernel_for
+from numba_vllm.kernels.decode_attention import decode_attention_kernel_for, decode_attention_merge_kernel
 from numba_vllm.kernels.prefill_attention import prefill_attention_kernel_for
 
 DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"
@@ -26,13 +26,16 @@ PREFILL_CONFIGS = [(1, 64), (4, 64), (8, 64), (4, 128), (2, 16), (2, 8)]
 for _group, _head_dim in DECODE_CONFIGS:
     globals()[f"decode_g{_group}_hd{_head_dim}"] = decode_attention_kernel_for(_group, _head_dim)
 decode_g4_hd64_w8 = decode_attention_kernel_for(4, 64, 8)  # the small-batch build (8 warps a block)
+decode_g4_hd64_split = decode_attention_kernel_for(4, 64, 8, True)  # split context: partials to a workspace
+decode_merge = decode_attention_merge_kernel
 for _group, _head_dim in PREFILL_CONFIGS:
     globals()[f"prefill_g{_group}_hd{_head_dim}"] = prefill_attention_kernel_for(_group, _head_dim)
 
 HERE = __name__
 SPECS = (  # (module, kernel name, signature, hot)
     [(HERE, f"decode_g{g}_hd{hd}", DECODE_SIG, True) for g, hd in DECODE_CONFIGS]
-    + [(HERE, "decode_g4_hd64_w8", DECODE_SIG, True)]
+    + [(HERE, "decode_g4_hd64_w8", DECODE_SIG, True), (HERE, "decode_g4_hd64_split", DECODE_SIG, True)]
+    + [(HERE, "decode_merge", "(f32(3), f32(3))", True)]
     + [(HERE, f"prefill_g{g}_hd{hd}", PREFILL_SIG, True) for g, hd in PREFILL_CONFIGS]
 )
 
@@ -49,6 +52,8 @@ def test_kernel_compiles_clean(ptx, module, name, sig, hot):
     assert ptx_check.ptx_problems(result["ptx"], hot) == []
 
 
-@pytest.mark.parametrize("name", ["decode_g4_hd64", "decode_g8_hd128", "prefill_g4_hd64", "prefill_g2_hd8"])
+@pytest.mark.parametrize(
+    "name", ["decode_g4_hd64", "decode_g4_hd64_split", "decode_g8_hd128", "prefill_g4_hd64", "prefill_g2_hd8"]
+)
 def test_kv_reads_use_16_byte_loads(ptx, name):
     assert "ld.global.nc.v4.u32" in ptx[f"{HERE}.{name}"]["ptx"]  # 8 bf16 of K or V per load

@@ -124,6 +124,7 @@ def cases() -> list[dict]:
     return [
         decode_case(64, 1024),
         decode_case(1, 1024),
+        decode_case(1, 256),  # a short chat at batch 1: the context split over the GPU
         decode_case(256, 512),
         prefill_case(1, 2048),
         prefill_case(8, 512),

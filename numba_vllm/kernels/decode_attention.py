@@ -45,12 +45,46 @@ Registers: group 4 at HD 64 needs ~160 registers a thread; the kernel is capped 
 64 sequences x 8 kv heads run in one wave: measured faster on an H200 than no spill at 3 blocks.
 
 Head dims: ``HD = 8 * 2^k`` from 8 to 256 (one token's row must fit one warp in 16-byte pieces);
-``group`` up to ``MAX_GROUP``. The kernel is compiled per (group, HD) by
+``group`` up to ``MAX_GROUP``. The kernel is compiled per (group, HD, warps, split) by
 ``decode_attention_kernel_for``, because the per-lane register arrays need compile-time sizes
 (a run-time size would put them in slow local memory).
 
 Tokens past the context (the unused tail of the last page) are masked before they touch the
 softmax, so garbage or NaN there never reaches the output; pages past the context are never read.
+
+Split context (flash-decoding), for small batches. A grid of ``B * KVH`` blocks under
+``SMALL_GRID_BLOCKS`` leaves most multiprocessors idle (batch 1 of Llama 3.2 1B: 8 blocks for 132
+SMs, each walking the whole context with its warps). Then each sequence's block-table row is cut
+into ``splits`` ranges of ``pages_per_split`` contiguous pages: grid ``(KVH, B, splits)``, block
+``(kv head, b, z)`` walks the tokens of pages ``[z * pages_per_split, (z + 1) * pages_per_split)``
+that lie in the context exactly as above (same warps, steps and lane mapping: the same kernel,
+compiled with ``split``, which only changes the token range and what is written) and merges its
+lanes the same way. Instead of ``out`` it writes its partial softmax state per query head: the max
+``m``, the sum of ``exp(score - m)`` and the unnormalised ``sum exp(score - m) * V``, to a row of
+``partials`` ``(splits * B, H, HD + 2)`` f32 (row ``z * B + b``; the last two columns are ``m``
+and the sum). A split that starts past the context has no token: its state is empty (``m = -inf``,
+sums 0). ``decode_attention_merge_kernel`` then merges the ``splits`` states of each ``(b, h)`` in
+split order (rescale to the common max, add: deterministic) and writes ``out[b, h] = acc / sum``;
+a thread per ``(b, h, d)``.
+
+The split grid depends only on shapes, never on ``context_lens``: a CUDA graph records a launch's
+grid once and replays it with each step's new context lengths (``engine/cuda_graph.py``). So
+``pick_splits`` chooses ``splits`` from ``B * KVH`` and the block-table width ``W`` (pages) alone:
+no split for ``W < SPLIT_MIN_WIDTH`` (64) or ``B * KVH >= SMALL_GRID_BLOCKS``, else ranges of
+``PAGES_PER_SPLIT`` (16) pages (``W / MAX_SPLITS`` past 1024 pages), ``splits = ceil(W / pages)``.
+The kernel recomputes ``pages_per_split = ceil(W / splits)`` from the table's shape and ``gridDim.z``
+(the same number when W is a power of two, as the engine makes it), so its signature is the
+unsplit one. Pages past a shorter context make empty splits, which add exact zeros in the merge:
+a table padded wider (a CUDA graph's power-of-two width) gives bit-identical results.
+Measured on an H200 (Llama 3.2 1B heads, batch 1, us per layer, split + merge): 140 tokens (16
+pages) 8.0 unsplit, 9.3-11 split; 300 tokens 10.2 vs 9.6-11.7 (a wash); 1000 tokens 20.4 vs 11.9
+(16 pages a split); 3000 tokens 50.1 vs 14.6 (16 pages) and 19.2 (8) or 107 (1): a split pays for
+its merge launch and idle warps only when each range is long.
+
+Workspace: ``partials`` is a view of one persistent device array per model, allocated at its
+largest size the first time a split is launched (``_split_workspace``): ``MAX_SPLITS x
+SMALL_GRID_BLOCKS`` blocks of ``group x (HD + 2)`` floats (18 MB for Llama 3.2 1B). Its address
+never changes, so recorded graphs keep pointing at it.
 """
 
 from __future__ import annotations
@@ -71,6 +105,10 @@ from numba_vllm.kernels.vector_load import BF16_PER_VECTOR, bf16x2_to_f32, load_
 NUM_WARPS = 4  # warps per block: a block per (kv head, sequence); 64 seqs x 8 kv heads = 512 blocks
 SMALL_GRID_WARPS = 8  # warps per block when there are few blocks (small batches), if group <= 4
 SMALL_GRID_BLOCKS = 264  # "few": fewer than two blocks per multiprocessor of an H200 (132)
+SPLIT_MIN_WIDTH = 64  # split only block tables this wide or wider (contexts past 512 tokens) ...
+PAGES_PER_SPLIT = 16  # ... into ranges of this many pages (256 tokens) ...
+MAX_SPLITS = 64  # ... or, past 1024 pages, into this many ranges
+MERGE_THREADS = 128  # threads per block of the merge kernel, one per (b, h, d) output
 MAX_REGISTERS = 128  # per thread when group <= 4: 4 blocks of 4 warps fit a multiprocessor
 VEC = BF16_PER_VECTOR  # bf16 values per lane per 16-byte load
 MAX_LOADS_PER_STEP = 4  # K loads per lane per step: more unrolled code no longer fits registers
@@ -79,9 +117,10 @@ SUPPORTED_HEAD_DIMS = (8, 16, 32, 64, 128, 256)
 
 
 @functools.cache
-def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_WARPS):
+def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_WARPS, split: bool = False):
     """The decode attention kernel for ``group`` query heads per kv head, ``head_dim``, and
-    blocks of ``num_warps`` warps."""
+    blocks of ``num_warps`` warps; with ``split``, the split-context variant that writes partial
+    softmax states instead of ``out`` (the same code: ``split`` is a compile-time constant)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise KernelError(f"decode_attention: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
     if not 1 <= group <= MAX_GROUP:
@@ -100,8 +139,9 @@ def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_
 
     @kernel(max_registers=MAX_REGISTERS if group <= 4 else None)
     def decode_attention_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, out):
-        """q, out: (B, H, HD) f32; k_cache, v_cache: (P, PAGE_SIZE, KVH, HD) uint16 (bf16 bits);
-        block_tables: (B, max_pages) int32; context_lens: (B,) int32; scale: f32."""
+        """q: (B, H, HD) f32; k_cache, v_cache: (P, PAGE_SIZE, KVH, HD) uint16 (bf16 bits);
+        block_tables: (B, max_pages) int32; context_lens: (B,) int32; scale: f32;
+        out: (B, H, HD) f32, or with ``split`` the partial states (splits * B, H, HD + 2) f32."""
         kv_head = cuda.blockIdx.x
         b = cuda.blockIdx.y
         warp = cuda.threadIdx.x // WARP_SIZE
@@ -109,8 +149,17 @@ def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_
         token_slot = lane // lanes_per_token  # which token of a warp load this lane reads
         d0 = (lane % lanes_per_token) * VEC  # first of the lane's 8 dims
         context_len = context_lens[b]
-        num_pages = (context_len + PAGE_SIZE - 1) // PAGE_SIZE
-        num_steps = (context_len + step - 1) // step
+        # The block's tokens [start, end): the whole context, or (split) those of pages
+        # [z * pages_per_split, (z + 1) * pages_per_split) in the context, none for a split past it.
+        if split:  # a compile-time constant: the unsplit kernel has no division here
+            pages_per_split = (block_tables.shape[1] + cuda.gridDim.z - 1) // cuda.gridDim.z
+            start = cuda.blockIdx.z * pages_per_split * PAGE_SIZE
+            end = min(context_len, start + pages_per_split * PAGE_SIZE)
+        else:
+            start = 0
+            end = context_len
+        last_page = (end - 1) // PAGE_SIZE  # the block's last page slot
+        num_steps = (end - start + step - 1) // step  # <= 0 for an empty split
 
         q_reg = cuda.local.array(q_len, float32)  # (group, VEC): the lane's dims of each query head
         acc = cuda.local.array(q_len, float32)  # (group, VEC): sum of exp(score - m) * V
@@ -127,16 +176,16 @@ def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_
             sum_exp[g] = float32(0.0)
 
         # A step's tokens share one page, except for HD 8 where lanes 16-31 read the second page;
-        # a page past the context (HD 8) is replaced by the last one: its tokens are masked anyway.
+        # a page past the block's tokens (HD 8) is replaced by its last one: those tokens are masked.
         si = warp
-        page_slot = (si * step + token_slot) // PAGE_SIZE
-        next_page = block_tables[b, min(page_slot, num_pages - 1)] if si < num_steps else 0
+        page_slot = (start + si * step + token_slot) // PAGE_SIZE
+        next_page = block_tables[b, min(page_slot, last_page)] if si < num_steps else 0
         while si < num_steps:
             page = next_page
             if si + num_warps < num_steps:  # fetch the next step's page id now, use it then
-                page_slot = ((si + num_warps) * step + token_slot) // PAGE_SIZE
-                next_page = block_tables[b, min(page_slot, num_pages - 1)]
-            first = si * step
+                page_slot = (start + (si + num_warps) * step + token_slot) // PAGE_SIZE
+                next_page = block_tables[b, min(page_slot, last_page)]
+            first = start + si * step
 
             # Scores of the step's tokens: q . K, summed over the token's lanes. V is loaded here
             # too (kept as raw words), so its memory latency overlaps K's instead of following it.
@@ -158,7 +207,7 @@ def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_
                     while offset < lanes_per_token:
                         s += cuda.shfl_xor_sync(FULL_MASK, s, offset)
                         offset *= 2
-                    scores[i * group + g] = s if pos < context_len else minus_inf
+                    scores[i * group + g] = s if pos < end else minus_inf
 
             # Fold the step into the running softmax: a new max rescales what was summed so far.
             for g in range(group):
@@ -179,7 +228,7 @@ def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_
                 v2, v3 = bf16x2_to_f32(v_words[i * 4 + 1])
                 v4, v5 = bf16x2_to_f32(v_words[i * 4 + 2])
                 v6, v7 = bf16x2_to_f32(v_words[i * 4 + 3])
-                if pos < context_len:
+                if pos < end:
                     for g in range(group):
                         p = math.exp(scores[i * group + g] - m[g])
                         sum_exp[g] += p
@@ -221,10 +270,65 @@ def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_
                     w = math.exp(part_m[p, g] - m_all)
                     total_sum += w * part_sum[p, g]
                     total += w * part_acc[p, g, d]
-            out[b, kv_head * group + g, d] = total / total_sum
+            h = kv_head * group + g
+            if split:  # this split's state, unnormalised; an empty split writes m = -inf, sums 0
+                row = cuda.blockIdx.z * cuda.gridDim.y + b
+                out[row, h, d] = total
+                if d == 0:
+                    out[row, h, head_dim] = m_all
+                    out[row, h, head_dim + 1] = total_sum
+            else:
+                out[b, h, d] = total / total_sum
             o += threads
 
     return decode_attention_kernel
+
+
+def pick_splits(num_blocks: int, width: int) -> int:
+    """Into how many page ranges to split each sequence's context: ``num_blocks = B * KVH`` blocks
+    of a block table ``width`` pages wide. 1 (no split) for a grid of ``SMALL_GRID_BLOCKS`` or more,
+    or a table narrower than ``SPLIT_MIN_WIDTH``; else ranges of ``PAGES_PER_SPLIT`` pages (more
+    when that would make over ``MAX_SPLITS``). Shapes only: a CUDA graph replays the grid."""
+    if num_blocks >= SMALL_GRID_BLOCKS or width < SPLIT_MIN_WIDTH:
+        return 1
+    pages_per_split = max(PAGES_PER_SPLIT, -(-width // MAX_SPLITS))
+    return -(-width // pages_per_split)
+
+
+@functools.cache
+def _split_workspace(num_floats: int):
+    """Device float32 scratch for the partial states of split grids, allocated once per size (one
+    size per model): its address never changes, so a CUDA graph that recorded a split launch stays valid."""
+    return cuda.device_array(num_floats, np.float32)
+
+
+@kernel
+def decode_attention_merge_kernel(partials, out):
+    """out (B, H, HD) f32 = the merge of the splits' partial states partials (splits * B, H, HD + 2)
+    f32 (row z * B + b: HD unnormalised sums, then m and the sum of exp(score - m)).
+
+    Thread ``blockIdx.x * blockDim.x + threadIdx.x`` owns output (b, h, d): it rescales the states of
+    the splits to their common max and adds them, in split order (deterministic). Split 0 always
+    holds a token, so the max is finite, and an empty state (m = -inf, sums 0: a split past the
+    context) adds exp(-inf) * 0 = 0.
+    """
+    batch, num_heads, head_dim = out.shape
+    splits = partials.shape[0] // batch
+    i = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+    if i < batch * num_heads * head_dim:
+        b = i // (num_heads * head_dim)
+        h = i // head_dim % num_heads
+        d = i % head_dim
+        m_all = float32(-math.inf)
+        for z in range(splits):
+            m_all = max(m_all, partials[z * batch + b, h, head_dim])
+        total_sum = float32(0.0)
+        total = float32(0.0)
+        for z in range(splits):
+            w = math.exp(partials[z * batch + b, h, head_dim] - m_all)
+            total_sum += w * partials[z * batch + b, h, head_dim + 1]
+            total += w * partials[z * batch + b, h, d]
+        out[b, h, d] = total / total_sum
 
 
 def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, out) -> None:
@@ -233,6 +337,8 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     q: (B, H, HD) f32; k_cache, v_cache: (num_pages, PAGE_SIZE, KVH, HD) bf16;
     block_tables: (B, max_pages) int32; context_lens: (B,) int32, each in 1 .. max_pages * PAGE_SIZE
     (cached tokens, the current one included); scale: usually 1 / sqrt(HD); out: (B, H, HD) f32.
+    A small grid (``B * KVH`` blocks) is split over the context (``pick_splits``; the grid depends
+    on the shapes only, so the launch can be recorded in a CUDA graph and replayed).
     """
     check_array("q", q, "float32", ndim=3)
     batch, num_heads, head_dim = q.shape
@@ -247,11 +353,25 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     if batch == 0:
         return
     group = num_heads // num_kv_heads
+    num_blocks = batch * num_kv_heads
     # Few blocks (a small batch) leave most multiprocessors idle: give each block more warps,
     # so more of a sequence's pages are in flight at once (shared memory grows with the warps).
-    few = batch * num_kv_heads < SMALL_GRID_BLOCKS and group <= 4
+    few = num_blocks < SMALL_GRID_BLOCKS and group <= 4
     num_warps = SMALL_GRID_WARPS if few else NUM_WARPS
-    kernel_ = decode_attention_kernel_for(group, head_dim, num_warps)
+    splits = pick_splits(num_blocks, block_tables.shape[1])
     # The kernel reads the caches 16 bytes at a time through their raw uint16 bits.
-    launch(kernel_, (num_kv_heads, batch), num_warps * WARP_SIZE, q, k_cache.view(np.uint16), v_cache.view(np.uint16),
-           block_tables, context_lens, np.float32(scale), out)
+    kv = (k_cache.view(np.uint16), v_cache.view(np.uint16), block_tables, context_lens, np.float32(scale))
+    threads = num_warps * WARP_SIZE
+    if splits == 1:
+        launch(decode_attention_kernel_for(group, head_dim, num_warps, False), (num_kv_heads, batch), threads, q, *kv, out)
+        return
+    # the most any split launch of this (group, HD) needs: MAX_SPLITS x (SMALL_GRID_BLOCKS - 1) blocks
+    workspace = _split_workspace(MAX_SPLITS * SMALL_GRID_BLOCKS * group * (head_dim + 2))
+    size = splits * batch * num_heads * (head_dim + 2)
+    if size > workspace.shape[0]:  # pick_splits keeps it within: not a case that happens
+        raise KernelError(f"decode_attention: a {splits}-way split of {batch} x {num_heads} heads exceeds the workspace")
+    partials = workspace[:size].reshape(splits * batch, num_heads, head_dim + 2)
+    split_kernel = decode_attention_kernel_for(group, head_dim, num_warps, True)
+    launch(split_kernel, (num_kv_heads, batch, splits), threads, q, *kv, partials)
+    outputs = batch * num_heads * head_dim
+    launch(decode_attention_merge_kernel, (-(-outputs // MERGE_THREADS),), MERGE_THREADS, partials, out)
