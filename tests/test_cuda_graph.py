@@ -81,3 +81,19 @@ def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny,
     assert prefill_rows == [16]  # one layer: the full-budget prefill ran its attention
     assert set(sim.engine.runner.decode_graphs._graphs) == {(1, MIN_TABLE_WIDTH), (2, MIN_TABLE_WIDTH)}
     assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
+
+
+def test_sampling_inside_the_graph_matches_the_eager_sampler(tiny):
+    """A batch mixing greedy, seeded temperature and top-k rows: the graph path (sampler recorded with
+    the step, its inputs packed as float32/uint32 bits) gives the eager path's tokens, and NumPy's
+    for the greedy row."""
+    path, want = tiny
+    params = [
+        GREEDY3,
+        SamplingParams(temperature=0.9, seed=7, max_tokens=3, ignore_eos=True),
+        SamplingParams(temperature=1.3, top_k=5, seed=3, max_tokens=3, ignore_eos=True),
+    ]
+    graph = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8).generate(PROMPTS[:3], params)
+    eager = LLM(path, backend="sim", max_num_seqs=4, num_pages=8).generate(PROMPTS[:3], params)
+    assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
+    assert graph[0].token_ids == want[0]

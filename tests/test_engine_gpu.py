@@ -81,15 +81,15 @@ def test_cuda_graph_replay_equals_eager_launches(tmp_path):
 def _record_sampled_logits(runner) -> dict[str, list]:
     """Wrap the runner's sampler so each request's logits rows (V,) are kept, in step order."""
     seen: dict[str, list] = {}
-    sample = runner._sample
+    sample = runner._sample_on_host
 
-    def recording(requests, logits):
+    def recording(requests, logits, tokens):
         host = logits.copy_to_host() if requests else None
         for i, r in enumerate(requests):
             seen.setdefault(r.request_id, []).append(host[i])
-        return sample(requests, logits)
+        return sample(requests, logits, tokens)
 
-    runner._sample = recording
+    runner._sample_on_host = recording
     return seen
 
 

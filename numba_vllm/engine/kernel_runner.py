@@ -4,10 +4,10 @@ The same code runs on the GPU (`cuda` backend) and, unchanged, in the Numba simu
 Sequences are reordered so prefilling ones (prompts or chunks) come first and decoding ones last,
 matching the two attention kernels. Decode-only steps are replayed from CUDA graphs (`cuda_graph.py`)
 unless `enforce_eager`; other steps launch kernel by kernel, with the step's int32 inputs packed into
-one buffer and uploaded in one copy. Sampling happens on the device where it can: greedy rows by an
-argmax kernel, temperature-only rows by the Gumbel-max kernel (noise from the request's seed and
-output index, so a request's tokens do not depend on its batch); rows with top-k or top-p copy
-their logits to the host sampler.
+one buffer and uploaded in one copy. Sampling happens on the device where it can (inside the graph
+for a replayed step): greedy rows by argmax, temperature-only rows by the Gumbel-max kernel (noise
+from the request's seed and output index, so a request's tokens do not depend on its batch); rows
+with top-k or top-p copy their logits to the host sampler.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..config import PAGE_SIZE, EngineConfig
 from ..kernels.matmul import GEMV_MAX_TOKENS
 from ..kernels.sample import argmax, sample_gumbel
 from ..model import DeviceModel, StepInputs, activation_shapes
-from .cuda_graph import DecodeGraphs
+from .cuda_graph import DecodeGraphs, SamplingRows, table_width
 from .kv_cache import block_table_array, num_pages_for_memory
 from .runner import RequestSamplers
 from .scheduler import StepPlan
@@ -65,12 +65,14 @@ class KernelRunner:
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)
+        requests = [s.request for s in seqs if s.samples]
         if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
-            logits = self.decode_graphs.run(seqs)  # (B, V) device
+            logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests))  # every row samples
         else:
             logits = self.model.forward(self._inputs(seqs))  # (B, V) device
-        sampling = [s.request for s in seqs if s.samples]
-        return dict(zip((r.request_id for r in sampling), self._sample(sampling, logits), strict=True))
+            tokens = self._sample_on_device(requests, logits)
+        out = self._sample_on_host(requests, logits, [int(t) for t in tokens])
+        return dict(zip((r.request_id for r in requests), out, strict=True))
 
     def release(self, request_id: str) -> None:
         self.host_samplers.release(request_id)
@@ -93,7 +95,9 @@ class KernelRunner:
             "prefill_cu_seqlens": cu,
             "prefill_start_pos": np.array([s.start_position for s in prefill], np.int32),
             "prefill_block_tables": block_table_array([s.page_ids for s in prefill], width),
-            "decode_block_tables": block_table_array([s.page_ids for s in decode], width),
+            # decode tables at the width a CUDA graph would use, so that split attention cuts the
+            # context at the same pages in both (decode_attention.pick_splits): identical results
+            "decode_block_tables": block_table_array([s.page_ids for s in decode], table_width(width)),
             "decode_context_lens": np.array([s.context_len for s in decode], np.int32),
             "sample_rows": np.array([end - 1 for s, end in zip(seqs, ends, strict=True) if s.samples], np.int32),
         }
@@ -129,24 +133,35 @@ class KernelRunner:
         tokens.copy_to_host()
 
     # ---- sampling ------------------------------------------------------------------------------
-    def _sample(self, requests, logits) -> list[int]:
-        """One token per row of `logits` (B, V): on the device unless a request needs top-k / top-p."""
-        if not requests:
-            return []
+    def _sampling_rows(self, requests) -> SamplingRows:
+        """The device sampler's per-row inputs: temperature (0 = greedy), seed, output index."""
         params = [r.sampling_params for r in requests]
+        return SamplingRows(
+            temperatures=np.array([0.0 if p.greedy else p.temperature for p in params], np.float32),
+            seeds=np.array([self._seed(r) if not p.greedy else 0 for r, p in zip(requests, params, strict=True)], np.uint32),
+            steps=np.array([len(r.output_token_ids) for r in requests], np.int32),
+        )
+
+    def _sample_on_device(self, requests, logits) -> np.ndarray:
+        """One token per row of `logits` (B, V): argmax when every row is greedy, else the Gumbel-max sampler."""
+        if not requests:
+            return np.zeros(0, np.int32)
         tokens = cuda.device_array(len(requests), np.int32)
-        if all(p.greedy for p in params):
+        if all(r.sampling_params.greedy for r in requests):
             argmax(logits, tokens)
         else:
-            temperatures = np.array([p.temperature for p in params], np.float32)
-            seeds = np.array([self._seed(r) for r in requests], np.uint32)
-            steps = np.array([len(r.output_token_ids) for r in requests], np.int32)
-            sample_gumbel(logits, cuda.to_device(temperatures), cuda.to_device(seeds), cuda.to_device(steps), tokens)
-        out = [int(t) for t in tokens.copy_to_host()]
-        for i, (r, p) in enumerate(zip(requests, params, strict=True)):
+            rows = self._sampling_rows(requests)
+            temperatures, seeds, steps = (cuda.to_device(a) for a in (rows.temperatures, rows.seeds, rows.steps))
+            sample_gumbel(logits, temperatures, seeds, steps, tokens)
+        return tokens.copy_to_host()
+
+    def _sample_on_host(self, requests, logits, tokens: list[int]) -> list[int]:
+        """Replace the device's pick for rows with top-k or top-p: their logits go to the host sampler."""
+        for i, r in enumerate(requests):
+            p = r.sampling_params
             if not p.greedy and (p.top_k or p.top_p < 1):
-                out[i] = self.host_samplers.sample(r, logits[i].copy_to_host())
-        return out
+                tokens[i] = self.host_samplers.sample(r, logits[i].copy_to_host())
+        return tokens
 
     def _seed(self, request) -> int:
         """The request's 32-bit sampling seed: its own, or one drawn once for it."""
