@@ -131,6 +131,7 @@ def test_kv_indices_across_page_edges():
     assert indices.tolist() == [80, 81, 95, 32, 33, 47, 144, 145, 159]
     assert kv_indices(page_ids, np.arange(15, 18)).tolist() == [5 * 16 + 15, 2 * 16 + 0, 2 * 16 + 1]
     assert kv_indices(page_ids, []).tolist() == []
+    assert [kv_indices(page_ids, range(p, p + 1)).tolist() for p in positions] == [[i] for i in indices]  # decode's path
     with pytest.raises(ValueError):
         kv_indices(page_ids, [48])  # needs a 4th page
     with pytest.raises(ValueError):

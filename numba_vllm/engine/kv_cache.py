@@ -139,12 +139,21 @@ def kv_indices(page_ids: Sequence[int], positions: Sequence[int] | np.ndarray) -
     ``page_ids`` is the sequence's block table; index = ``page_ids[pos // PAGE_SIZE] * PAGE_SIZE +
     pos % PAGE_SIZE``. A position beyond the block table is an error, never a silent wrap.
     """
+    if len(positions) == 1:  # a decode step: plain arithmetic (numpy's per-call cost would dominate)
+        pos = int(positions[0])
+        if not 0 <= pos < len(page_ids) * PAGE_SIZE:
+            raise ValueError(_beyond_table(pos, pos, len(page_ids)))
+        return np.array([page_ids[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE], np.int32)
     positions = np.asarray(positions, dtype=np.int64)  # (T,)
     table = np.asarray(page_ids, dtype=np.int64)  # (num_pages_of_sequence,)
     page_numbers = positions // PAGE_SIZE  # (T,) which entry of the block table
     if positions.size and (positions.min() < 0 or page_numbers.max() >= len(table)):
-        raise ValueError(f"positions {positions.min()}..{positions.max()} need pages beyond the {len(table)} in the block table")
+        raise ValueError(_beyond_table(positions.min(), positions.max(), len(table)))
     return (table[page_numbers] * PAGE_SIZE + positions % PAGE_SIZE).astype(np.int32)
+
+
+def _beyond_table(first: int, last: int, num_pages: int) -> str:
+    return f"positions {first}..{last} need pages beyond the {num_pages} in the block table"
 
 
 def page_bytes(config: ModelConfig, kv_bytes_per_element: int = 2) -> int:

@@ -344,7 +344,7 @@ class Scheduler:
             slot=request.slot,
             start_position=start,
             token_ids=request.token_ids_between(start, end),
-            kv_indices=kv_indices(request.page_ids, np.arange(start, end)),
+            kv_indices=kv_indices(request.page_ids, range(start, end)),
             page_ids=list(request.page_ids),  # a snapshot: the request's list keeps growing
             samples=end == request.num_tokens,
         )
