@@ -8,6 +8,9 @@ shape, dtype or a non-contiguous view is a bug in the caller, reported in one li
 Launches go to the default stream, or, inside `launching_on(stream)`, to that stream: that is how a
 whole decode step is recorded into a CUDA graph (`engine/cuda_graph.py`) without any launcher
 knowing about graphs.
+
+On a GPU, a kernel's second and later launches with the same argument layout skip numba's
+per-launch argument handling (`fast_launch.py`: ~25-50 us a launch down to a few).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ import functools
 import numpy as np
 
 from ..errors import KernelError
+from . import fast_launch
+from .simulator import simulator_enabled
 
 __all__ = ["KernelError", "check_array", "launch", "launching_on", "num_sms"]
 
@@ -37,11 +42,33 @@ def launching_on(stream):
 
 def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
     """Run `kernel[grid, block, stream, shared_bytes](*args)`; a failure names the kernel."""
-    name = getattr(getattr(kernel, "py_func", None), "__name__", None) or getattr(kernel, "__name__", repr(kernel))
+    stream = _stream.get()
     try:
-        kernel[grid, block, _stream.get(), shared_bytes](*args)
+        if _fast_path():
+            key = fast_launch.layout_key(kernel, args)
+            prepared = fast_launch.lookup(key)
+            if prepared is not None:
+                fast_launch.launch_prepared(prepared, _dim3(grid), _dim3(block), shared_bytes, stream, args)
+                return
+            kernel[grid, block, stream, shared_bytes](*args)  # compiles, if needed, and launches
+            fast_launch.prepare(key, kernel, args)
+        else:
+            kernel[grid, block, stream, shared_bytes](*args)
     except Exception as e:  # a CUDA driver, compile or simulator error: say which kernel
+        name = getattr(getattr(kernel, "py_func", None), "__name__", None) or getattr(kernel, "__name__", repr(kernel))
         raise KernelError(f"{name} (grid {grid}, block {block}): {type(e).__name__}: {e}") from e
+
+
+@functools.cache
+def _fast_path() -> bool:
+    """Whether launches may skip numba's argument handling (on a GPU; never in the simulator)."""
+    return not simulator_enabled()
+
+
+def _dim3(dims):
+    """A grid or block (an int or a tuple of 1-3 ints) as the 3-tuple cuda.core takes."""
+    dims = (int(dims),) if np.isscalar(dims) else tuple(int(d) for d in dims)
+    return dims + (1,) * (3 - len(dims))
 
 
 @functools.cache
