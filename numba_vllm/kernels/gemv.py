@@ -67,6 +67,7 @@ models with K = 48 are fine, K = 100 is not) the launcher uses ``gemv_unaligned_
 per row, scalar 2-byte loads, tokens in a loop. Correct for any shape; not fast.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -296,6 +297,12 @@ def plan_gemv(num_tokens: int, num_rows: int, k_dim: int):
     return tokens, warps_per_group, grid
 
 
+@functools.cache
+def _unused_norm_weight():
+    """The norm-weight argument of the variants without a norm (never read): one shared array."""
+    return cuda.device_array(BF16_PER_VECTOR, np.uint16)
+
+
 def gemv_fuses(x, w) -> bool:
     """Whether the fast path runs for x and w, and with it the fusions (``norm``, ``silu_mul``):
     K a multiple of 8 and both 16-byte aligned."""
@@ -320,12 +327,16 @@ def gemv(x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False)
     w_bits = weight_bits(w)
     flag = 1 if accumulate else 0
     if gemv_fuses(x, w_bits):
-        norm_weight, eps = norm if norm is not None else (w_bits[0], 0.0)  # without norm: never read
-        check_array("norm weight", norm_weight, shape=(k_dim,))
+        if norm is not None:
+            norm_weight, eps = norm
+            check_array("norm weight", norm_weight, shape=(k_dim,))
+            norm_bits = weight_bits(norm_weight)
+        else:
+            norm_bits, eps = _unused_norm_weight(), 0.0
         tokens, warps_per_group, grid = plan_gemv(num_tokens, num_rows, k_dim)
         group_shift = warps_per_group.bit_length() - 1
         kernel_ = gemv_kernel_for(tokens, norm is not None, silu_mul)
-        launch(kernel_, grid, BLOCK_THREADS, x, w_bits, out, flag, group_shift, weight_bits(norm_weight), float32(eps))
+        launch(kernel_, grid, BLOCK_THREADS, x, w_bits, out, flag, group_shift, norm_bits, float32(eps))
     elif norm is not None or silu_mul:
         raise KernelError("gemv: norm and silu_mul need K % 8 == 0 and 16-byte aligned x and w (see gemv_fuses)")
     else:
