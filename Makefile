@@ -15,7 +15,7 @@ PROFILE_ARGS ?= --config-dir tests/data/llama-3.2-1b-instruct --batch 8 --steps 
 NCU_RANGE ?= decode
 NCU_FILTER ?= --launch-count 12
 
-.PHONY: help setup run test test-gpu profile lint clean
+.PHONY: help setup run test test-gpu profile profile-nsys profile-ncu lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -38,19 +38,24 @@ test: setup  ## the CPU suite: kernels under the Numba CUDA simulator, engine on
 test-gpu:  ## the GPU-marked tests on a real NVIDIA GPU
 	NUMBA_VLLM_TEST_GPU=1 $(GPU_PY) -m pytest -q -m gpu
 
-profile:  ## nsys + ncu on a short decode (cuda, random Llama 3.2 1B, line info) into profiles/
+profile: profile-nsys profile-ncu  ## nsys + ncu on a short decode (cuda, random Llama 3.2 1B, line info) into profiles/
+	@echo "reports: $(PROFILE_DIR)/decode.nsys-rep (open in nsys-ui), $(PROFILE_DIR)/decode.ncu-rep (ncu-ui); docs/profiling.md"
+
+profile-nsys:  ## the timeline only (Nsight Systems): profiles/decode.nsys-rep and a kernel summary
 	@command -v $(NSYS) >/dev/null || { echo "nsys (Nsight Systems) not found: install it or pass NSYS=/path/to/nsys"; exit 1; }
-	@command -v $(NCU) >/dev/null || { echo "ncu (Nsight Compute) not found: install it or pass NCU=/path/to/ncu"; exit 1; }
 	mkdir -p $(PROFILE_DIR)
 	NUMBA_VLLM_LINEINFO=1 $(NSYS) profile --trace=cuda,osrt --cuda-graph-trace=node \
 		--capture-range=cudaProfilerApi --capture-range-end=stop --force-overwrite=true -o $(PROFILE_DIR)/decode \
 		$(GPU_PY) benchmarks/profile_decode.py $(PROFILE_ARGS)
 	-$(NSYS) stats --report cuda_gpu_kern_sum --report cuda_api_sum $(PROFILE_DIR)/decode.nsys-rep
+
+profile-ncu:  ## the kernels only (Nsight Compute, source view): profiles/decode.ncu-rep and its speed of light
+	@command -v $(NCU) >/dev/null || { echo "ncu (Nsight Compute) not found: install it or pass NCU=/path/to/ncu"; exit 1; }
+	mkdir -p $(PROFILE_DIR)
 	NUMBA_VLLM_LINEINFO=1 $(NCU) --set full --import-source yes --profile-from-start off $(NCU_FILTER) \
 		--force-overwrite -o $(PROFILE_DIR)/decode \
 		$(GPU_PY) benchmarks/profile_decode.py $(PROFILE_ARGS) --profile-range $(NCU_RANGE)
 	-$(NCU) --import $(PROFILE_DIR)/decode.ncu-rep --page details --section SpeedOfLight
-	@echo "reports: $(PROFILE_DIR)/decode.nsys-rep (open in nsys-ui), $(PROFILE_DIR)/decode.ncu-rep (ncu-ui); docs/profiling.md"
 
 lint:  ## ruff over the package, tests, examples and benchmarks
 	$(VENV)/bin/ruff check --isolated --line-length 130 --select E,F,W,I,B,UP --ignore B007 numba_vllm tests examples benchmarks
