@@ -184,3 +184,14 @@ def test_hf_model_has_the_checkpoints_weights(config_dir, tmp_path):
         with torch.no_grad():
             got = model.float()(torch.tensor(ids[None])).logits[0].numpy()
         np.testing.assert_allclose(got, want, atol=1e-4)
+
+
+def test_profile_decode_script_runs_its_two_passes_on_numpy(config_dir):
+    """`make profile`'s workload script (benchmarks/profile_decode.py), without a GPU: the warm-up pass
+    and the measured pass each prefill the batch and decode the asked steps."""
+    args = ["--config-dir", str(config_dir), "--batch", "2", "--steps", "2", "--prompt-len", "8", "--backend", "numpy"]
+    script = str(REPO / "benchmarks" / "profile_decode.py")
+    r = subprocess.run([sys.executable, script, *args], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    for name in ("warmup", "run"):
+        assert f"{name}: prefill of 2 x 8 tokens" in r.stdout and "decode 2 steps of batch 2" in r.stdout, r.stdout
