@@ -19,7 +19,7 @@ from numba_vllm.kernels.launch import launch
 def fake_device_array(shape, dtype=np.float32, pointer=4096, c_contiguous=True):
     host = np.zeros(shape, dtype)
     return pytypes.SimpleNamespace(
-        shape=host.shape, strides=host.strides, size=host.size, dtype=host.dtype,
+        shape=host.shape, ndim=host.ndim, strides=host.strides, size=host.size, dtype=host.dtype,
         flags={"C_CONTIGUOUS": c_contiguous, "F_CONTIGUOUS": host.ndim < 2},
         gpu_data=pytypes.SimpleNamespace(device_pointer_value=pointer),
     )  # fmt: skip

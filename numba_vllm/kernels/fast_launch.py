@@ -37,10 +37,9 @@ def layout_key(kernel, args) -> tuple:
     dimensions and contiguity, or a scalar's Python type."""
     key = [kernel]
     for a in args:
-        dtype = getattr(a, "dtype", None)
-        if dtype is not None and hasattr(a, "shape") and not isinstance(a, (int, float)) and a.shape != ():
+        if getattr(a, "ndim", 0):  # an array (numpy scalars have ndim 0)
             flags = a.flags
-            key.append((dtype, len(a.shape), flags["C_CONTIGUOUS"], flags["F_CONTIGUOUS"]))
+            key.append((a.dtype, a.ndim, flags["C_CONTIGUOUS"], flags["F_CONTIGUOUS"]))
         else:
             key.append(type(a))
     return tuple(key)
