@@ -27,11 +27,12 @@ def _arr(dt):
 ns = dict(types=types, f32=_arr(types.float32), bf16=_arr(types.bfloat16), i32=_arr(types.int32),
           u32=_arr(types.uint32), u16=_arr(types.uint16), int32=types.int32, float32=types.float32,
           uint32=types.uint32, int64=types.int64)
+request = json.loads(sys.stdin.read())
 out = {}
-for module, attr, sig in json.loads(sys.stdin.read()):
+for module, attr, sig in request["specs"]:
     kernel = getattr(importlib.import_module(module), attr)
     try:
-        ptx, _ = cuda.compile_ptx(kernel.py_func, eval(sig, ns), cc=(9, 0), lineinfo=False)
+        ptx, _ = cuda.compile_ptx(kernel.py_func, eval(sig, ns), cc=(9, 0), lineinfo=request["lineinfo"])
         out[f"{module}.{attr}"] = {"ptx": ptx}
     except Exception as e:
         out[f"{module}.{attr}"] = {"error": f"{type(e).__name__}: {e}"}
@@ -41,14 +42,17 @@ print(json.dumps(out))
 F64_OP = re.compile(r"^\s*[a-z][\w.]*\.f64\b", re.M)  # an instruction working on doubles
 
 
-def compile_ptx(specs: list[tuple[str, str, str]]) -> dict[str, dict]:
-    """{'module.kernel': {'ptx': text} or {'error': message}} for (module, kernel attr, signature) specs."""
+def compile_ptx(specs: list[tuple[str, str, str]], lineinfo: bool = False) -> dict[str, dict]:
+    """{'module.kernel': {'ptx': text} or {'error': message}} for (module, kernel attr, signature) specs.
+
+    lineinfo: compile as ``make profile`` does (``NUMBA_VLLM_LINEINFO=1``: line tables in every kernel
+    and device function).
+    """
     tests_dir = os.path.dirname(os.path.abspath(__file__))  # kernels bound to names in test modules
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", NUMBA_VLLM_LINEINFO="1" if lineinfo else "0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run(
-        [sys.executable, "-c", _CHILD], input=json.dumps(specs), capture_output=True, text=True, env=env, timeout=600
-    )
+    request = json.dumps({"specs": specs, "lineinfo": lineinfo})
+    proc = subprocess.run([sys.executable, "-c", _CHILD], input=request, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"PTX compilation child failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

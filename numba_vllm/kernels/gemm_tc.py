@@ -131,9 +131,15 @@ def _swizzle(row, chunk):
     return (chunk ^ ((row >> 1) & 3)) * CHUNK_WORDS
 
 
-@device_function
+@device_function(inline="always")
 def _w_pair(w_bits, n, k, k_dim):
-    """w[n, k] and w[n, k + 1] as one uint32 (k in the low half), zero past K."""
+    """w[n, k] and w[n, k + 1] as one uint32 (k in the low half), zero past K.
+
+    Inlined by numba itself: otherwise each of ``_stage_w``'s two specialisations (``buf`` a literal
+    0, or a variable) links its own copy of this function's module, and with line information on
+    (``make profile``) NVVM rejects the duplicate array-type debug records ("Symbol name with
+    unsupported characters").
+    """
     lo = uint32(w_bits[n, k]) if k < k_dim else uint32(0)
     hi = uint32(w_bits[n, k + 1]) if k + 1 < k_dim else uint32(0)
     return lo | (hi << uint32(16))
