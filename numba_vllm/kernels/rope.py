@@ -35,9 +35,11 @@ Thread mapping: one block per token (grid = T) of ``WARP_SIZE x num_warps`` thre
 Shared memory: ``cos_table`` and ``sin_table``, ``ROPE_MAX_HALF_DIM`` float32 each (1 KiB), of which
 the first HD/2 are used; HD may be at most ``2 * ROPE_MAX_HALF_DIM``.
 
-The bf16 stores: numba lowers each float32 -> bf16 store to CUDA's bf16 constructor (round to
-nearest even), whose arguments pass through a little local memory; only the new tokens' K and V are
-written, so this costs little.
+The bf16 stores: the caches arrive as their uint16 bits (as attention reads them). A lane rounds its
+pair (x1, x2) to bf16 with one ``pack_bf16x2`` (``cvt.rn.bf16x2.f32``, round to nearest even) and
+stores the two halves of the word. Numba's own float32 -> bf16 store would call CUDA's bf16
+constructor, linked in from C++, through local memory, and could not be linked with line
+information on (``make profile``).
 
 Why not ``math.cos``/``math.sin``: on a GPU they become libdevice's ``cosf``/``sinf``, whose slow
 path for |angle| > 105615 (Llama 3 reaches 131072) reduces the argument with a 28-byte local array
@@ -56,12 +58,13 @@ The result agrees with cos/sin of the same float32 angle to ~2e-7 (absolute), li
 import math
 
 import numpy as np
-from numba import cuda, float32, int32
+from numba import cuda, float32, int32, uint16, uint32
 
 from numba_vllm.bf16 import BF16
 from numba_vllm.config import PAGE_SIZE
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.launch import KernelError, check_array, launch
+from numba_vllm.kernels.mma import pack_bf16x2
 from numba_vllm.kernels.reductions import WARP_SIZE
 
 ROPE_MAX_WARPS = 32  # warps per block (one head each at a time); more heads than this loop
@@ -120,7 +123,7 @@ def rope_kernel(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache):
     the K cache, copy v into the V cache.
 
     qkv (T, H + 2*KVH, HD) f32; positions, kv_indices (T,) int32; inv_freq (HD/2,) f32;
-    q (T, H, HD) f32 out; k_cache, v_cache (P, PAGE_SIZE, KVH, HD) bf16.
+    q (T, H, HD) f32 out; k_cache, v_cache (P, PAGE_SIZE, KVH, HD) uint16 (bf16 bits).
     """
     cos_table = cuda.shared.array(ROPE_MAX_HALF_DIM, float32)  # (HD/2,) used: cos of this token's angles
     sin_table = cuda.shared.array(ROPE_MAX_HALF_DIM, float32)  # (HD/2,) used: sin of this token's angles
@@ -149,14 +152,18 @@ def rope_kernel(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache):
             if head < num_q_heads:
                 q[t, head, i] = x1
                 q[t, head, i + half] = x2
-            elif head < num_q_heads + num_kv_heads:
-                kv_head = head - num_q_heads
-                k_cache[page, offset, kv_head, i] = x1  # float32 -> bf16, rounded to nearest even
-                k_cache[page, offset, kv_head, i + half] = x2
             else:
-                kv_head = head - num_q_heads - num_kv_heads
-                v_cache[page, offset, kv_head, i] = x1
-                v_cache[page, offset, kv_head, i + half] = x2
+                pair = pack_bf16x2(x1, x2)  # bf16(x1) in the low half, bf16(x2) in the high half
+                lo = uint16(pair & uint32(0xFFFF))
+                hi = uint16(pair >> uint32(16))
+                if head < num_q_heads + num_kv_heads:
+                    kv_head = head - num_q_heads
+                    k_cache[page, offset, kv_head, i] = lo
+                    k_cache[page, offset, kv_head, i + half] = hi
+                else:
+                    kv_head = head - num_q_heads - num_kv_heads
+                    v_cache[page, offset, kv_head, i] = lo
+                    v_cache[page, offset, kv_head, i + half] = hi
 
 
 def rope_and_cache_write(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache) -> None:
@@ -184,4 +191,5 @@ def rope_and_cache_write(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cac
     if k_cache.shape[0] == 0:
         raise KernelError("k_cache: has no pages")
     num_warps = min(ROPE_MAX_WARPS, num_heads + 2 * num_kv_heads)
-    launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache)
+    launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), qkv, positions, inv_freq, kv_indices, q,
+           k_cache.view(np.uint16), v_cache.view(np.uint16))  # fmt: skip
