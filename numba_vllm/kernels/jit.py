@@ -9,7 +9,10 @@ With ``NUMBA_VLLM_LINEINFO=1`` in the environment when a kernel is decorated, ev
 device function is compiled with ``lineinfo=True``: the cubin maps SASS back to the Python source
 lines, so Nsight Compute's source view shows the hot lines of each kernel (``make profile``,
 ``docs/profiling.md``). Line tables do not change the generated code; under the simulator the
-option is dropped like the others.
+option is dropped like the others. NVVM rejects a few kernels with line tables that it compiles
+without them ("Symbol name with unsupported characters", depending on how the optimised code comes
+out: gemv's 2- and 4-token RMSNorm variants with numba-cuda 0.30). Such a kernel is compiled again
+without them, with a warning that names it: profiling goes on, without source lines for it.
 
 Launchers must configure the kernel at every call (``my_kernel[grid, block](...)``) and never
 keep a configured launcher around: in the simulator, ``k[grid, block]`` reconfigures and returns
@@ -17,6 +20,7 @@ the kernel object itself, so two saved configurations of one kernel alias each o
 """
 
 import os
+import warnings
 
 from numba import cuda
 
@@ -36,7 +40,35 @@ def _jit(args, options, device):
         options = {"lineinfo": True, **options}
     if simulator_enabled():
         options = {k: v for k, v in options.items() if k not in SIMULATOR_IGNORED_OPTIONS}
-    return cuda.jit(*args, device=device, **options)
+    jitted = cuda.jit(*args, device=device, **options)
+    if device or simulator_enabled() or not options.get("lineinfo"):
+        return jitted
+    if hasattr(jitted, "py_func"):  # @kernel: the dispatcher
+        return _line_info_optional(jitted)
+    return lambda func: _line_info_optional(jitted(func))  # @kernel(...): a decorator
+
+
+def _line_info_optional(dispatcher):
+    """Let ``dispatcher`` (a kernel compiled with line tables) fall back to none where NVVM fails."""
+    compile_with_line_info = dispatcher.compile
+
+    def compile(signature):
+        try:
+            return compile_with_line_info(signature)
+        except Exception as e:
+            if not dispatcher.targetoptions.get("lineinfo"):
+                raise  # not a line-table problem
+            dispatcher.targetoptions["lineinfo"] = False  # this kernel's later signatures too
+            warnings.warn(
+                f"{dispatcher.py_func.__name__}: compiled without line information, which NVVM "
+                f"rejected ({type(e).__name__}: {e}); the profiler shows no source lines for it",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return compile_with_line_info(signature)
+
+    dispatcher.compile = compile  # numba compiles a new signature through self.compile
+    return dispatcher
 
 
 def kernel(*args, **options):

@@ -1,0 +1,72 @@
+"""Every kernel compiles with line information, as ``make profile`` builds them.
+
+``NUMBA_VLLM_LINEINFO=1`` (``kernels/jit.py``) adds line tables to every kernel and device function,
+so that Nsight Compute maps SASS back to the Python lines. NVVM then also receives debug records of
+each device function's argument types, and it can reject a kernel that compiles without them: a
+device function whose module is linked twice (once per specialisation of a caller) failed with
+"Symbol name with unsupported characters" (gemm_tc's ``_w_pair``). And a kernel that calls a
+function compiled elsewhere (``.extern .func``: numba's float32 -> bf16 store calls CUDA's C++
+constructor) fails at link time, because the debug-info flags of the two modules conflict (rope's
+cache stores did). Compiled without a GPU like the other PTX tests, for every kernel they cover; the
+PTX must carry ``.loc`` directives that point at the kernel's Python file.
+
+NVVM also rejects some kernels for reasons that depend on how their optimised code comes out (gemv's
+2- and 4-token RMSNorm variants); ``jit.py`` then compiles such a kernel without line tables, with a
+warning, which the last test checks on a stand-in dispatcher.
+"""
+
+import re
+import types
+
+import ptx_check
+import pytest
+import test_ptx_attention
+import test_ptx_matmul
+import test_ptx_pointwise
+
+SPECS = [
+    *[(m, n, s) for m, n, s, _ in test_ptx_attention.SPECS],
+    *[(m, n, s) for m, n, s, _ in test_ptx_matmul.SPECS],
+    *test_ptx_pointwise.KERNELS,
+]
+
+
+def test_every_kernel_compiles_with_line_information():
+    result = ptx_check.compile_ptx(SPECS, lineinfo=True)
+    failed = {name: r["error"] for name, r in result.items() if "error" in r}
+    assert failed == {}
+    for name, r in result.items():
+        files = re.findall(r'^\s*\.file\s+\d+\s+"([^"]+)"', r["ptx"], re.MULTILINE)
+        assert any(f.endswith(".py") for f in files), f"{name}: no Python source file in the line table"
+        assert re.search(r"^\s*\.loc\s", r["ptx"], re.MULTILINE), f"{name}: no .loc directives"
+        assert ".extern .func" not in r["ptx"], f"{name}: calls an external function, which will not link with line info"
+
+
+class _Dispatcher:
+    """The parts of a numba dispatcher that ``jit._line_info_optional`` uses; its compile fails with line info."""
+
+    def __init__(self, fails_without_line_info=False):
+        self.targetoptions = {"lineinfo": True}
+        self.py_func = types.SimpleNamespace(__name__="some_kernel")
+        self.compiled = []
+        self.fails_without_line_info = fails_without_line_info
+
+    def compile(self, signature):
+        if self.targetoptions["lineinfo"] or self.fails_without_line_info:
+            raise RuntimeError("ERROR_COMPILATION (9)")
+        self.compiled.append(signature)
+        return signature
+
+
+def test_a_kernel_nvvm_rejects_with_line_info_compiles_without_and_warns():
+    from numba_vllm.kernels.jit import _line_info_optional
+
+    d = _line_info_optional(_Dispatcher())
+    with pytest.warns(RuntimeWarning, match="some_kernel: compiled without line information.*ERROR_COMPILATION"):
+        assert d.compile("sig1") == "sig1"
+    assert d.targetoptions["lineinfo"] is False and d.compiled == ["sig1"]
+    assert d.compile("sig2") == "sig2"  # later signatures go straight to no line tables
+
+    broken = _line_info_optional(_Dispatcher(fails_without_line_info=True))  # a real compile error
+    with pytest.warns(RuntimeWarning), pytest.raises(RuntimeError, match="ERROR_COMPILATION"):
+        broken.compile("sig")
