@@ -9,11 +9,14 @@ ARGS ?=
 NSYS ?= nsys
 NCU ?= ncu
 PROFILE_DIR ?= profiles
-PROFILE_ARGS ?= --config-dir tests/data/llama-3.2-1b-instruct --batch 8 --steps 8
+PROFILE_ARGS ?= --config-dir tests/data/llama-3.2-1b-instruct --batch 1 --steps 8
 # ncu: which part of the measured pass, and which of its kernels (default: the first 12 launches of
 # the first decode step: the embedding, then layer 0's). docs/profiling.md: gemm, the head, attention.
 NCU_RANGE ?= decode
 NCU_FILTER ?= --launch-count 12
+# ncu's own default locks the clocks to base (and needs the right to): measure at the clocks the GPU
+# runs at, as the benchmarks do. NCU_CLOCKS=--clock-control base for steadier comparisons.
+NCU_CLOCKS ?= --clock-control none
 
 .PHONY: help setup run test test-gpu profile profile-nsys profile-ncu lint clean
 
@@ -52,7 +55,7 @@ profile-nsys:  ## the timeline only (Nsight Systems): profiles/decode.nsys-rep a
 profile-ncu:  ## the kernels only (Nsight Compute, source view): profiles/decode.ncu-rep and its speed of light
 	@command -v $(NCU) >/dev/null || { echo "ncu (Nsight Compute) not found: install it or pass NCU=/path/to/ncu"; exit 1; }
 	mkdir -p $(PROFILE_DIR)
-	NUMBA_VLLM_LINEINFO=1 $(NCU) --set full --import-source yes --profile-from-start off $(NCU_FILTER) \
+	NUMBA_VLLM_LINEINFO=1 $(NCU) --set full --import-source yes --profile-from-start off $(NCU_CLOCKS) $(NCU_FILTER) \
 		--force-overwrite -o $(PROFILE_DIR)/decode \
 		$(GPU_PY) benchmarks/profile_decode.py $(PROFILE_ARGS) --profile-range $(NCU_RANGE)
 	-$(NCU) --import $(PROFILE_DIR)/decode.ncu-rep --page details --section SpeedOfLight
