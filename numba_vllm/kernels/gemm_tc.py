@@ -137,8 +137,8 @@ def _w_pair(w_bits, n, k, k_dim):
 
     Inlined by numba itself: otherwise each of ``_stage_w``'s two specialisations (``buf`` a literal
     0, or a variable) links its own copy of this function's module, and with line information on
-    (``make profile``) NVVM rejects the duplicate array-type debug records ("Symbol name with
-    unsupported characters").
+    (``make profile``) NVVM rejects the kernel ("Symbol name with unsupported characters"); it
+    accepts it once the second copy is gone.
     """
     lo = uint32(w_bits[n, k]) if k < k_dim else uint32(0)
     hi = uint32(w_bits[n, k + 1]) if k + 1 < k_dim else uint32(0)

@@ -41,7 +41,7 @@ def _jit(args, options, device):
     if simulator_enabled():
         options = {k: v for k, v in options.items() if k not in SIMULATOR_IGNORED_OPTIONS}
     jitted = cuda.jit(*args, device=device, **options)
-    if device or simulator_enabled() or not options.get("lineinfo"):
+    if device or not options.get("lineinfo"):  # (the simulator has dropped it)
         return jitted
     if hasattr(jitted, "py_func"):  # @kernel: the dispatcher
         return _line_info_optional(jitted)
