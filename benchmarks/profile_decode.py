@@ -50,11 +50,11 @@ def main() -> None:
     # Imported here so that the switches above are seen when the kernels are defined.
     import numpy as np
 
-    from numba_vllm.checkpoint import random_checkpoint
-    from numba_vllm.config import EngineConfig
+    from numba_vllm.engine.config import EngineConfig
     from numba_vllm.engine.kv_cache import pages_for_tokens
     from numba_vllm.engine.llm_engine import LLMEngine, prepare_backend
-    from numba_vllm.sampling import SamplingParams
+    from numba_vllm.engine.sampling import SamplingParams
+    from numba_vllm.loading.checkpoint import random_checkpoint
 
     prepare_backend(args.backend)
     t0 = time.perf_counter()

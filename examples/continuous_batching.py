@@ -38,9 +38,10 @@ from pathlib import Path
 import numpy as np
 
 from numba_vllm import LLMEngine, SamplingParams
-from numba_vllm.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
-from numba_vllm.config import PAGE_SIZE, EngineConfig
+from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import prepare_backend
+from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
+from numba_vllm.model.config import PAGE_SIZE
 
 # (step it arrives at, request id, prompt tokens, max new tokens)
 ARRIVALS = [

@@ -31,16 +31,17 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 from numba import cuda  # noqa: E402
 
-from numba_vllm.bf16 import to_bf16, upload_bf16  # noqa: E402
-from numba_vllm.checkpoint import Checkpoint  # noqa: E402
-from numba_vllm.config import PAGE_SIZE, EngineConfig, ModelConfig  # noqa: E402
+from numba_vllm.engine.config import EngineConfig  # noqa: E402
 from numba_vllm.engine.llm_engine import LLMEngine  # noqa: E402
+from numba_vllm.engine.sampling import SamplingParams  # noqa: E402
 from numba_vllm.kernels import reductions  # noqa: E402
+from numba_vllm.kernels._launch import KernelError  # noqa: E402
 from numba_vllm.kernels.decode_attention import decode_attention, decode_attention_kernel_for  # noqa: E402
-from numba_vllm.kernels.launch import KernelError  # noqa: E402
 from numba_vllm.kernels.rmsnorm import rms_norm, rms_norm_kernel  # noqa: E402
-from numba_vllm.kernels.stepping import break_in  # noqa: E402
-from numba_vllm.sampling import SamplingParams  # noqa: E402
+from numba_vllm.loading.bf16 import to_bf16, upload_bf16  # noqa: E402
+from numba_vllm.loading.checkpoint import Checkpoint  # noqa: E402
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig
+from numba_vllm.sim.stepping import break_in  # noqa: E402
 
 EPS = 1e-5
 

@@ -6,8 +6,8 @@
     print(out[0].text)
 """
 
-from .engine.llm_engine import LLM, LLMEngine
-from .output import RequestOutput
-from .sampling import SamplingParams
+from numba_vllm.engine.llm_engine import LLM, LLMEngine
+from numba_vllm.engine.output import RequestOutput
+from numba_vllm.engine.sampling import SamplingParams
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]

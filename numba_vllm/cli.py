@@ -16,11 +16,11 @@ from pathlib import Path
 
 import click
 
-from .checkpoint import load_checkpoint
-from .config import BACKENDS, SCHEDULING_MODES, EngineConfig
-from .engine.llm_engine import LLMEngine, prepare_backend, resolve_backend
-from .errors import KernelError
-from .sampling import SamplingParams
+from numba_vllm.engine.config import BACKENDS, SCHEDULING_MODES, EngineConfig
+from numba_vllm.engine.llm_engine import LLMEngine, prepare_backend, resolve_backend
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.errors import KernelError
+from numba_vllm.loading.checkpoint import load_checkpoint
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -220,7 +220,7 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
           log_level, no_access_log, **engine_args):  # fmt: skip
     """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'numba-vllm[serve]')."""
     try:
-        from .server import run_server
+        from numba_vllm.server import run_server
     except ImportError as e:
         raise click.ClickException(f"the server needs FastAPI and uvicorn ({e}): pip install 'numba-vllm[serve]'") from None
     if load_format == "dummy" and model is None:
@@ -231,7 +231,7 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
         resolve_backend(backend)  # an unusable backend fails now, before the model loads
         t0 = time.perf_counter()
         if load_format == "dummy":
-            from .checkpoint import random_checkpoint
+            from numba_vllm.loading.checkpoint import random_checkpoint
 
             ckpt = random_checkpoint(model)
         else:
@@ -270,7 +270,7 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
 @click.argument("out_dir", type=click.Path(file_okay=False))
 def convert(gguf_file, out_dir):
     """Convert GGUF_FILE into a Hugging Face style model directory OUT_DIR (bf16 safetensors)."""
-    from .gguf import convert_gguf
+    from numba_vllm.loading.gguf.importer import convert_gguf
 
     try:
         convert_gguf(gguf_file, out_dir)
@@ -344,7 +344,7 @@ def bench_options(command):
 
 def _bench_setup(backend: str, model, random_weights, compare_hf: bool, json_path):
     """Check everything that can fail fast (JSON path, backend, transformers), then load the model."""
-    from .bench.common import LLAMA_3_2_1B_CONFIG_DIR, check_json_path, count_text, load_model
+    from numba_vllm.bench.common import LLAMA_3_2_1B_CONFIG_DIR, check_json_path, count_text, load_model
 
     if (model is None) == (random_weights is None):
         raise click.UsageError(
@@ -358,7 +358,7 @@ def _bench_setup(backend: str, model, random_weights, compare_hf: bool, json_pat
     except ValueError as e:
         raise click.ClickException(f"{e} (--backend numpy or sim runs a small model without one)") from None
     if compare_hf:
-        from .bench import hf
+        from numba_vllm.bench import hf
 
         versions = hf.require(hf.device_for(backend))
         _log(f"[hf] torch {versions['torch']}, transformers {versions['transformers']}")
@@ -395,8 +395,8 @@ def _parse_batch_sizes(s: str) -> list[int]:
 def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_sizes, prompt_len, output_len, warmup_runs,
             peak_bandwidth_tbs, hf_compile, **engine_args):  # fmt: skip
     """Decode ms per token at each batch size and time to first token (greedy, EOS ignored)."""
-    from .bench.common import EngineOptions, write_json
-    from .bench.latency import format_latency, run_latency
+    from numba_vllm.bench.common import EngineOptions, write_json
+    from numba_vllm.bench.latency import format_latency, run_latency
 
     sizes = _parse_batch_sizes(batch_sizes)
     if hf_compile and not compare_hf:
@@ -424,8 +424,8 @@ def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_s
 def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_requests, min_prompt_len, max_prompt_len,
                min_output_len, max_output_len, scheduling, **engine_args):  # fmt: skip
     """Offline throughput: requests of mixed lengths submitted at once, continuous vs static batching."""
-    from .bench.common import EngineOptions, write_json
-    from .bench.throughput import format_throughput, run_throughput
+    from numba_vllm.bench.common import EngineOptions, write_json
+    from numba_vllm.bench.throughput import format_throughput, run_throughput
 
     if min_prompt_len > max_prompt_len:
         raise click.BadParameter(f"{min_prompt_len} > --max-prompt-len {max_prompt_len}", param_hint="--min-prompt-len")
@@ -448,8 +448,8 @@ def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_
 @_one_line_errors
 def kernels(only, iters, json_path):
     """Per-kernel roofline table on the GPU: time, GB/s or TFLOP/s, share of the measured ceiling."""
-    from .bench.common import check_json_path, write_json
-    from .bench.kernels import require_gpu, run_kernels
+    from numba_vllm.bench.common import check_json_path, write_json
+    from numba_vllm.bench.kernels import require_gpu, run_kernels
 
     check_json_path(json_path)
     require_gpu()

@@ -17,7 +17,7 @@ def _gpu_usable():
     """True when numba.cuda runs on a real GPU (not the simulator) and finds one."""
     from numba import cuda
 
-    from numba_vllm.kernels.simulator import simulator_enabled
+    from numba_vllm.sim.warp import simulator_enabled
 
     return not simulator_enabled() and cuda.is_available()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from numba_vllm.config import ModelConfig
+from numba_vllm.model.config import ModelConfig
 
 DATA = Path(__file__).parent / "data"
 SEQ_LEN = 37

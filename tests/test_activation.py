@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_vllm import reference
 from numba_vllm.kernels import activation as activation_module
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.activation import silu_and_mul
-from numba_vllm.kernels.launch import KernelError
+from numba_vllm.model import reference
 
 gpu = pytest.mark.gpu
 RTOL = 2e-6

@@ -26,14 +26,14 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_vllm import reference
-from numba_vllm.bf16 import to_bf16, upload_bf16
-from numba_vllm.config import PAGE_SIZE
 from numba_vllm.kernels import decode_attention as decode_attention_module
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.decode_attention import decode_attention
-from numba_vllm.kernels.launch import KernelError
 from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.kernels.rope import rope_and_cache_write
+from numba_vllm.loading.bf16 import to_bf16, upload_bf16
+from numba_vllm.model import reference
+from numba_vllm.model.config import PAGE_SIZE
 
 RTOL = 1e-5  # float32 kernel vs float64 reference on the same bf16 K/V
 ATOL = 1e-5  # outputs are averages of N(0, 1) values: O(0.1 .. 1)

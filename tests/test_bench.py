@@ -14,7 +14,7 @@ from tiny_llama import tiny_config_dict
 from numba_vllm.bench.common import format_table, weight_bytes_per_decode_step
 from numba_vllm.bench.throughput import offline_workload
 from numba_vllm.cli import main
-from numba_vllm.config import ModelConfig
+from numba_vllm.model.config import ModelConfig
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,8 +169,8 @@ def test_hf_model_has_the_checkpoints_weights(config_dir, tmp_path):
     import numpy as np
 
     from numba_vllm.bench import hf
-    from numba_vllm.checkpoint import random_checkpoint
-    from numba_vllm.reference import KVCache, ReferenceModel
+    from numba_vllm.loading.checkpoint import random_checkpoint
+    from numba_vllm.model.reference import KVCache, ReferenceModel
 
     for tied in (True, False):
         d = tmp_path / f"tied_{tied}"

@@ -8,7 +8,7 @@ from test_smollm2 import HAVE_MODEL, REF
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm.cli import main
-from numba_vllm.config import ModelConfig
+from numba_vllm.model.config import ModelConfig
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from numba_vllm.config import ConfigError, ModelConfig
-from numba_vllm.rope_scaling import rope_inv_freq
+from numba_vllm.model.config import ConfigError, ModelConfig
+from numba_vllm.model.rope_scaling import rope_inv_freq
 
 DATA = Path(__file__).parent / "data"
 LLAMA_DIR = DATA / "llama-3.2-1b-instruct"  # the published config of Llama 3.2 1B Instruct

@@ -8,11 +8,12 @@ block tables widened, one upload. The tokens must be NumPy's.
 import pytest
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
-from numba_vllm import LLM, SamplingParams, model
-from numba_vllm.config import ModelConfig
-from numba_vllm.engine import kernel_runner
-from numba_vllm.engine.cuda_graph import MIN_TABLE_WIDTH, DecodeGraphs, batch_buckets, table_width
+from numba_vllm import LLM, SamplingParams
+from numba_vllm.executor import kernel_runner
+from numba_vllm.executor.cuda_graph import MIN_TABLE_WIDTH, DecodeGraphs, batch_buckets, table_width
 from numba_vllm.kernels.prefill_attention import prefill_attention
+from numba_vllm.model import llama as model
+from numba_vllm.model.config import ModelConfig
 
 
 @pytest.mark.parametrize(

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_vllm.bf16 import BF16, upload_bf16
 from numba_vllm.kernels import embedding as embedding_module
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.embedding import embedding
-from numba_vllm.kernels.launch import KernelError
+from numba_vllm.loading.bf16 import BF16, upload_bf16
 
 gpu = pytest.mark.gpu
 

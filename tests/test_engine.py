@@ -5,9 +5,10 @@ import pytest
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
-from numba_vllm.checkpoint import load_checkpoint
-from numba_vllm.config import EngineConfig, ModelConfig
+from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import LLMEngine
+from numba_vllm.loading.checkpoint import load_checkpoint
+from numba_vllm.model.config import ModelConfig
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PAGE_EDGE_PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 20)), list(range(1, 34))]  # 1/15/16/17/33

@@ -16,9 +16,9 @@ from test_smollm2 import HAVE_MODEL, REF
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
-from numba_vllm.checkpoint import load_checkpoint
-from numba_vllm.config import ModelConfig
-from numba_vllm.reference import KVCache, ReferenceModel
+from numba_vllm.loading.checkpoint import load_checkpoint
+from numba_vllm.model.config import ModelConfig
+from numba_vllm.model.reference import KVCache, ReferenceModel
 
 pytestmark = pytest.mark.gpu
 needs_smollm2 = pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from numba_vllm.checkpoint import ModelNotFoundError, default_model_path
+from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from numba import cuda, float32
 
-from numba_vllm.kernels import fast_launch
+from numba_vllm.kernels import _fast_launch as fast_launch
+from numba_vllm.kernels._launch import launch
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.launch import launch
 
 
 def fake_device_array(shape, dtype=np.float32, pointer=4096, c_contiguous=True):

@@ -26,12 +26,12 @@ from numba import cuda, uint32
 from test_gemm import GPU_CASES as GEMM_GPU_CASES
 from test_gemv import check_product, launch_case
 
-from numba_vllm.bf16 import BF16
 from numba_vllm.kernels import matmul
 from numba_vllm.kernels.gemm_tc import LARGE, SMALL, TILE_CONFIGS, gemm_tc, pick_k_split, pick_tile_config
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import ldmatrix_x4, mma_bf16_16816, pack_bf16x2
 from numba_vllm.kernels.vector_load import SHARED_ALIGN
+from numba_vllm.loading.bf16 import BF16
 
 # One mma of random values against float64: 16 products + C, each addend may lose up to ~1 ulp
 # (2^-23) of the largest one on a tensor core: 17 * 2^-23 ~ 2e-6 of the sum of magnitudes.

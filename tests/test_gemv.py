@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 from numba import cuda, float32
 
-from numba_vllm.bf16 import BF16, upload_bf16
 from numba_vllm.kernels import matmul
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.gemv import gemv, plan_gemv
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.launch import KernelError
 from numba_vllm.kernels.matmul import linear
 from numba_vllm.kernels.vector_load import (
     SHARED_ALIGN,
@@ -31,6 +30,7 @@ from numba_vllm.kernels.vector_load import (
     load_shared_f32x4,
     load_u32x4,
 )
+from numba_vllm.loading.bf16 import BF16, upload_bf16
 
 RTOL = 1e-5
 

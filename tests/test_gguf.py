@@ -18,12 +18,19 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from numba_vllm.bf16 import to_bf16
-from numba_vllm.config import ModelConfig
-from numba_vllm.gguf import GGUFError, convert_gguf, load_gguf, load_gguf_tokenizer, read_gguf, unpermute_rotary_rows
-from numba_vllm.rope_scaling import rope_inv_freq
-from numba_vllm.tokenizer import load_tokenizer
-from numba_vllm.weights import load_weights
+from numba_vllm.loading.bf16 import to_bf16
+from numba_vllm.loading.gguf.importer import (
+    GGUFError,
+    convert_gguf,
+    load_gguf,
+    load_gguf_tokenizer,
+    read_gguf,
+    unpermute_rotary_rows,
+)
+from numba_vllm.loading.tokenizer import load_tokenizer
+from numba_vllm.loading.weights import load_weights
+from numba_vllm.model.config import ModelConfig
+from numba_vllm.model.rope_scaling import rope_inv_freq
 
 # ---- a tiny Llama -----------------------------------------------------------------------------------
 D, F, H, KVH, HD, LAYERS = 64, 96, 4, 2, 16, 2  # row lengths (64, 96) are whole Q8_0/Q4_* blocks of 32

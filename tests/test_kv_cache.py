@@ -5,7 +5,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from numba_vllm.config import PAGE_SIZE, ModelConfig
 from numba_vllm.engine.kv_cache import (
     NULL_PAGE_ID,
     OutOfPagesError,
@@ -17,6 +16,7 @@ from numba_vllm.engine.kv_cache import (
     page_bytes,
     pages_for_tokens,
 )
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig
 
 LLAMA_1B_DIR = Path(__file__).parent / "data" / "llama-3.2-1b-instruct"
 

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
-from numba_vllm.checkpoint import load_checkpoint
-from numba_vllm.config import EngineConfig, ModelConfig
+from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import LLMEngine
-from numba_vllm.reference import TRACE_POINTS, KVCache, ReferenceModel
-from numba_vllm.sampling import SamplingParams
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.loading.checkpoint import load_checkpoint
+from numba_vllm.model.config import ModelConfig
+from numba_vllm.model.reference import TRACE_POINTS, KVCache, ReferenceModel
 
 PROMPTS = [[5], list(range(3, 18)), list(range(3, 20))]  # 1, 15 and 17 tokens: one page, a page edge, two pages
 

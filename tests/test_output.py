@@ -4,9 +4,9 @@ import pytest
 from test_smollm2 import HAVE_MODEL
 from tiny_llama import tiny_config_dict
 
-from numba_vllm.config import ModelConfig
-from numba_vllm.output import OutputBuilder, PromptError, RequestOutput, check_prompt
-from numba_vllm.sampling import SamplingParams
+from numba_vllm.engine.output import OutputBuilder, PromptError, RequestOutput, check_prompt
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.model.config import ModelConfig
 
 CONFIG = ModelConfig.from_dict(tiny_config_dict(eos_token_id=2))
 
@@ -48,8 +48,8 @@ def test_prompt_checks():
 
 @pytest.fixture(scope="module")
 def tok():
-    from numba_vllm.checkpoint import default_model_path
-    from numba_vllm.gguf import load_gguf_tokenizer
+    from numba_vllm.loading.checkpoint import default_model_path
+    from numba_vllm.loading.gguf.importer import load_gguf_tokenizer
 
     return load_gguf_tokenizer(default_model_path())
 

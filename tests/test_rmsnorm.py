@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_vllm import reference
-from numba_vllm.bf16 import to_bf16, upload_bf16
 from numba_vllm.kernels import rmsnorm as rmsnorm_module
-from numba_vllm.kernels.launch import KernelError
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.rmsnorm import add_rms_norm, rms_norm
+from numba_vllm.loading.bf16 import to_bf16, upload_bf16
+from numba_vllm.model import reference
 
 gpu = pytest.mark.gpu
 EPS = 1e-5

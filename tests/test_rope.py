@@ -22,14 +22,14 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_vllm import reference
-from numba_vllm.bf16 import bf16_bits, bf16_from_bits, to_bf16, upload_bf16
-from numba_vllm.config import PAGE_SIZE, ModelConfig
 from numba_vllm.kernels import rope as rope_module
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.launch import KernelError
 from numba_vllm.kernels.rope import rope_and_cache_write
-from numba_vllm.rope_scaling import rope_cos_sin, rope_inv_freq
+from numba_vllm.loading.bf16 import bf16_bits, bf16_from_bits, to_bf16, upload_bf16
+from numba_vllm.model import reference
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig
+from numba_vllm.model.rope_scaling import rope_cos_sin, rope_inv_freq
 
 gpu = pytest.mark.gpu
 

@@ -18,9 +18,9 @@ import pytest
 from numba import cuda
 
 from numba_vllm.kernels import sample as sample_module
-from numba_vllm.kernels.launch import KernelError
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.sample import argmax, gumbel_noise, sample_gumbel
-from numba_vllm.kernels.simulator import simulator_enabled
+from numba_vllm.sim.warp import simulator_enabled
 
 gpu = pytest.mark.gpu
 VOCAB = 128256

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from numba_vllm.sampling import SamplingParams, sample, sampling_probs
+from numba_vllm.engine.sampling import SamplingParams, sample, sampling_probs
 
 
 @pytest.mark.parametrize(

@@ -8,11 +8,11 @@ preempted; and a fake cache checks that every token a sequence attends to is sti
 import numpy as np
 import pytest
 
-from numba_vllm.config import PAGE_SIZE
 from numba_vllm.engine.kv_cache import NULL_PAGE_ID, PageAllocator
 from numba_vllm.engine.request import Request, RequestStatus
+from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import RequestTooLongError, Scheduler, SchedulerStalledError, StepPlan
-from numba_vllm.sampling import SamplingParams
+from numba_vllm.model.config import PAGE_SIZE
 
 _arrivals = iter(range(10**9))
 

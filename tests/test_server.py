@@ -29,9 +29,9 @@ from click.testing import CliRunner  # noqa: E402
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
-from numba_vllm.checkpoint import ModelNotFoundError, default_model_path  # noqa: E402
 from numba_vllm.cli import main  # noqa: E402
-from numba_vllm.config import ModelConfig  # noqa: E402
+from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path  # noqa: E402
+from numba_vllm.model.config import ModelConfig  # noqa: E402
 from numba_vllm.server import Server, create_app  # noqa: E402
 from numba_vllm.server.metrics import parse_metrics  # noqa: E402
 

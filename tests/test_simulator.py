@@ -1,4 +1,4 @@
-"""Warp intrinsics and the pooled block manager of the simulator (numba_vllm.kernels.simulator, sim_blocks).
+"""Warp intrinsics and the pooled block manager of the simulator (numba_vllm.sim.warp, sim_blocks).
 
 Each test launches a tiny kernel and checks the result against what a GPU computes, or checks
 that undefined behaviour is made loud (NaN, WarpSyncError, SimulatorDeadlockError).
@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 from numba import cuda, float32
 
-from numba_vllm.kernels import sim_blocks, simulator
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.sim_blocks import SimulatorDeadlockError, WarpSyncError
+from numba_vllm.sim import blocks as sim_blocks
+from numba_vllm.sim import warp as simulator
+from numba_vllm.sim.blocks import SimulatorDeadlockError, WarpSyncError
 
 pytestmark = pytest.mark.skipif(
     not simulator.simulator_enabled(), reason="tests the CUDA simulator"

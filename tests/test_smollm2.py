@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from numba_vllm import LLM, SamplingParams
-from numba_vllm.checkpoint import ModelNotFoundError, default_model_path
+from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path
 
 REF = json.loads((Path(__file__).parent / "data" / "smollm2_hf_reference.json").read_text())
 

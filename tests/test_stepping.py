@@ -1,4 +1,4 @@
-"""Stopping one simulated CUDA thread at a line (numba_vllm.kernels.stepping.break_in).
+"""Stopping one simulated CUDA thread at a line (numba_vllm.sim.stepping.break_in).
 
 The callback mode (``on_hit``) captures a chosen thread's locals inside real kernels, which are
 compared with NumPy: in RMSNorm the thread's partial sum of squares, each warp_sum shuffle round,
@@ -16,13 +16,16 @@ import numpy as np
 import pytest
 from numba import cuda
 
-from numba_vllm.bf16 import to_bf16, upload_bf16
-from numba_vllm.config import PAGE_SIZE
-from numba_vllm.kernels import reductions, sim_blocks, simulator, stepping
+from numba_vllm.kernels import reductions
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.decode_attention import decode_attention, decode_attention_kernel_for
-from numba_vllm.kernels.launch import KernelError
 from numba_vllm.kernels.rmsnorm import rms_norm, rms_norm_kernel
-from numba_vllm.kernels.stepping import break_in
+from numba_vllm.loading.bf16 import to_bf16, upload_bf16
+from numba_vllm.model.config import PAGE_SIZE
+from numba_vllm.sim import blocks as sim_blocks
+from numba_vllm.sim import stepping
+from numba_vllm.sim import warp as simulator
+from numba_vllm.sim.stepping import break_in
 
 pytestmark = pytest.mark.skipif(not simulator.simulator_enabled(), reason="tests the CUDA simulator")
 

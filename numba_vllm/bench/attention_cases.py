@@ -15,11 +15,11 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ..bf16 import bf16_from_bits, upload_bf16
-from ..config import PAGE_SIZE
-from ..kernels.decode_attention import decode_attention
-from ..kernels.prefill_attention import prefill_attention
-from .kernels import torch_or_none
+from numba_vllm.bench.kernels import torch_or_none
+from numba_vllm.kernels.decode_attention import decode_attention
+from numba_vllm.kernels.prefill_attention import prefill_attention
+from numba_vllm.loading.bf16 import bf16_from_bits, upload_bf16
+from numba_vllm.model.config import PAGE_SIZE
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64  # Llama 3.2 1B
 

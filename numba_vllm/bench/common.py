@@ -19,10 +19,11 @@ from pathlib import Path
 
 import numpy as np
 
-from ..checkpoint import Checkpoint, load_checkpoint, random_checkpoint
-from ..config import EngineConfig, ModelConfig
-from ..engine.kv_cache import pages_for_tokens
-from ..sampling import SamplingParams
+from numba_vllm.engine.config import EngineConfig
+from numba_vllm.engine.kv_cache import pages_for_tokens
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
+from numba_vllm.model.config import ModelConfig
 
 TOKEN_ID_HIGH = 10000  # prompt token ids are uniform in [0, TOKEN_ID_HIGH) (capped by the vocabulary)
 DEFAULT_PEAK_BANDWIDTH_TBS = 4.24  # H200 device-to-device copy bandwidth, TB/s (bytes read + written)
@@ -129,7 +130,7 @@ class EngineOptions:
 
 def build_engine(ckpt: Checkpoint, engine_config: EngineConfig):
     """An `LLMEngine` on the checkpoint, and the seconds it took (weights uploaded, cache allocated)."""
-    from ..engine.llm_engine import LLMEngine
+    from numba_vllm.engine.llm_engine import LLMEngine
 
     t0 = time.perf_counter()
     engine = LLMEngine(ckpt, engine_config)

@@ -29,9 +29,9 @@ import time
 
 import numpy as np
 
-from ..bf16 import BF16
-from ..checkpoint import Checkpoint
-from .common import BenchError, Log, log_stderr, ms_stats, ratio
+from numba_vllm.bench.common import BenchError, Log, log_stderr, ms_stats, ratio
+from numba_vllm.loading.bf16 import BF16
+from numba_vllm.loading.checkpoint import Checkpoint
 
 
 def _import():

@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from .common import BenchError
+from numba_vllm.bench.common import BenchError
 
 FP32_PEAK_TFLOPS = 67.0  # H100/H200 SXM datasheet fp32 (non-tensor) rate: the ceiling of FMA-based kernels
 L2_FLUSH_BYTES = 256 * 1024 * 1024
@@ -37,7 +37,7 @@ def torch_or_none():
 
 
 def require_gpu() -> None:
-    from ..engine.llm_engine import gpu_available
+    from numba_vllm.engine.llm_engine import gpu_available
 
     if not gpu_available():
         raise BenchError("the kernel benchmark needs an NVIDIA GPU with a working driver; none is usable here")
@@ -171,7 +171,7 @@ def _shape_text(shape) -> str:
 
 
 def all_cases() -> list[dict]:
-    from . import attention_cases, matmul_cases, pointwise_cases
+    from numba_vllm.bench import attention_cases, matmul_cases, pointwise_cases
 
     return matmul_cases.cases() + attention_cases.cases() + pointwise_cases.cases()
 

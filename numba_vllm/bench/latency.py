@@ -22,9 +22,7 @@ import time
 
 import numpy as np
 
-from ..checkpoint import Checkpoint
-from ..sampling import SamplingParams
-from .common import (
+from numba_vllm.bench.common import (
     BenchError,
     EngineOptions,
     Log,
@@ -44,6 +42,8 @@ from .common import (
     warm_up,
     weight_bytes_per_decode_step,
 )
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.loading.checkpoint import Checkpoint
 
 DEFAULT_BATCH_SIZES = (1, 8, 32)
 
@@ -139,7 +139,7 @@ def run_latency(
         "results": rows,
     }
     if compare_hf:
-        from . import hf
+        from numba_vllm.bench import hf
 
         hf_result = hf.run_latency(ckpt, hf.device_for(backend), prompts, output_len, compile=hf_compile, log=log)
         for row in rows:

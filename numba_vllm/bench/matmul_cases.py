@@ -20,12 +20,12 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from ..bf16 import BF16, upload_bf16
-from ..kernels.gemm import gemm
-from ..kernels.gemm_tc import gemm_tc
-from ..kernels.gemv import MAX_TOKENS as GEMV_MAX_ROWS
-from ..kernels.gemv import gemv
-from .kernels import torch_or_none
+from numba_vllm.bench.kernels import torch_or_none
+from numba_vllm.kernels.gemm import gemm
+from numba_vllm.kernels.gemm_tc import gemm_tc
+from numba_vllm.kernels.gemv import MAX_TOKENS as GEMV_MAX_ROWS
+from numba_vllm.kernels.gemv import gemv
+from numba_vllm.loading.bf16 import BF16, upload_bf16
 
 WEIGHT_SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048), (128256, 2048)]  # (N, K)
 GEMV_BATCHES = [1, 8, 32]
@@ -103,7 +103,7 @@ def crossover_cases() -> list[dict]:
 
 def main() -> None:
     """Time every case and the crossover cases (needs a GPU), one line each."""
-    from . import kernels
+    from numba_vllm.bench import kernels
 
     kernels.require_gpu()
     torch = torch_or_none()

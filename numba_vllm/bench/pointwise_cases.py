@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from .kernels import torch_or_none
+from numba_vllm.bench.kernels import torch_or_none
 
 D = 2048  # hidden size
 F = 8192  # MLP width
@@ -59,14 +59,14 @@ SAMPLE_ROWS = (1, 64, 256)
 def cases() -> list[dict]:
     from numba import cuda
 
-    from ..bf16 import BF16, empty_bf16_device, upload_bf16
-    from ..config import ModelConfig
-    from ..kernels.activation import silu_and_mul
-    from ..kernels.embedding import embedding
-    from ..kernels.rmsnorm import add_rms_norm, rms_norm
-    from ..kernels.rope import rope_and_cache_write
-    from ..kernels.sample import argmax, sample_gumbel
-    from ..rope_scaling import rope_inv_freq
+    from numba_vllm.kernels.activation import silu_and_mul
+    from numba_vllm.kernels.embedding import embedding
+    from numba_vllm.kernels.rmsnorm import add_rms_norm, rms_norm
+    from numba_vllm.kernels.rope import rope_and_cache_write
+    from numba_vllm.kernels.sample import argmax, sample_gumbel
+    from numba_vllm.loading.bf16 import BF16, empty_bf16_device, upload_bf16
+    from numba_vllm.model.config import ModelConfig
+    from numba_vllm.model.rope_scaling import rope_inv_freq
 
     rng = np.random.default_rng(0)
     torch = torch_or_none()
@@ -248,7 +248,7 @@ def main() -> None:
     """A quick look without the harness (needs a GPU): wall time per call, and with torch the GPU time."""
     from numba import cuda
 
-    from .kernels import require_gpu
+    from numba_vllm.bench.kernels import require_gpu
 
     require_gpu()
     torch = torch_or_none()

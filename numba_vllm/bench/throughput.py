@@ -23,9 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..checkpoint import Checkpoint
-from ..sampling import SamplingParams
-from .common import (
+from numba_vllm.bench.common import (
     BenchError,
     DeviceMemory,
     EngineOptions,
@@ -44,6 +42,8 @@ from .common import (
     synchronize,
     warm_up,
 )
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.loading.checkpoint import Checkpoint
 
 SCHEDULING_CHOICES = ("both", "continuous", "static")
 
@@ -142,7 +142,7 @@ def run_throughput(
     if "continuous" in runs and "static" in runs:
         result["continuous_vs_static"] = ratio(runs["continuous"]["output_tokens_per_s"], runs["static"]["output_tokens_per_s"])
     if compare_hf:
-        from . import hf
+        from numba_vllm.bench import hf
 
         hf_run = hf.run_throughput(ckpt, hf.device_for(backend), workload.prompts, workload.output_lens, log=log)
         result["hf"] = hf_run

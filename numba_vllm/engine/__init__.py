@@ -17,13 +17,7 @@ from numba_vllm.engine.kv_cache import (
     pages_for_tokens,
 )
 from numba_vllm.engine.request import Request, RequestStatus
-from numba_vllm.engine.scheduler import (
-    RequestTooLongError,
-    ScheduledSequence,
-    Scheduler,
-    SchedulerStalledError,
-    StepPlan,
-)
+from numba_vllm.engine.scheduler import RequestTooLongError, ScheduledSequence, Scheduler, SchedulerStalledError, StepPlan
 
 __all__ = [
     "NULL_PAGE_ID",

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from numba_vllm.config import PAGE_SIZE, ModelConfig
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig
 
 NULL_PAGE_ID = 0  # reserved page: padding for block tables and padding tokens, never allocated
 MAX_KV_INDEX = 2**31 - 1  # kv indices are int32 on the device

@@ -14,13 +14,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from ..checkpoint import Checkpoint, load_checkpoint
-from ..config import EngineConfig
-from ..output import OutputBuilder, RequestOutput, check_prompt
-from ..sampling import SamplingParams
-from .kv_cache import PageAllocator, pages_for_tokens
-from .request import Request, RequestStatus
-from .scheduler import Scheduler
+from numba_vllm.engine.config import EngineConfig
+from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
+from numba_vllm.engine.output import OutputBuilder, RequestOutput, check_prompt
+from numba_vllm.engine.request import Request, RequestStatus
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.scheduler import Scheduler
+from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
 HOST_CACHE_SEQUENCES = 4  # numpy / sim default: a cache that holds this many full-length sequences
 DEFAULT_MAX_MODEL_LEN_CPU = 4096  # numpy / sim default length cap (the model's own may be 128k)
@@ -41,7 +41,7 @@ class LLMEngine:
         self.backend = resolve_backend(ec.backend)
         max_len = min(ec.max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
         if self.backend == "cuda":
-            from .kernel_runner import KernelRunner
+            from numba_vllm.executor.kernel_runner import KernelRunner
 
             self.runner = KernelRunner.for_gpu(checkpoint, ec, max_len)
             num_pages = self.runner.num_pages
@@ -50,11 +50,11 @@ class LLMEngine:
                 max_len = min(max_len, DEFAULT_MAX_MODEL_LEN_CPU)
             num_pages = ec.num_pages or 1 + HOST_CACHE_SEQUENCES * pages_for_tokens(max_len)
             if self.backend == "sim":
-                from .kernel_runner import KernelRunner
+                from numba_vllm.executor.kernel_runner import KernelRunner
 
                 self.runner = KernelRunner.for_simulator(checkpoint, ec, num_pages)
             else:
-                from .runner import NumpyRunner
+                from numba_vllm.executor.numpy_runner import NumpyRunner
 
                 self.runner = NumpyRunner(self.config, checkpoint.weights, num_pages)
         self.scheduler = Scheduler(

@@ -18,7 +18,7 @@ import enum
 import operator
 from dataclasses import dataclass, field
 
-from numba_vllm.sampling import SamplingParams
+from numba_vllm.engine.sampling import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from numba_vllm.config import PAGE_SIZE, SCHEDULING_MODES
+from numba_vllm.engine.config import SCHEDULING_MODES
 from numba_vllm.engine.kv_cache import PageAllocator, block_table_array, kv_indices, pages_for_tokens
 from numba_vllm.engine.request import Request, RequestStatus
+from numba_vllm.model.config import PAGE_SIZE
 
 
 class RequestTooLongError(ValueError):

@@ -30,8 +30,8 @@ import math
 
 from numba import cuda, float32
 
+from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.launch import KernelError, check_array, launch
 
 ACTIVATION_THREADS = 256  # threads per block, all along one row
 ACTIVATION_COLS_PER_THREAD = 4  # columns a thread loads before computing (a compile-time constant)

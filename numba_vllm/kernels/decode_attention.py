@@ -95,12 +95,12 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from numba_vllm.bf16 import BF16
-from numba_vllm.config import PAGE_SIZE
+from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.launch import KernelError, check_array, launch
 from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
 from numba_vllm.kernels.vector_load import BF16_PER_VECTOR, bf16x2_to_f32, load_u32x4
+from numba_vllm.loading.bf16 import BF16
+from numba_vllm.model.config import PAGE_SIZE
 
 NUM_WARPS = 4  # warps per block: a block per (kv head, sequence); 64 seqs x 8 kv heads = 512 blocks
 SMALL_GRID_WARPS = 8  # warps per block when there are few blocks (small batches), if group <= 4

@@ -27,11 +27,11 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from numba_vllm.bf16 import BF16
+from numba_vllm.kernels._launch import check_array, launch
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.launch import check_array, launch
 from numba_vllm.kernels.reductions import WARP_SIZE
 from numba_vllm.kernels.vector_load import bf16_bits_to_f32
+from numba_vllm.loading.bf16 import BF16
 
 EMBEDDING_MAX_THREADS = 1024  # threads per block; a row wider than 4 columns a thread loops
 EMBEDDING_COLS_PER_THREAD = 4  # columns a thread loads before storing them (a compile-time constant)

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from numba import cuda
 
-from .jit import kernel
-from .launch import check_array, launch
+from numba_vllm.kernels._launch import check_array, launch
+from numba_vllm.kernels.jit import kernel
 
 GATHER_THREADS = 256
 

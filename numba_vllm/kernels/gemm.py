@@ -41,9 +41,9 @@ launcher picks by grid size; measured figures are at the definition below.
 
 from numba import cuda, float32
 
+from numba_vllm.kernels._launch import launch, num_sms
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.launch import launch, num_sms
 from numba_vllm.kernels.vector_load import (
     SHARED_ALIGN,
     bf16_bits_to_f32,

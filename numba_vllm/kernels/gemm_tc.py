@@ -71,9 +71,9 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, uint32
 
+from numba_vllm.kernels._launch import KernelError, launch, num_sms
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.launch import KernelError, launch, num_sms
 from numba_vllm.kernels.mma import (
     MMA_K,
     MMA_M,

@@ -73,9 +73,8 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from numba_vllm.bf16 import BF16
+from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.launch import KernelError, check_array, launch
 from numba_vllm.kernels.reductions import WARP_SIZE, warp_sum
 from numba_vllm.kernels.vector_load import (
     BF16_PER_VECTOR,
@@ -85,6 +84,7 @@ from numba_vllm.kernels.vector_load import (
     load_u32x4,
     vector_aligned,
 )
+from numba_vllm.loading.bf16 import BF16
 
 MAX_TOKENS = 64  # the largest M the launcher accepts; more tokens belong to gemm.py
 WARPS_PER_BLOCK = 8

@@ -24,7 +24,7 @@ import warnings
 
 from numba import cuda
 
-from numba_vllm.kernels.simulator import simulator_enabled
+from numba_vllm.sim.warp import simulator_enabled
 
 SIMULATOR_IGNORED_OPTIONS = ("lineinfo", "max_registers", "launch_bounds", "lto", "forceinline")
 LINEINFO_ENV = "NUMBA_VLLM_LINEINFO"  # "1": compile with line information, for profilers

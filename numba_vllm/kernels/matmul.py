@@ -20,11 +20,11 @@ launch and no pass over memory of their own: 33 fewer launches in a Llama 3.2 1B
 ``silu_and_mul``) through the caller's scratch buffers ``normed`` and ``gate_up``.
 """
 
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.activation import silu_and_mul
 from numba_vllm.kernels.gemm import gemm
 from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemv import MAX_TOKENS, gemv, gemv_fuses
-from numba_vllm.kernels.launch import KernelError
 from numba_vllm.kernels.rmsnorm import rms_norm
 
 GEMV_MAX_TOKENS = 8  # largest token count sent to gemv (<= gemv.MAX_TOKENS). H200, N=8192 K=2048 (us, gemv / gemm_tc):

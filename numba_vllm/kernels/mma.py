@@ -56,7 +56,7 @@ one of the behaviours the GPU allows).
 
 import numpy as np
 
-from numba_vllm.kernels.simulator import simulator_enabled
+from numba_vllm.sim.warp import simulator_enabled
 
 MMA_M = 16  # rows of A, C, D
 MMA_N = 8  # columns of B, C, D
@@ -87,8 +87,8 @@ if simulator_enabled():
 
     import ml_dtypes
 
-    from numba_vllm.kernels.sim_blocks import ABSENT, FULL_MASK, WARP_SIZE, WarpSyncError
     from numba_vllm.kernels.vector_load import load_u32x4
+    from numba_vllm.sim.blocks import ABSENT, FULL_MASK, WARP_SIZE, WarpSyncError
 
     def _warp_round(kind, value):
         """Deposit ``value`` in a full-warp round; return (lane, the completed round)."""

@@ -42,12 +42,12 @@ import math
 import numpy as np
 from numba import cuda, float32
 
-from numba_vllm.bf16 import BF16
-from numba_vllm.config import PAGE_SIZE
+from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.launch import KernelError, check_array, launch
 from numba_vllm.kernels.reductions import FULL_MASK
 from numba_vllm.kernels.vector_load import BF16_PER_VECTOR, bf16x2_to_f32, load_u32x4
+from numba_vllm.loading.bf16 import BF16
+from numba_vllm.model.config import PAGE_SIZE
 
 ROW_GROUPS = 16  # threads along query rows
 KEY_GROUPS = 8  # threads along keys (and along head dims for O): neighbouring lanes

@@ -60,12 +60,12 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint16, uint32
 
-from numba_vllm.bf16 import BF16
-from numba_vllm.config import PAGE_SIZE
+from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.launch import KernelError, check_array, launch
 from numba_vllm.kernels.mma import pack_bf16x2
 from numba_vllm.kernels.reductions import WARP_SIZE
+from numba_vllm.loading.bf16 import BF16
+from numba_vllm.model.config import PAGE_SIZE
 
 ROPE_MAX_WARPS = 32  # warps per block (one head each at a time); more heads than this loop
 ROPE_MAX_HALF_DIM = 128  # shared cos/sin table size: head_dim <= 256

@@ -15,7 +15,7 @@ Gumbel-max: if G_i are independent standard Gumbel variables, ``argmax_i (z_i + 
 from ``softmax(z)``. With ``z = logits / T`` that is exactly temperature sampling, done in the same
 single pass as the argmax, with no softmax, no normalisation and no host round trip.
 top-k and top-p are not applied here: requests that use them are still sampled on the host
-(``numba_vllm.sampling``) for now.
+(``numba_vllm.engine.sampling``) for now.
 
 The noise is a counter-based hash, not a stateful generator: ``G = -log(-log(u))`` with
 ``u = uniform(pcg_hash(pcg_hash(i) ^ key))`` and ``key = pcg_hash(pcg_hash(seed) ^ step)``. Any
@@ -85,8 +85,8 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint64
 
+from numba_vllm.kernels._launch import KernelError, check_array, launch, num_sms
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.launch import KernelError, check_array, launch, num_sms
 from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
 
 SAMPLE_MAX_THREADS = 1024  # threads per block; a part longer than 4 columns a thread loops

@@ -38,7 +38,7 @@ import numpy as np
 from numba import uint32
 
 from numba_vllm.kernels.jit import device_function
-from numba_vllm.kernels.simulator import simulator_enabled
+from numba_vllm.sim.warp import simulator_enabled
 
 VECTOR_BYTES = 16  # bytes per vector load: 4 uint32 words, 8 bf16, 4 float32
 BF16_PER_VECTOR = 8

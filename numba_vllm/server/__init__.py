@@ -8,6 +8,6 @@ engine in its one thread, `metrics` renders /metrics, `app` holds the routes and
 its graceful shutdown. docs/server.md describes the endpoints.
 """
 
-from .app import DEFAULT_MAX_REQUEST_BYTES, Server, create_app, run_server
+from numba_vllm.server.app import DEFAULT_MAX_REQUEST_BYTES, Server, create_app, run_server
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "Server", "create_app", "run_server"]

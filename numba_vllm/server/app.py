@@ -36,12 +36,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from ..engine.llm_engine import LLMEngine
-from ..output import PromptError, check_prompt
-from ..sampling import SamplingParams
-from .engine_loop import EngineLoop
-from .metrics import CONTENT_TYPE
-from .protocol import (
+from numba_vllm.engine.llm_engine import LLMEngine
+from numba_vllm.engine.output import PromptError, check_prompt
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.server.engine_loop import EngineLoop
+from numba_vllm.server.metrics import CONTENT_TYPE
+from numba_vllm.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -54,7 +54,7 @@ from .protocol import (
     sampling_params,
     usage,
 )
-from .streams import EventStream, Submission, collect, stream_chat, stream_completion, unless_disconnected
+from numba_vllm.server.streams import EventStream, Submission, collect, stream_chat, stream_completion, unless_disconnected
 
 logger = logging.getLogger("uvicorn.error")
 

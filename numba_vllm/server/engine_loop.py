@@ -26,11 +26,11 @@ import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..engine.llm_engine import LLMEngine
-from ..output import RequestOutput
-from ..sampling import SamplingParams
-from .metrics import ServerMetrics
-from .protocol import APIError
+from numba_vllm.engine.llm_engine import LLMEngine
+from numba_vllm.engine.output import RequestOutput
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.server.metrics import ServerMetrics
+from numba_vllm.server.protocol import APIError
 
 logger = logging.getLogger("uvicorn.error")  # printed by uvicorn's handler, like its own messages
 

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from ..sampling import SamplingParams
-from .engine_loop import Delta, Sink
-from .protocol import envelope, sse, usage
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.server.engine_loop import Delta, Sink
+from numba_vllm.server.protocol import envelope, sse, usage
 
 if TYPE_CHECKING:
-    from .app import ServerState
+    from numba_vllm.server.app import ServerState
 
 logger = logging.getLogger("uvicorn.error")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import ModelConfig, RopeScaling
+from numba_vllm.model.config import ModelConfig, RopeScaling
 
 
 def rope_inv_freq(config: ModelConfig) -> np.ndarray:

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import LAYER_TENSORS, ModelConfig, layer_tensor_name
-from .rope_scaling import rope_cos_sin, rope_inv_freq
+from numba_vllm.model.config import LAYER_TENSORS, ModelConfig, layer_tensor_name
+from numba_vllm.model.rope_scaling import rope_cos_sin, rope_inv_freq
 
 
 # ---- the operations ------------------------------------------------------------------------------

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .config import ModelConfig
-from .sampling import SamplingParams
-from .tokenizer import IncrementalDetokenizer, Tokenizer
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
+from numba_vllm.model.config import ModelConfig
 
 
 class PromptError(ValueError):

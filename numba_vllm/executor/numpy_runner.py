@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import PAGE_SIZE, ModelConfig
-from ..reference import ReferenceModel
-from ..sampling import sample
-from .kv_cache import kv_indices
-from .scheduler import StepPlan
+from numba_vllm.engine.kv_cache import kv_indices
+from numba_vllm.engine.sampling import sample
+from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig
+from numba_vllm.model.reference import ReferenceModel
 
 
 class RequestSamplers:

@@ -21,9 +21,9 @@ import functools
 
 import numpy as np
 
-from ..errors import KernelError
-from . import fast_launch
-from .simulator import simulator_enabled
+from numba_vllm.errors import KernelError
+from numba_vllm.kernels import _fast_launch as fast_launch
+from numba_vllm.sim.warp import simulator_enabled
 
 __all__ = ["KernelError", "check_array", "launch", "launching_on", "num_sms"]
 

@@ -21,11 +21,11 @@ from typing import Any
 
 import numpy as np
 
-from .config import ConfigError, ModelConfig, RopeScaling, layer_tensor_name
-from .gguf_reader import SUPPORTED_TYPES, GGUFError, GGUFFile, read_gguf
-from .gguf_tokenizer import make_tokenizer, tokenizer_fields
-from .rope_scaling import rope_inv_freq
-from .tokenizer import Tokenizer
+from numba_vllm.loading.gguf.reader import SUPPORTED_TYPES, GGUFError, GGUFFile, read_gguf
+from numba_vllm.loading.gguf.tokenizer import make_tokenizer, tokenizer_fields
+from numba_vllm.loading.tokenizer import Tokenizer
+from numba_vllm.model.config import ConfigError, ModelConfig, RopeScaling, layer_tensor_name
+from numba_vllm.model.rope_scaling import rope_inv_freq
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -215,8 +215,8 @@ def convert_gguf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
     `out_dir` must be new, empty, or an earlier output of this function (then it is overwritten).
     """
-    from .bf16 import to_bf16
-    from .weights import read_metadata, save_safetensors
+    from numba_vllm.loading.bf16 import to_bf16
+    from numba_vllm.loading.weights import read_metadata, save_safetensors
 
     gguf_path, out = Path(gguf_path), Path(out_dir)
     if out.exists() and not out.is_dir():

@@ -18,7 +18,8 @@ import os
 import pdb
 import sys
 
-from numba_vllm.kernels import sim_blocks, simulator
+from numba_vllm.sim import blocks as sim_blocks
+from numba_vllm.sim import warp as simulator
 
 DEBUG_HANG_TIMEOUT_S = 24 * 3600.0
 """``sim_blocks.hang_timeout_s`` while a ``break_in`` that opens pdb is armed: a thread sitting at the pdb
@@ -26,9 +27,9 @@ prompt holds up the others at their next barrier or shuffle, and they must not g
 
 _PDB_SKIP = (
     "numba.*",
-    "numba_vllm.kernels.simulator",
-    "numba_vllm.kernels.sim_blocks",
-    "numba_vllm.kernels.stepping",
+    "numba_vllm.sim.warp",
+    "numba_vllm.sim.blocks",
+    "numba_vllm.sim.stepping",
     "contextlib",
     "threading",
     "importlib*",

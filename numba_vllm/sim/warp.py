@@ -24,7 +24,7 @@ import threading
 
 import numpy as np
 
-from numba_vllm.kernels.sim_blocks import ABSENT, FULL_MASK, WARP_SIZE, PooledBlockManager, WarpSyncError
+from numba_vllm.sim.blocks import ABSENT, FULL_MASK, WARP_SIZE, PooledBlockManager, WarpSyncError
 
 
 def simulator_enabled():

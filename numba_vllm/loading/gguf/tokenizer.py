@@ -15,8 +15,8 @@ import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from .gguf_reader import GGUFError, GGUFFile
-from .tokenizer import Tokenizer
+from numba_vllm.loading.gguf.reader import GGUFError, GGUFFile
+from numba_vllm.loading.tokenizer import Tokenizer
 
 # llama.cpp token types (tokenizer.ggml.token_type) that matter here; the others are 5 (unused) and
 # 6 (byte: the <0xNN> pieces of SentencePiece byte fallback, which the BPE model finds by name).

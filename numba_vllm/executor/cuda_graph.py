@@ -36,12 +36,12 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from ..errors import KernelError
-from ..kernels.launch import launching_on
-from ..kernels.sample import sample_gumbel
-from ..model import DeviceModel, StepInputs
-from .kv_cache import NULL_PAGE_ID
-from .scheduler import ScheduledSequence
+from numba_vllm.engine.kv_cache import NULL_PAGE_ID
+from numba_vllm.engine.scheduler import ScheduledSequence
+from numba_vllm.errors import KernelError
+from numba_vllm.kernels._launch import launching_on
+from numba_vllm.kernels.sample import sample_gumbel
+from numba_vllm.model.llama import DeviceModel, StepInputs
 
 MIN_TABLE_WIDTH = 8  # pages (128 tokens): the narrowest block table a graph is recorded with
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .bf16 import BF16
-from .config import ModelConfig
+from numba_vllm.loading.bf16 import BF16
+from numba_vllm.model.config import ModelConfig
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"

@@ -31,16 +31,16 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
-from .bf16 import bf16_from_bits, empty_bf16_device, to_bf16, upload_bf16
-from .config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
-from .kernels.decode_attention import decode_attention
-from .kernels.embedding import embedding
-from .kernels.gather import gather_rows
-from .kernels.matmul import linear
-from .kernels.prefill_attention import prefill_attention
-from .kernels.rmsnorm import rms_norm
-from .kernels.rope import rope_and_cache_write
-from .rope_scaling import rope_inv_freq
+from numba_vllm.kernels.decode_attention import decode_attention
+from numba_vllm.kernels.embedding import embedding
+from numba_vllm.kernels.gather import gather_rows
+from numba_vllm.kernels.matmul import linear
+from numba_vllm.kernels.prefill_attention import prefill_attention
+from numba_vllm.kernels.rmsnorm import rms_norm
+from numba_vllm.kernels.rope import rope_and_cache_write
+from numba_vllm.loading.bf16 import bf16_from_bits, empty_bf16_device, to_bf16, upload_bf16
+from numba_vllm.model.config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
+from numba_vllm.model.rope_scaling import rope_inv_freq
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""How the engine runs a model: `EngineConfig` (backend, batch slots, token budget, KV-cache size,
+kernel choices), validated once. No GPU import."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from numba_vllm.model.config import ConfigError
+
+BACKENDS = ("auto", "cuda", "sim", "numpy")
+SCHEDULING_MODES = ("continuous", "static")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the engine runs a model: where, how many requests at once, how much KV cache."""
+
+    backend: str = "auto"  # cuda (kernels on the GPU), sim (the kernels in the simulator), numpy, auto
+    max_num_seqs: int = 64  # batch slots: requests running at once
+    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_model_len: int | None = None  # prompt + output cap; None: the model's, capped by the cache
+    num_pages: int | None = None  # KV-cache pages (PAGE_SIZE tokens each, page 0 reserved); None: sized
+    gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take (cuda)
+    verbose: bool = False  # print each step's slots and free pages
+    enforce_eager: bool = False  # cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs
+    scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.scheduling not in SCHEDULING_MODES:
+            raise ConfigError(f"scheduling: {self.scheduling!r} is not one of {', '.join(SCHEDULING_MODES)}")
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}: {value!r} must be a positive integer")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ConfigError(f"max_model_len: {self.max_model_len!r} must be an integer >= 2")
+        if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
+            raise ConfigError(f"num_pages: {self.num_pages!r} must be an integer >= 2 (page 0 is reserved)")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"gpu_memory_utilization: {self.gpu_memory_utilization!r} must be in (0, 1]")
