@@ -200,8 +200,7 @@ def test_gemm_tc_misaligned_x():
     run_gemm_tc(7, 9, 16, True, x_offset=1)
 
 
-def test_linear_sends_prefill_to_gemm_tc(monkeypatch):
-    monkeypatch.setattr(matmul, "PREFILL_GEMM", "tensor_core")
+def test_linear_sends_prefill_to_gemm_tc():
     run_gemm_tc(matmul.GEMV_MAX_TOKENS + 1, 33, 16, True, launcher=matmul.linear)
 
 

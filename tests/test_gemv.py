@@ -12,12 +12,13 @@ unaligned kernel). The output is poisoned with NaN, so an unwritten element fail
 run Llama 3.2 1B shapes with fresh random inputs.
 """
 
+import functools
+
 import ml_dtypes
 import numpy as np
 import pytest
 from numba import cuda, float32
 
-from numba_vllm.kernels import matmul
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.gemv import gemv, plan_gemv
 from numba_vllm.kernels.jit import kernel
@@ -106,10 +107,10 @@ def test_gemv_splits_k_across_warps():
     run_gemv(1, 5, 512, False)
 
 
-def test_linear_dispatches_both_ways(monkeypatch):
+def test_linear_dispatches_both_ways():
     run_gemv(2, 33, 40, False, launcher=linear)  # gemv
-    monkeypatch.setattr(matmul, "PREFILL_GEMM", "fp32")  # the tensor-core path rounds x: tests/test_gemm_tc.py
-    run_gemv(65, 33, 40, True, launcher=linear)  # gemm
+    # the fp32 gemm: the tensor-core path rounds x (tests/test_gemm_tc.py)
+    run_gemv(65, 33, 40, True, launcher=functools.partial(linear, gemm="fp32"))
 
 
 def fused_reference(x, w, g, eps, silu_mul):
@@ -129,10 +130,9 @@ FUSED_CASES = [(1, 36, 48, False), (3, 20, 72, True), (5, 10, 40, True), (1, 6, 
 
 
 @pytest.mark.parametrize("m,n,k,silu_mul", FUSED_CASES)
-def test_fused_norm_and_silu_match_numpy(monkeypatch, m, n, k, silu_mul):
+def test_fused_norm_and_silu_match_numpy(m, n, k, silu_mul):
     """gemv with the RMSNorm applied on load (and SwiGLU on store); `linear` above the gemv token
     limit runs rms_norm, the product and silu_and_mul as separate kernels and must agree."""
-    monkeypatch.setattr(matmul, "PREFILL_GEMM", "fp32")  # the tensor-core path rounds x to bf16
     rng = np.random.default_rng(m * n + k)
     x = (rng.standard_normal((m, k)) * 3).astype(np.float32)
     w = (rng.standard_normal((n, k)) * 0.1).astype(BF16)
@@ -142,7 +142,10 @@ def test_fused_norm_and_silu_match_numpy(monkeypatch, m, n, k, silu_mul):
     out = cuda.to_device(np.full(want.shape, np.nan, np.float32))
     normed = cuda.to_device(np.zeros((m, k), np.float32))
     gate_up = cuda.to_device(np.zeros((m, n), np.float32))
-    linear(cuda.to_device(x), upload_bf16(w), out, norm=(upload_bf16(g), eps), silu_mul=silu_mul, normed=normed, gate_up=gate_up)
+    linear(  # above the gemv limit: the fp32 gemm (the tensor-core path rounds x to bf16)
+        cuda.to_device(x), upload_bf16(w), out, norm=(upload_bf16(g), eps), silu_mul=silu_mul, normed=normed, gate_up=gate_up,
+        gemm="fp32",
+    )
     got = out.copy_to_host()
     assert not np.isnan(got).any()
     assert np.all(np.abs(got - want) <= 1e-4 * scale + 1e-6), np.abs(got - want).max()

@@ -9,6 +9,8 @@ from numba_vllm.model.config import ConfigError
 
 BACKENDS = ("auto", "cuda", "sim", "numpy")
 SCHEDULING_MODES = ("continuous", "static")
+PREFILL_GEMMS = ("tensor_cores", "fp32")  # kernels/gemm_tc.py (bf16 mma.sync) or kernels/gemm.py (fp32 FMA, the readable one)
+PREFILL_ATTENTIONS = ("cuda_cores",)  # kernels/prefill_attention.py
 
 
 @dataclass(frozen=True)
@@ -24,12 +26,17 @@ class EngineConfig:
     verbose: bool = False  # print each step's slots and free pages
     enforce_eager: bool = False  # cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs
     scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
+    prefill_gemm: str = "tensor_cores"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
+    prefill_attention: str = "cuda_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
-        if self.scheduling not in SCHEDULING_MODES:
-            raise ConfigError(f"scheduling: {self.scheduling!r} is not one of {', '.join(SCHEDULING_MODES)}")
+        for name, allowed in (
+            ("scheduling", SCHEDULING_MODES), ("prefill_gemm", PREFILL_GEMMS), ("prefill_attention", PREFILL_ATTENTIONS)
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:

@@ -50,7 +50,7 @@ class KernelRunner:
     @classmethod
     def for_gpu(cls, checkpoint: Checkpoint, engine_config: EngineConfig, max_model_len: int) -> KernelRunner:
         """Upload the weights, then give the KV cache a share of the GPU memory left (or `num_pages`)."""
-        model = DeviceModel(checkpoint.config, checkpoint.weights)
+        model = DeviceModel(checkpoint.config, checkpoint.weights, engine_config.prefill_gemm, engine_config.prefill_attention)
         num_pages = engine_config.num_pages
         if num_pages is None:
             free, _ = cuda.current_context().get_memory_info()
@@ -62,7 +62,8 @@ class KernelRunner:
 
     @classmethod
     def for_simulator(cls, checkpoint: Checkpoint, engine_config: EngineConfig, num_pages: int) -> KernelRunner:
-        return cls(DeviceModel(checkpoint.config, checkpoint.weights), num_pages, engine_config)
+        model = DeviceModel(checkpoint.config, checkpoint.weights, engine_config.prefill_gemm, engine_config.prefill_attention)
+        return cls(model, num_pages, engine_config)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)

@@ -5,9 +5,9 @@ loads. More tokens (a large decode batch, a prefill) go to a tiled GEMM that reu
 weight across its block's tokens. ``GEMV_MAX_TOKENS`` is where one stops beating the other (see
 ``benchmarks/bench_matmul.py``, which times both around it).
 
-Two prefill GEMMs, chosen by ``PREFILL_GEMM``:
+Two prefill GEMMs, chosen by the caller's ``gemm`` (``EngineConfig.prefill_gemm``):
 
-- ``"tensor_core"`` (default): ``gemm_tc.py``, ``mma.sync`` on bf16 operands with fp32 accumulation.
+- ``"tensor_cores"`` (default): ``gemm_tc.py``, ``mma.sync`` on bf16 operands with fp32 accumulation.
   The activations are rounded to bf16 as they are staged (the weights already are), so results
   differ from the fp32 path by about 2^-9 relative per product.
 - ``"fp32"``: ``gemm.py``, the plain register-tiled SGEMM on the FMA units (x stays fp32): the
@@ -31,11 +31,12 @@ GEMV_MAX_TOKENS = 8  # largest token count sent to gemv (<= gemv.MAX_TOKENS). H2
 # M=8 21.6 / 26.6, M=16 36.2 / 27.3, M=64 126 / 34.8: past a few tokens gemv's FMAs, not its loads, bound it
 assert GEMV_MAX_TOKENS <= MAX_TOKENS
 
-PREFILL_GEMMS = {"tensor_core": gemm_tc, "fp32": gemm}
-PREFILL_GEMM = "tensor_core"  # which of PREFILL_GEMMS runs prefill (more than GEMV_MAX_TOKENS tokens)
+PREFILL_GEMMS = {"tensor_cores": gemm_tc, "fp32": gemm}  # what runs products of more than GEMV_MAX_TOKENS tokens
 
 
-def linear(x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False, normed=None, gate_up=None) -> None:
+def linear(
+    x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False, normed=None, gate_up=None, gemm: str = "tensor_cores"
+) -> None:
     """out = x @ w.T, or out += x @ w.T with ``accumulate`` (a residual add fused into the product).
 
     x (M, K) f32 device array, w (N, K) bf16 device array (PyTorch layout: out_features x
@@ -43,6 +44,7 @@ def linear(x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = Fals
     ``norm=(weight (K,) bf16, eps)``: the product takes rms_norm(x) * weight in place of x.
     ``silu_mul``: w is [gate; up] (2F, K) and out (M, F) = silu(x @ gate.T) * (x @ up.T).
     Unfused, they need ``normed`` (>= M, K) and ``gate_up`` (>= M, 2F) f32 scratch buffers.
+    ``gemm``: which of ``PREFILL_GEMMS`` runs a product of more than ``GEMV_MAX_TOKENS`` tokens.
     """
     num_tokens = x.shape[0]
     if num_tokens <= GEMV_MAX_TOKENS and gemv_fuses(x, w):
@@ -58,6 +60,6 @@ def linear(x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = Fals
     if num_tokens <= GEMV_MAX_TOKENS:
         gemv(x, w, product, accumulate)
     else:
-        PREFILL_GEMMS[PREFILL_GEMM](x, w, product, accumulate)
+        PREFILL_GEMMS[gemm](x, w, product, accumulate)
     if silu_mul:
         silu_and_mul(product, out)

@@ -35,12 +35,14 @@ from numba_vllm.kernels.decode_attention import decode_attention
 from numba_vllm.kernels.embedding import embedding
 from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.kernels.matmul import linear
-from numba_vllm.kernels.prefill_attention import prefill_attention
+from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
 from numba_vllm.loading.bf16 import bf16_from_bits, empty_bf16_device, to_bf16, upload_bf16
 from numba_vllm.model.config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
 from numba_vllm.model.rope_scaling import rope_inv_freq
+
+PREFILL_ATTENTIONS = {"cuda_cores": prefill_attention_cuda_cores}  # by EngineConfig.prefill_attention
 
 
 @dataclass
@@ -63,8 +65,16 @@ class StepInputs:
 class DeviceModel:
     """A Llama model's bf16 weights on the device, its KV cache, and `forward`."""
 
-    def __init__(self, config: ModelConfig, weights: dict[str, np.ndarray]):
+    def __init__(
+        self, config: ModelConfig, weights: dict[str, np.ndarray], prefill_gemm: str = "tensor_cores",
+        prefill_attention: str = "cuda_cores",
+    ):
+        """Upload the weights. `prefill_gemm` and `prefill_attention` name the kernels of steps with more
+        than a few tokens (`EngineConfig`'s fields of the same names; one of `PREFILL_GEMMS` and
+        `PREFILL_ATTENTIONS`)."""
         self.config = c = config
+        self.gemm = prefill_gemm
+        self.prefill_attention = PREFILL_ATTENTIONS[prefill_attention]
         self.embed = upload_bf16(to_bf16(weights["model.embed_tokens.weight"]))  # (V, D)
         self.lm_head = self.embed if c.tie_word_embeddings else upload_bf16(to_bf16(weights["lm_head.weight"]))
         self.final_norm = upload_bf16(to_bf16(weights["model.norm.weight"]))  # (D,)
@@ -121,7 +131,7 @@ class DeviceModel:
         eps = c.rms_norm_eps
         for i, w in enumerate(self.layers):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # (P, PAGE_SIZE, KVH, HD) this layer's pages
-            linear(x, w["qkv"], qkv2, norm=(w["attn_norm"], eps), normed=h)  # the norm fused in when gemv runs
+            linear(x, w["qkv"], qkv2, norm=(w["attn_norm"], eps), normed=h, gemm=self.gemm)  # the norm fused in when gemv runs
             if trace is not None:
                 rms_norm(x, w["attn_norm"], h, eps)  # the fused norm leaves no h behind: make one to report
                 report("attn_norm", i, h)
@@ -131,28 +141,28 @@ class DeviceModel:
             if trace is not None:
                 trace("k_rope", i, _cached_rows(k_cache, s.kv_indices))
             if tp:
-                prefill_attention(
+                self.prefill_attention(
                     q[:tp], k_cache, v_cache, s.prefill_block_tables, s.prefill_cu_seqlens, s.prefill_start_pos,
                     self.scale, attn[:tp], s.prefill_max_new_tokens,
                 )  # fmt: skip
             if tp < t:
                 decode_attention(q[tp:], k_cache, v_cache, s.decode_block_tables, s.decode_context_lens, self.scale, attn[tp:])
             report("attn", i, attn)
-            linear(attn2, w["o"], x, accumulate=True)  # x += attention output
+            linear(attn2, w["o"], x, accumulate=True, gemm=self.gemm)  # x += attention output
             report("attn_residual", i, x)
             if trace is not None:
                 rms_norm(x, w["mlp_norm"], h, eps)
                 report("mlp_norm", i, h)
-            linear(x, w["gate_up"], act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=h, gate_up=gate_up)
+            linear(x, w["gate_up"], act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=h, gate_up=gate_up, gemm=self.gemm)
             report("mlp_act", i, act)
-            linear(act, w["down"], x, accumulate=True)  # x += MLP output
+            linear(act, w["down"], x, accumulate=True, gemm=self.gemm)  # x += MLP output
             report("mlp_residual", i, x)
 
         nb = s.sample_rows.shape[0]  # 0 when every sequence is in the middle of its prompt (chunked prefill)
         last, logits = b["last"][:nb], b["logits"][:nb]
         if nb:
             gather_rows(x, s.sample_rows, last)
-            linear(last, self.lm_head, logits, norm=(self.final_norm, eps), normed=last)
+            linear(last, self.lm_head, logits, norm=(self.final_norm, eps), normed=last, gemm=self.gemm)
         return logits
 
 
