@@ -52,8 +52,9 @@ def main() -> None:
 
     from numba_vllm.engine.config import EngineConfig
     from numba_vllm.engine.kv_cache import pages_for_tokens
-    from numba_vllm.engine.llm_engine import LLMEngine, prepare_backend
+    from numba_vllm.engine.llm_engine import LLMEngine
     from numba_vllm.engine.sampling import SamplingParams
+    from numba_vllm.executor.backend import prepare_backend
     from numba_vllm.loading.checkpoint import random_checkpoint
 
     prepare_backend(args.backend)

@@ -39,7 +39,7 @@ import numpy as np
 
 from numba_vllm import LLMEngine, SamplingParams
 from numba_vllm.engine.config import EngineConfig
-from numba_vllm.engine.llm_engine import prepare_backend
+from numba_vllm.executor.backend import prepare_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from numba_vllm.model.config import PAGE_SIZE
 

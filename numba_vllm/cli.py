@@ -17,9 +17,10 @@ from pathlib import Path
 import click
 
 from numba_vllm.engine.config import BACKENDS, SCHEDULING_MODES, EngineConfig
-from numba_vllm.engine.llm_engine import LLMEngine, prepare_backend, resolve_backend
+from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.errors import KernelError
+from numba_vllm.executor.backend import prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import load_checkpoint
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."

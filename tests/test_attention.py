@@ -107,7 +107,8 @@ def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, conte
     out = nan_device(q.shape)
     k_cache, v_cache, block_tables = cache.device()
     lens = cuda.to_device(np.array(context_lens, np.int32))
-    decode_attention(cuda.to_device(q), k_cache, v_cache, block_tables, lens, scale, out)
+    workspace = nan_device(decode_attention_module.split_workspace_floats(num_heads, num_kv_heads, head_dim))
+    decode_attention(cuda.to_device(q), k_cache, v_cache, block_tables, lens, scale, out, workspace)
     got = out.copy_to_host()
     for s, n in enumerate(context_lens):
         want = reference_attention(q[s : s + 1], cache.k[s], cache.v[s], [n - 1], scale)
@@ -151,12 +152,11 @@ SPLIT_LENGTHS = EDGE_LENGTHS + [100]  # a block table 8 pages wide: 7 pages and 
 
 def force_splits(monkeypatch, pages_per_split, min_width=1):
     """Split tables of `min_width` pages or more into ranges of `pages_per_split` pages (the engine's
-    sizes need contexts too long for the simulator), with a workspace poisoned with NaN: a partial
-    state the merge reads but no block wrote fails."""
+    sizes need contexts too long for the simulator). `check_decode` passes a workspace poisoned with
+    NaN: a partial state the merge reads but no block wrote fails."""
     monkeypatch.setattr(decode_attention_module, "SPLIT_MIN_WIDTH", min_width)
     monkeypatch.setattr(decode_attention_module, "PAGES_PER_SPLIT", pages_per_split)
     monkeypatch.setattr(decode_attention_module, "MAX_SPLITS", 16)
-    monkeypatch.setattr(decode_attention_module, "_split_workspace", lambda n: nan_device(n))
 
 
 def record_grids(monkeypatch):

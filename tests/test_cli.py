@@ -57,7 +57,7 @@ def test_user_mistakes_give_one_line_errors(tiny_dir, args, message):
 def test_prompt_longer_than_the_model_limit(tiny_dir):
     ids = ",".join(["3"] * 256)  # the tiny model's max_position_embeddings is 256
     r = run("--model", str(tiny_dir), "--prompt-ids", ids)
-    assert r.exit_code == 1 and "the prompt has 256 tokens; the model's limit is 256" in r.output
+    assert r.exit_code == 1 and "the prompt has 256 tokens; this model's maximum context length is 256" in r.output
 
 
 def test_corrupt_checkpoint(tiny_dir, tmp_path):

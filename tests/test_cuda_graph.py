@@ -10,7 +10,8 @@ from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.executor import kernel_runner
-from numba_vllm.executor.cuda_graph import MIN_TABLE_WIDTH, DecodeGraphs, batch_buckets, table_width
+from numba_vllm.executor.cuda_graph import DecodeGraphs, batch_buckets
+from numba_vllm.executor.inputs import MIN_TABLE_WIDTH
 from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.model import llama as model
 from numba_vllm.model.config import ModelConfig
@@ -30,11 +31,6 @@ def test_batch_buckets_pad_by_at_most_an_eighth_past_eight():
     for n in range(9, 513):
         bucket = min(b for b in sizes if b >= n)
         assert bucket - n < max(8, n / 8), n
-
-
-@pytest.mark.parametrize("pages, want", [(1, MIN_TABLE_WIDTH), (8, 8), (9, 16), (16, 16), (17, 32), (100, 128)])
-def test_table_width(pages, want):
-    assert table_width(pages) == want
 
 
 PROMPTS = [[5], list(range(3, 18)), list(range(3, 20))]  # 3 sequences: bucket 4 has a padding row; 15 and 17 tokens
@@ -76,7 +72,7 @@ def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny,
         prefill_rows.append(args[-1])
         return prefill_attention(*args)
 
-    monkeypatch.setattr(model, "prefill_attention", spy)
+    monkeypatch.setitem(model.PREFILL_ATTENTIONS, "cuda_cores", spy)
     sim = _sim_with_emulated_graphs(path, max_num_seqs=2, num_pages=8, max_num_batched_tokens=16)
     sim.engine.warm_up()
     assert prefill_rows == [16]  # one layer: the full-budget prefill ran its attention

@@ -66,7 +66,7 @@ def test_seeded_sampling_is_batch_invariant(tiny_dir):
 def test_a_too_long_prompt_is_rejected_alone(tiny_dir):
     engine = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy"))
     ok = engine.add_request("ok", [1, 2, 3], GREEDY)
-    with pytest.raises(ValueError, match="the prompt has 128 tokens; the model's limit is 128"):
+    with pytest.raises(ValueError, match="the prompt has 128 tokens; this model's maximum context length is 128"):
         engine.add_request("long", [1] * 128, GREEDY)
     while engine.has_unfinished_requests():
         engine.step()

@@ -1,24 +1,10 @@
-"""Page allocator, block tables, kv indices and KV-pool sizing: exact, on the CPU."""
+"""The page allocator: exact page ids, on the CPU."""
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from numba_vllm.engine.kv_cache import (
-    NULL_PAGE_ID,
-    OutOfPagesError,
-    PageAllocator,
-    PageFreeError,
-    block_table_array,
-    kv_indices,
-    num_pages_for_memory,
-    page_bytes,
-    pages_for_tokens,
-)
-from numba_vllm.model.config import PAGE_SIZE, ModelConfig
-
-LLAMA_1B_DIR = Path(__file__).parent / "data" / "llama-3.2-1b-instruct"
+from numba_vllm.engine.kv_cache import NULL_PAGE_ID, OutOfPagesError, PageAllocator, PageFreeError, pages_for_tokens
 
 
 def test_fresh_pool_hands_out_ascending_ids_and_reuses_the_most_recently_freed():
@@ -112,49 +98,3 @@ def test_no_page_handed_out_twice_under_random_allocate_and_free():
 
 def test_pages_for_tokens():
     assert [pages_for_tokens(n) for n in (0, 1, 15, 16, 17, 31, 32, 33, 100)] == [0, 1, 1, 1, 2, 2, 2, 3, 7]
-
-
-def test_block_table_array_pads_with_the_null_page():
-    table = block_table_array([[3, 1], [7], [], [4, 5, 6]], max_pages=3)
-    assert table.dtype == np.int32 and table.shape == (4, 3)
-    assert table.tolist() == [[3, 1, 0], [7, 0, 0], [0, 0, 0], [4, 5, 6]]
-    assert block_table_array([], 5).shape == (0, 5)
-    with pytest.raises(ValueError, match="max_pages=2"):
-        block_table_array([[1, 2, 3]], max_pages=2)
-
-
-def test_kv_indices_across_page_edges():
-    page_ids = [5, 2, 9]  # positions 0-15 in page 5, 16-31 in page 2, 32-47 in page 9
-    positions = [0, 1, 15, 16, 17, 31, 32, 33, 47]
-    indices = kv_indices(page_ids, positions)
-    assert indices.dtype == np.int32
-    assert indices.tolist() == [80, 81, 95, 32, 33, 47, 144, 145, 159]
-    assert kv_indices(page_ids, np.arange(15, 18)).tolist() == [5 * 16 + 15, 2 * 16 + 0, 2 * 16 + 1]
-    assert kv_indices(page_ids, []).tolist() == []
-    assert [kv_indices(page_ids, range(p, p + 1)).tolist() for p in positions] == [[i] for i in indices]  # decode's path
-    with pytest.raises(ValueError):
-        kv_indices(page_ids, [48])  # needs a 4th page
-    with pytest.raises(ValueError):
-        kv_indices(page_ids, [-1])
-
-
-def _llama_1b_config() -> ModelConfig:
-    return ModelConfig.from_dir(LLAMA_1B_DIR)
-
-
-def test_pool_sizing_on_llama_3_2_1b():
-    config = _llama_1b_config()
-    # 16 layers * (K and V) * 16 tokens * 8 kv heads * 64 dims * 2 bytes (bf16) = 512 KiB
-    assert page_bytes(config) == 16 * 2 * PAGE_SIZE * 8 * 64 * 2 == 524288
-    assert page_bytes(config, kv_bytes_per_element=4) == 2 * 524288
-    gib = 2**30
-    assert num_pages_for_memory(80 * gib, config, 0.9) == 147456  # 0.9 * 80 GiB / 512 KiB
-    assert num_pages_for_memory(80 * gib, config, 1.0) == 163840
-    assert num_pages_for_memory(10 * 2**20 + 1, config, 0.5) == 10  # floor(5 MiB / 512 KiB)
-    assert num_pages_for_memory(524287, config, 1.0) == 0
-    assert num_pages_for_memory(80 * gib, config, 0.9, kv_bytes_per_element=4) == 73728
-    for utilization in (0.0, -0.1, 1.5):
-        with pytest.raises(ValueError, match="utilization"):
-            num_pages_for_memory(gib, config, utilization)
-    with pytest.raises(ValueError):
-        num_pages_for_memory(-1, config, 0.9)

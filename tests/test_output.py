@@ -4,7 +4,8 @@ import pytest
 from test_smollm2 import HAVE_MODEL
 from tiny_llama import tiny_config_dict
 
-from numba_vllm.engine.output import OutputBuilder, PromptError, RequestOutput, check_prompt
+from numba_vllm.engine.lengths import LengthPolicy
+from numba_vllm.engine.output import OutputBuilder, RequestOutput
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.model.config import ModelConfig
 
@@ -13,7 +14,8 @@ CONFIG = ModelConfig.from_dict(tiny_config_dict(eos_token_id=2))
 
 def builder(params, tokenizer=None, prompt=(5, 6), max_model_len=256):
     out = RequestOutput("r", list(prompt))
-    return out, OutputBuilder(out, params, CONFIG, tokenizer, max_model_len)
+    budget = LengthPolicy(max_model_len, CONFIG.vocab_size).max_new_tokens(len(prompt), params.max_tokens)
+    return out, OutputBuilder(out, params, CONFIG, tokenizer, budget)
 
 
 def test_eos_stops_and_is_kept_in_ids_but_ignore_eos_goes_on():
@@ -35,15 +37,6 @@ def test_stop_token_ids_and_length_limit_of_the_model():
     for t in (3, 4, 5):
         b.add(t)
     assert out.finish_reason == "length" and len(out.token_ids) == 3
-
-
-def test_prompt_checks():
-    with pytest.raises(PromptError, match="empty"):
-        check_prompt([], CONFIG, 10)
-    with pytest.raises(PromptError, match="the prompt has 10 tokens; the model's limit is 10"):
-        check_prompt([1] * 10, CONFIG, 10)
-    with pytest.raises(PromptError, match="token id 128 is outside the vocabulary"):
-        check_prompt([1, 128], CONFIG, 10)
 
 
 @pytest.fixture(scope="module")

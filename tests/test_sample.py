@@ -332,11 +332,10 @@ def test_per_row_inputs_may_be_views_of_an_int32_buffer():
     np.testing.assert_array_equal(token_ids.copy_to_host(), _sample(logits, temperatures, seeds, steps))
 
 
-def test_split_launches_use_one_persistent_workspace(monkeypatch):
-    workspace = sample_module._part_workspace()
-    assert workspace[0] is sample_module._part_workspace()[0]  # one allocation: a CUDA graph may point at it
-    assert workspace[0].dtype == np.float32 and workspace[1].dtype == np.int32
-    assert workspace[0].shape == workspace[1].shape == (sample_module.SAMPLE_WORKSPACE_SLOTS,)
+def test_split_launches_must_fit_the_workspace(monkeypatch):
+    workspace = sample_module.allocate_part_winners()
+    assert workspace.values.dtype == np.float32 and workspace.indices.dtype == np.int32
+    assert workspace.values.shape == workspace.indices.shape == (sample_module.SAMPLE_WORKSPACE_SLOTS,)
     _force_parts(monkeypatch, 3)
     monkeypatch.setattr(sample_module, "SAMPLE_WORKSPACE_SLOTS", 5)
     with pytest.raises(KernelError, match="argmax: 2 rows in 3 parts exceed the 5-slot workspace"):

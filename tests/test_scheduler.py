@@ -11,7 +11,8 @@ import pytest
 from numba_vllm.engine.kv_cache import NULL_PAGE_ID, PageAllocator
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
-from numba_vllm.engine.scheduler import RequestTooLongError, Scheduler, SchedulerStalledError, StepPlan
+from numba_vllm.engine.scheduler import Scheduler, SchedulerStalledError, StepPlan
+from numba_vllm.executor.inputs import kv_index, kv_indices, positions
 from numba_vllm.model.config import PAGE_SIZE
 
 _arrivals = iter(range(10**9))
@@ -38,8 +39,9 @@ class FakeModel:
         sampled = {}
         for seq in plan.sequences:
             request = seq.request
-            assert seq.kv_indices.dtype == np.int32 and len(seq.kv_indices) == seq.num_new_tokens
-            for pos, token, index in zip(seq.positions, seq.token_ids, seq.kv_indices, strict=True):
+            indices = kv_indices(seq.page_ids, positions(seq))  # where the runner writes the new tokens' K/V
+            assert len(indices) == seq.num_new_tokens
+            for pos, token, index in zip(positions(seq), seq.token_ids, indices, strict=True):
                 assert index // PAGE_SIZE != NULL_PAGE_ID
                 self.cache[index] = (request.request_id, int(pos), token)
             known = request.all_token_ids[: seq.context_len]
@@ -105,12 +107,13 @@ def test_chunked_prefill_of_100_tokens_under_a_32_token_budget():
     plan, _ = step(scheduler, model)  # then decode, one token
     (seq,) = plan.sequences
     assert (seq.start_position, seq.num_new_tokens, seq.samples, seq.is_decode) == (100, 1, True, True)
-    assert seq.kv_indices.tolist() == [7 * PAGE_SIZE + 100 % PAGE_SIZE]
+    assert seq.page_ids == [1, 2, 3, 4, 5, 6, 7] and kv_index(seq.page_ids, 100) == 7 * PAGE_SIZE + 100 % PAGE_SIZE
 
 
 def test_update_rejects_unexpected_and_missing_sampled_tokens():
     scheduler = Scheduler(max_num_seqs=2, max_num_batched_tokens=8, allocator=PageAllocator(8), max_model_len=64)
-    scheduler.add(make_request("a", 10))
+    a = make_request("a", 10)
+    scheduler.add(a)
     plan = scheduler.schedule()
     with pytest.raises(RuntimeError, match="before update"):
         scheduler.schedule()
@@ -119,7 +122,7 @@ def test_update_rejects_unexpected_and_missing_sampled_tokens():
     with pytest.raises(ValueError, match="nobody"):
         scheduler.update(plan, {"nobody": 5})
     assert scheduler.update(plan, {}) == []  # the failed call changed nothing; this one goes through
-    assert scheduler.get("a").num_computed_tokens == 8
+    assert a.num_computed_tokens == 8
     scheduler.add(make_request("b", 1))
     plan = scheduler.schedule()
     assert summary(plan) == [("a", 0, 8, 2, True), ("b", 1, 0, 1, True)]
@@ -244,20 +247,19 @@ def test_abort_frees_pages_and_slot_for_running_and_waiting_requests():
 
 
 def test_too_long_requests_are_rejected_alone():
+    """The engine's length policy rejects such prompts first (tests/test_lengths.py); the scheduler
+    still refuses one that leaves no room, and a max_model_len the cache cannot hold."""
     scheduler = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, allocator=PageAllocator(64), max_model_len=64)
     scheduler.add(make_request("fits", 63))
-    with pytest.raises(RequestTooLongError, match="max_model_len=64"):
+    with pytest.raises(ValueError, match="leave no room"):
         scheduler.add(make_request("too-long", 64))
     with pytest.raises(ValueError, match="already in use"):
         scheduler.add(make_request("fits", 3))
     assert [r.request_id for r in scheduler.waiting] == ["fits"]
-    # A cache of 2 usable pages (32 tokens) is the tighter limit here.
-    small = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, allocator=PageAllocator(3), max_model_len=1000)
-    assert small.max_model_len == 32
+    with pytest.raises(ValueError, match="does not fit the 2 pages of the cache"):
+        Scheduler(max_num_seqs=4, max_num_batched_tokens=64, allocator=PageAllocator(3), max_model_len=33)
+    small = Scheduler(max_num_seqs=4, max_num_batched_tokens=64, allocator=PageAllocator(3), max_model_len=32)
     small.add(make_request("ok", 31))
-    with pytest.raises(RequestTooLongError, match="whole KV cache of 2 pages"):
-        small.add(make_request("huge", 32))
-    assert issubclass(RequestTooLongError, ValueError)
     plan, sampled = step(small, FakeModel(3))
     assert summary(plan) == [("ok", 0, 0, 31, True)] and len(sampled) == 1
 
@@ -310,9 +312,9 @@ def engine_stops(output: list[int], num_tokens: int, max_tokens: int, max_model_
 def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max_num_seqs, budget, max_model_len, scheduling):
     rng = np.random.default_rng(seed)
     allocator = PageAllocator(num_pages)
-    scheduler = Scheduler(max_num_seqs, budget, allocator, max_model_len, scheduling=scheduling)
+    limit = min(max_model_len, (num_pages - 1) * PAGE_SIZE)  # as capacity planning shrinks it
+    scheduler = Scheduler(max_num_seqs, budget, allocator, limit, scheduling=scheduling)
     model = FakeModel(num_pages)
-    limit = scheduler.max_model_len
     requests: dict[str, Request] = {}
     finished: list[str] = []
     num_preemptions = 0
@@ -322,7 +324,7 @@ def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max
             num_prompt_tokens = int(rng.integers(1, 80))
             request = make_request(request_id, num_prompt_tokens, int(rng.integers(1, 40)), int(rng.integers(1000)))
             if num_prompt_tokens + 1 > limit:
-                with pytest.raises(RequestTooLongError):
+                with pytest.raises(ValueError):
                     scheduler.add(request)
                 continue
             scheduler.add(request)

@@ -37,7 +37,7 @@ def torch_or_none():
 
 
 def require_gpu() -> None:
-    from numba_vllm.engine.llm_engine import gpu_available
+    from numba_vllm.executor.backend import gpu_available
 
     if not gpu_available():
         raise BenchError("the kernel benchmark needs an NVIDIA GPU with a working driver; none is usable here")

@@ -1,39 +1,29 @@
-"""Host-side engine: requests, the paged KV-cache allocator and the continuous-batching scheduler.
+"""The engine: host policy only. Requests, the paged KV-cache allocator, the continuous-batching
+scheduler, stop rules and the length policy, and `LLMEngine` / `LLM` on top.
 
-Everything here is plain Python + NumPy with no GPU import, so the policy (who runs, which pages
-they hold, who is preempted) is tested exactly on the CPU. The runner turns a scheduler's
-`StepPlan` into device arrays.
+Everything here is plain Python + NumPy: importing it imports no numba (tested), so the policy (who
+runs, which pages they hold, who is preempted) is tested exactly on the CPU. The executor
+(`numba_vllm.executor`) turns a scheduler's `StepPlan` into device work.
 """
 
-from numba_vllm.engine.kv_cache import (
-    NULL_PAGE_ID,
-    OutOfPagesError,
-    PageAllocator,
-    PageFreeError,
-    block_table_array,
-    kv_indices,
-    num_pages_for_memory,
-    page_bytes,
-    pages_for_tokens,
-)
+from numba_vllm.engine.kv_cache import NULL_PAGE_ID, OutOfPagesError, PageAllocator, PageFreeError, pages_for_tokens
+from numba_vllm.engine.lengths import LengthPolicy, MaxTokensError, PromptError
 from numba_vllm.engine.request import Request, RequestStatus
-from numba_vllm.engine.scheduler import RequestTooLongError, ScheduledSequence, Scheduler, SchedulerStalledError, StepPlan
+from numba_vllm.engine.scheduler import ScheduledSequence, Scheduler, SchedulerStalledError, StepPlan
 
 __all__ = [
     "NULL_PAGE_ID",
+    "LengthPolicy",
+    "MaxTokensError",
     "OutOfPagesError",
     "PageAllocator",
     "PageFreeError",
+    "PromptError",
     "Request",
     "RequestStatus",
-    "RequestTooLongError",
     "ScheduledSequence",
     "Scheduler",
     "SchedulerStalledError",
     "StepPlan",
-    "block_table_array",
-    "kv_indices",
-    "num_pages_for_memory",
-    "page_bytes",
     "pages_for_tokens",
 ]

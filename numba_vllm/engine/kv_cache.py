@@ -1,4 +1,4 @@
-"""Page accounting for the paged KV cache, and the arrays that tell the kernels where K/V live.
+"""Page accounting for the paged KV cache: which pages each request holds.
 
 The device pool is allocated once at start-up: per layer, K and V of shape
 ``(num_pages, PAGE_SIZE, KVH, HD)`` bf16. A sequence's K/V is spread over pages in any order; its
@@ -13,12 +13,9 @@ its K/V there without clobbering anyone's cache.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-import numpy as np
-
-from numba_vllm.model.config import PAGE_SIZE, ModelConfig
+from numba_vllm.model.config import PAGE_SIZE
 
 NULL_PAGE_ID = 0  # reserved page: padding for block tables and padding tokens, never allocated
 MAX_KV_INDEX = 2**31 - 1  # kv indices are int32 on the device
@@ -69,9 +66,6 @@ class PageAllocator:
     def num_allocated_pages(self) -> int:
         return len(self._allocated_page_ids)
 
-    def is_allocated(self, page_id: int) -> bool:
-        return page_id in self._allocated_page_ids
-
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= len(self._free_page_ids)
 
@@ -121,59 +115,3 @@ class PageAllocator:
 def pages_for_tokens(num_tokens: int) -> int:
     """Pages needed to hold ``num_tokens`` tokens: ceil(num_tokens / PAGE_SIZE)."""
     return -(-num_tokens // PAGE_SIZE)
-
-
-def block_table_array(page_id_lists: Sequence[Sequence[int]], max_pages: int) -> np.ndarray:
-    """Stack block tables into ``(B, max_pages)`` int32, padded on the right with the null page."""
-    table = np.full((len(page_id_lists), max_pages), NULL_PAGE_ID, dtype=np.int32)  # (B, max_pages)
-    for row, page_ids in enumerate(page_id_lists):
-        if len(page_ids) > max_pages:
-            raise ValueError(f"block table row {row} has {len(page_ids)} pages, more than max_pages={max_pages}")
-        table[row, : len(page_ids)] = page_ids
-    return table
-
-
-def kv_indices(page_ids: Sequence[int], positions: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Where the tokens at ``positions`` of one sequence keep their K/V: ``(T,)`` int32 kv indices.
-
-    ``page_ids`` is the sequence's block table; index = ``page_ids[pos // PAGE_SIZE] * PAGE_SIZE +
-    pos % PAGE_SIZE``. A position beyond the block table is an error, never a silent wrap.
-    """
-    if len(positions) == 1:  # a decode step: plain arithmetic (numpy's per-call cost would dominate)
-        pos = int(positions[0])
-        if not 0 <= pos < len(page_ids) * PAGE_SIZE:
-            raise ValueError(_beyond_table(pos, pos, len(page_ids)))
-        return np.array([page_ids[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE], np.int32)
-    positions = np.asarray(positions, dtype=np.int64)  # (T,)
-    table = np.asarray(page_ids, dtype=np.int64)  # (num_pages_of_sequence,)
-    page_numbers = positions // PAGE_SIZE  # (T,) which entry of the block table
-    if positions.size and (positions.min() < 0 or page_numbers.max() >= len(table)):
-        raise ValueError(_beyond_table(positions.min(), positions.max(), len(table)))
-    return (table[page_numbers] * PAGE_SIZE + positions % PAGE_SIZE).astype(np.int32)
-
-
-def _beyond_table(first: int, last: int, num_pages: int) -> str:
-    return f"positions {first}..{last} need pages beyond the {num_pages} in the block table"
-
-
-def page_bytes(config: ModelConfig, kv_bytes_per_element: int = 2) -> int:
-    """Device bytes of one page across all layers: K and V of PAGE_SIZE tokens, KVH heads, HD dims.
-
-    ``num_hidden_layers * 2 * PAGE_SIZE * KVH * HD * kv_bytes_per_element`` (2 for bf16). For Llama
-    3.2 1B (16 layers, 8 kv heads of 64) that is 512 KiB, i.e. 32 KiB per token. This is the one
-    place the formula lives.
-    """
-    return config.num_hidden_layers * 2 * PAGE_SIZE * config.num_key_value_heads * config.head_dim * kv_bytes_per_element
-
-
-def num_pages_for_memory(free_bytes: int, config: ModelConfig, utilization: float, kv_bytes_per_element: int = 2) -> int:
-    """How many pages (the null page included) fit in ``utilization`` of ``free_bytes``.
-
-    Measure ``free_bytes`` after the weights and the step's work buffers are on the device: the
-    KV cache takes what is left, and ``utilization`` < 1 keeps a margin for everything else.
-    """
-    if not 0 < utilization <= 1:
-        raise ValueError(f"gpu memory utilization must be in (0, 1], got {utilization}")
-    if free_bytes < 0:
-        raise ValueError(f"free_bytes must be >= 0, got {free_bytes}")
-    return math.floor(free_bytes * utilization / page_bytes(config, kv_bytes_per_element))

@@ -10,20 +10,19 @@ top: hand it all prompts, get all outputs back in order.
 from __future__ import annotations
 
 import itertools
-import os
 import sys
 from collections.abc import Sequence
 
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
-from numba_vllm.engine.output import OutputBuilder, RequestOutput, check_prompt
+from numba_vllm.engine.lengths import LengthPolicy
+from numba_vllm.engine.output import OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
+from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
-HOST_CACHE_SEQUENCES = 4  # numpy / sim default: a cache that holds this many full-length sequences
-DEFAULT_MAX_MODEL_LEN_CPU = 4096  # numpy / sim default length cap (the model's own may be 128k)
 WARM_UP_GRAPH_TOKENS = 4096  # `warm_up` records decode graphs for sequences up to this long; longer ones on first use
 
 _STATUS_OF_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
@@ -39,39 +38,29 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.engine_config = ec = engine_config or EngineConfig()
         self.backend = resolve_backend(ec.backend)
-        max_len = min(ec.max_model_len or self.config.max_position_embeddings, self.config.max_position_embeddings)
-        if self.backend == "cuda":
-            from numba_vllm.executor.kernel_runner import KernelRunner
-
-            self.runner = KernelRunner.for_gpu(checkpoint, ec, max_len)
-            num_pages = self.runner.num_pages
-        else:
-            if ec.max_model_len is None:
-                max_len = min(max_len, DEFAULT_MAX_MODEL_LEN_CPU)
-            num_pages = ec.num_pages or 1 + HOST_CACHE_SEQUENCES * pages_for_tokens(max_len)
-            if self.backend == "sim":
-                from numba_vllm.executor.kernel_runner import KernelRunner
-
-                self.runner = KernelRunner.for_simulator(checkpoint, ec, num_pages)
-            else:
-                from numba_vllm.executor.numpy_runner import NumpyRunner
-
-                self.runner = NumpyRunner(self.config, checkpoint.weights, num_pages)
+        # Capacity (KV pages, max_model_len, step size) is decided once, as the runner is built.
+        self.runner, self.capacity = create_runner(checkpoint, ec, self.backend)
+        self.lengths = LengthPolicy(self.capacity.max_model_len, self.config.vocab_size)
+        allocator = PageAllocator(self.capacity.num_pages)
         self.scheduler = Scheduler(
-            ec.max_num_seqs, ec.max_num_batched_tokens, PageAllocator(num_pages), max_len, scheduling=ec.scheduling
+            ec.max_num_seqs, ec.max_num_batched_tokens, allocator, self.capacity.max_model_len, scheduling=ec.scheduling
         )
-        self.max_model_len = self.scheduler.max_model_len  # may be below max_len when the cache is small
         self._builders: dict[str, OutputBuilder] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0  # requests that lost their pages and recomputed, over the engine's life
 
+    @property
+    def max_model_len(self) -> int:
+        """The longest a request may grow, prompt + output (`self.lengths` holds the rules)."""
+        return self.lengths.max_model_len
+
     # ---- requests ------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None) -> RequestOutput:
         """Queue a prompt (text, or token ids); returns its output, filled in as steps run.
 
-        A prompt the model cannot run (empty, too long for `max_model_len` or for the whole cache,
-        ids outside the vocabulary) raises ValueError for this request alone.
+        A prompt the model cannot run (empty, too long for `max_model_len`, ids outside the
+        vocabulary) raises `PromptError` (a ValueError) for this request alone.
         """
         if request_id in self._builders:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -83,11 +72,12 @@ class LLMEngine:
             ids = self.tokenizer.encode(text)
         else:
             ids = [int(t) for t in prompt]
-        check_prompt(ids, self.config, self.max_model_len)
+        self.lengths.check_prompt(ids)
         request = Request(request_id, ids, params, next(self._arrivals))
-        self.scheduler.add(request)  # raises RequestTooLongError (a ValueError) if no cache could hold it
+        self.scheduler.add(request)
         output = RequestOutput(request_id, ids, prompt=text)
-        self._builders[request_id] = OutputBuilder(output, params, self.config, self.tokenizer, self.max_model_len)
+        budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
+        self._builders[request_id] = OutputBuilder(output, params, self.config, self.tokenizer, budget)
         return output
 
     def abort_request(self, request_id: str) -> None:
@@ -103,7 +93,7 @@ class LLMEngine:
         no request pays for it. Nothing to do on the numpy backend; slow in the simulator."""
         warm = getattr(self.runner, "warm_up", None)
         if warm is not None:
-            warm(pages_for_tokens(min(self.max_model_len, WARM_UP_GRAPH_TOKENS)))
+            warm(pages_for_tokens(min(self.capacity.max_model_len, WARM_UP_GRAPH_TOKENS)))
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -122,8 +112,6 @@ class LLMEngine:
             builder = self._builders[request.request_id]
             builder.add(request.output_token_ids[-1])
             output = builder.output
-            if output.finish_reason is None and request.num_tokens >= self.max_model_len:
-                output.finish_reason = "length"  # the cache cannot hold another token of it
             if output.finished:
                 self.scheduler.finish(request, _STATUS_OF_REASON[output.finish_reason])
                 self.runner.release(request.request_id)
@@ -203,38 +191,3 @@ def _per_prompt(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
     return params
-
-
-def resolve_backend(backend: str) -> str:
-    """`auto` -> `cuda` when a GPU is usable, else `numpy`; `sim` requires the simulator to be on."""
-    if backend == "auto":
-        return "cuda" if gpu_available() else "numpy"
-    if backend == "sim" and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        raise ValueError("backend 'sim' needs NUMBA_ENABLE_CUDASIM=1 before numba.cuda is imported (numba-vllm run does this)")
-    if backend == "cuda":
-        if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-            raise ValueError("backend 'cuda' cannot run with NUMBA_ENABLE_CUDASIM=1 set; use --backend sim")
-        if not gpu_available():
-            raise ValueError("backend 'cuda' needs an NVIDIA GPU with a working driver; none is usable here")
-    return backend
-
-
-def prepare_backend(backend: str) -> None:
-    """Turn the simulator on for `sim` if numba's CUDA module is not imported yet (it reads the
-    variable once, at import)."""
-    if backend == "sim" and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
-        if "numba.cuda" in sys.modules:
-            raise ValueError("backend 'sim' must be chosen before numba.cuda is imported; set NUMBA_ENABLE_CUDASIM=1")
-        os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
-
-
-def gpu_available() -> bool:
-    """Whether numba can use a real CUDA GPU here (never true under the simulator)."""
-    if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
-        return False
-    try:
-        from numba import cuda
-
-        return bool(cuda.is_available())
-    except Exception:  # no driver, broken install: no GPU
-        return False

@@ -5,23 +5,18 @@ same way and stops by the same rules:
 - a stop token (the model's EOS ids unless `ignore_eos`, plus the request's `stop_token_ids`) ends
   it with reason "stop"; the token is kept in the ids but adds no text;
 - a stop string ends it with reason "stop"; the text is cut where the string begins;
-- `max_tokens` (or the model's length limit) ends it with reason "length".
+- its output budget (`max_tokens`, within the model's length limit) ends it with reason "length".
 Text is streamed as it becomes final: the incremental detokenizer never yields half a UTF-8
 character, and text that could still turn out to be the start of a stop string is held back.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from numba_vllm.model.config import ModelConfig
-
-
-class PromptError(ValueError):
-    """A prompt cannot be run (empty, too long, or holding ids outside the vocabulary)."""
 
 
 @dataclass
@@ -40,20 +35,6 @@ class RequestOutput:
         return self.finish_reason is not None
 
 
-def check_prompt(prompt_ids: Sequence[int], config: ModelConfig, max_model_len: int) -> None:
-    """Reject prompts the model cannot run, with one line saying why."""
-    if len(prompt_ids) == 0:
-        raise PromptError("the prompt is empty")
-    if len(prompt_ids) >= max_model_len:
-        raise PromptError(
-            f"the prompt has {len(prompt_ids)} tokens; the model's limit is {max_model_len} "
-            "(prompt plus at least one new token)"
-        )
-    bad = [t for t in prompt_ids if not 0 <= t < config.vocab_size]
-    if bad:
-        raise PromptError(f"token id {bad[0]} is outside the vocabulary (0..{config.vocab_size - 1})")
-
-
 class OutputBuilder:
     """Feeds one request's sampled tokens through stop checks and detokenization."""
 
@@ -63,11 +44,11 @@ class OutputBuilder:
         params: SamplingParams,
         config: ModelConfig,
         tokenizer: Tokenizer | None,
-        max_model_len: int,
+        max_new_tokens: int,
     ):
+        """`max_new_tokens`: the request's output budget (`LengthPolicy.max_new_tokens`)."""
         self.output = output
-        budget = max_model_len - len(output.prompt_token_ids)
-        self.max_new_tokens = budget if params.max_tokens is None else min(params.max_tokens, budget)
+        self.max_new_tokens = max_new_tokens
         self.stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             self.stop_ids.update(config.eos_token_ids)

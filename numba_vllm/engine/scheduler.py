@@ -37,17 +37,10 @@ import heapq
 from collections import deque
 from dataclasses import dataclass
 
-import numpy as np
-
 from numba_vllm.engine.config import SCHEDULING_MODES
-from numba_vllm.engine.kv_cache import PageAllocator, block_table_array, kv_indices, pages_for_tokens
+from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.model.config import PAGE_SIZE
-
-
-class RequestTooLongError(ValueError):
-    """A request that could never run: its prompt leaves no room for an output token within the
-    model length, or needs more pages than the whole cache. Rejected alone, at `Scheduler.add`."""
 
 
 class SchedulerStalledError(RuntimeError):
@@ -63,7 +56,6 @@ class ScheduledSequence:
     slot: int  # batch slot, 0 .. max_num_seqs - 1
     start_position: int  # request.num_computed_tokens before the step; token_ids[i] sits at start_position + i
     token_ids: list[int]  # (num_new_tokens,) tokens whose K/V are computed (and written) this step
-    kv_indices: np.ndarray  # (num_new_tokens,) int32: page_id * PAGE_SIZE + offset, where each new token's K/V goes
     page_ids: list[int]  # block table after this step's allocation, covering start_position + num_new_tokens tokens
     samples: bool  # the step reaches the last known token, so a new token is sampled from its logits
 
@@ -75,11 +67,6 @@ class ScheduledSequence:
     def context_len(self) -> int:
         """Tokens the last new token attends to (itself included)."""
         return self.start_position + len(self.token_ids)
-
-    @property
-    def positions(self) -> np.ndarray:
-        """(num_new_tokens,) int32 positions of the new tokens."""
-        return np.arange(self.start_position, self.context_len, dtype=np.int32)
 
     @property
     def is_decode(self) -> bool:
@@ -103,28 +90,6 @@ class StepPlan:
     @property
     def num_batched_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.sequences)
-
-    def token_ids_array(self) -> np.ndarray:
-        """(T,) int32: every sequence's new tokens, concatenated in plan order."""
-        return np.array([t for s in self.sequences for t in s.token_ids], dtype=np.int32)
-
-    def positions_array(self) -> np.ndarray:
-        """(T,) int32 positions matching `token_ids_array`."""
-        return np.concatenate([s.positions for s in self.sequences]) if self.sequences else np.zeros(0, np.int32)
-
-    def kv_indices_array(self) -> np.ndarray:
-        """(T,) int32 kv indices matching `token_ids_array`."""
-        return np.concatenate([s.kv_indices for s in self.sequences]) if self.sequences else np.zeros(0, np.int32)
-
-    def context_lens_array(self) -> np.ndarray:
-        """(B,) int32 tokens each sequence attends to after this step."""
-        return np.array([s.context_len for s in self.sequences], dtype=np.int32)
-
-    def block_table(self, max_pages: int | None = None) -> np.ndarray:
-        """(B, max_pages) int32 block tables padded with the null page (default width: the longest)."""
-        if max_pages is None:
-            max_pages = max((len(s.page_ids) for s in self.sequences), default=0)
-        return block_table_array([s.page_ids for s in self.sequences], max_pages)
 
     def describe(self) -> list[str]:
         """One line per slot and a summary line, for `--verbose`."""
@@ -162,12 +127,15 @@ class Scheduler:
         self.scheduling = scheduling  # "continuous" or "static" (see the module docstring)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget of one step
+        if max_model_len > allocator.num_usable_pages * PAGE_SIZE:
+            raise ValueError(
+                f"max_model_len={max_model_len} does not fit the {allocator.num_usable_pages} pages of the cache: a request "
+                "must fit the whole cache alone, or preempting everyone else would not let it proceed"
+            )
         self.allocator = allocator
-        self.requested_max_model_len = max_model_len
-        # The longest a request may grow (prompt + output). A request must fit the whole cache on
-        # its own, or preempting everyone else would not let it proceed: the engine finishes a
-        # request (FINISHED_LENGTH) once num_tokens reaches this.
-        self.max_model_len = min(max_model_len, allocator.num_usable_pages * PAGE_SIZE)
+        # The longest a request may grow (prompt + output): the engine's length policy finishes a
+        # request (FINISHED_LENGTH) before it passes this, and rejects prompts that leave no room.
+        self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()  # FIFO; preempted requests re-enter at the front
         self.running: list[Request] = []  # admission order: the last is the newest, preempted first
         self._free_slots: list[int] = list(range(max_num_seqs))  # min-heap: lowest free slot first
@@ -183,28 +151,16 @@ class Scheduler:
     def num_free_slots(self) -> int:
         return len(self._free_slots)
 
-    def get(self, request_id: str) -> Request | None:
-        """The unfinished request with this id, or None."""
-        return self._requests.get(request_id)
-
     # ---- requests in and out -------------------------------------------------------------------
     def add(self, request: Request) -> None:
-        """Queue a new request, or reject it alone with `RequestTooLongError` if it could never run."""
+        """Queue a new request. Its prompt was checked by the engine's length policy (`lengths.py`):
+        it leaves room for at least one new token within `max_model_len`."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.page_ids or request.num_computed_tokens:
             raise ValueError(f"request {request.request_id}: only a new request can be added")
-        num_tokens = request.num_tokens
-        if num_tokens + 1 > self.requested_max_model_len:  # +1: room for at least one output token
-            raise RequestTooLongError(
-                f"request {request.request_id}: prompt of {num_tokens} tokens leaves no room to generate within "
-                f"max_model_len={self.requested_max_model_len}"
-            )
-        if num_tokens + 1 > self.max_model_len:
-            raise RequestTooLongError(
-                f"request {request.request_id}: prompt of {num_tokens} tokens (+1 to generate) does not fit the whole "
-                f"KV cache of {self.allocator.num_usable_pages} pages ({self.max_model_len} tokens)"
-            )
+        if request.num_tokens >= self.max_model_len:
+            raise ValueError(f"request {request.request_id}: {request.num_tokens} tokens leave no room within max_model_len")
         self._requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -345,7 +301,6 @@ class Scheduler:
             slot=request.slot,
             start_position=start,
             token_ids=request.token_ids_between(start, end),
-            kv_indices=kv_indices(request.page_ids, range(start, end)),
             page_ids=list(request.page_ids),  # a snapshot: the request's list keeps growing
             samples=end == request.num_tokens,
         )

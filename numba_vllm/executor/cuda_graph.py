@@ -39,11 +39,10 @@ from numba import cuda
 from numba_vllm.engine.kv_cache import NULL_PAGE_ID
 from numba_vllm.engine.scheduler import ScheduledSequence
 from numba_vllm.errors import KernelError
+from numba_vllm.executor.inputs import kv_index, table_width
 from numba_vllm.kernels._launch import launching_on
 from numba_vllm.kernels.sample import sample_gumbel
 from numba_vllm.model.llama import DeviceModel, StepInputs
-
-MIN_TABLE_WIDTH = 8  # pages (128 tokens): the narrowest block table a graph is recorded with
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -55,11 +54,6 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
         sizes.append(n)
         n += max(8, (1 << (n.bit_length() - 1)) // 8)
     return [s for s in sizes if s < max_num_seqs] + [max_num_seqs]
-
-
-def table_width(num_pages: int) -> int:
-    """The block-table width (pages) a step whose longest sequence has `num_pages` pages is run with."""
-    return max(MIN_TABLE_WIDTH, 1 << (num_pages - 1).bit_length())
 
 
 @dataclass
@@ -118,7 +112,7 @@ class _StepGraph:
         for row, s in enumerate(seqs):
             h[row] = s.token_ids[0]
             h[b + row] = s.start_position
-            h[2 * b + row] = s.kv_indices[0]
+            h[2 * b + row] = kv_index(s.page_ids, s.start_position)
             h[3 * b + row] = s.context_len
             tables[row, : len(s.page_ids)] = s.page_ids
         if sampling is not None:
@@ -133,7 +127,7 @@ class _StepGraph:
     def forward_and_sample(self, model: DeviceModel) -> None:
         """What the graph holds: the model's step, then the sampler on every row."""
         self.logits = model.forward(self.inputs)
-        sample_gumbel(self.logits, self.temperatures, self.seeds, self.steps, self.tokens)
+        sample_gumbel(self.logits, self.temperatures, self.seeds, self.steps, self.tokens, model.sampler_workspace)
 
 
 def copy_async(dst, src, stream) -> None:

@@ -12,21 +12,18 @@ with top-k or top-p copy their logits to the host sampler.
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 from numba import cuda
 
 from numba_vllm.engine.config import EngineConfig
-from numba_vllm.engine.kv_cache import block_table_array, num_pages_for_memory
 from numba_vllm.engine.scheduler import StepPlan
-from numba_vllm.executor.cuda_graph import DecodeGraphs, SamplingRows, table_width
-from numba_vllm.executor.numpy_runner import RequestSamplers
+from numba_vllm.executor.capacity import Capacity
+from numba_vllm.executor.cuda_graph import DecodeGraphs, SamplingRows
+from numba_vllm.executor.host_sampling import RequestSamplers
+from numba_vllm.executor.inputs import null_decode_step, null_prefill_step, step_arrays
 from numba_vllm.kernels.matmul import GEMV_MAX_TOKENS
 from numba_vllm.kernels.sample import argmax, sample_gumbel
-from numba_vllm.loading.checkpoint import Checkpoint
-from numba_vllm.model.config import PAGE_SIZE
-from numba_vllm.model.llama import DeviceModel, StepInputs, activation_shapes
+from numba_vllm.model.llama import DeviceModel, StepInputs
 
 SEED_MASK = 0xFFFFFFFF  # the device sampler takes 32-bit seeds
 
@@ -34,36 +31,19 @@ SEED_MASK = 0xFFFFFFFF  # the device sampler takes 32-bit seeds
 class KernelRunner:
     """Owns the device model, its KV pool and activation buffers; executes steps."""
 
-    def __init__(self, model: DeviceModel, num_pages: int, engine_config: EngineConfig, graphs: str = "none"):
-        """`graphs`: "capture" replays decode steps from CUDA graphs, "emulate" runs them eagerly on
-        the graphs' padded buffers (the simulator's stand-in, for tests), "none" runs every step eagerly."""
+    def __init__(self, model: DeviceModel, capacity: Capacity, engine_config: EngineConfig, graphs: str = "none"):
+        """Allocate the KV cache and step buffers `capacity` plans for. `graphs`: "capture" replays
+        decode steps from CUDA graphs, "emulate" runs them eagerly on the graphs' padded buffers (the
+        simulator's stand-in, for tests), "none" runs every step eagerly."""
         self.model = model
-        self.num_pages = num_pages
+        self.num_pages = capacity.num_pages
         self.max_num_seqs = engine_config.max_num_seqs
-        self.max_step_tokens = _max_step_tokens(engine_config)
-        model.allocate(num_pages, self.max_step_tokens, engine_config.max_num_seqs)
+        self.max_step_tokens = capacity.max_step_tokens
+        model.allocate(capacity.num_pages, capacity.max_step_tokens, engine_config.max_num_seqs)
         self.decode_graphs = None if graphs == "none" else DecodeGraphs(model, self.max_num_seqs, capture=graphs == "capture")
         self.host_samplers = RequestSamplers()
         self._seeds: dict[str, int] = {}
         self._seed_rng = np.random.default_rng()
-
-    @classmethod
-    def for_gpu(cls, checkpoint: Checkpoint, engine_config: EngineConfig, max_model_len: int) -> KernelRunner:
-        """Upload the weights, then give the KV cache a share of the GPU memory left (or `num_pages`)."""
-        model = DeviceModel(checkpoint.config, checkpoint.weights, engine_config.prefill_gemm, engine_config.prefill_attention)
-        num_pages = engine_config.num_pages
-        if num_pages is None:
-            free, _ = cuda.current_context().get_memory_info()
-            workspace = _workspace_bytes(checkpoint.config, engine_config)
-            num_pages = num_pages_for_memory(free - workspace, checkpoint.config, engine_config.gpu_memory_utilization)
-            if num_pages < 2:
-                raise ValueError(f"not enough GPU memory for a KV cache ({free / 2**30:.1f} GiB free after the weights)")
-        return cls(model, num_pages, engine_config, graphs="none" if engine_config.enforce_eager else "capture")
-
-    @classmethod
-    def for_simulator(cls, checkpoint: Checkpoint, engine_config: EngineConfig, num_pages: int) -> KernelRunner:
-        model = DeviceModel(checkpoint.config, checkpoint.weights, engine_config.prefill_gemm, engine_config.prefill_attention)
-        return cls(model, num_pages, engine_config)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)
@@ -71,7 +51,7 @@ class KernelRunner:
         if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
             logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests))  # every row samples
         else:
-            logits = self.model.forward(self._inputs(seqs))  # (B, V) device
+            logits = self.model.forward(_upload(*step_arrays(seqs)))  # (B, V) device
             tokens = self._sample_on_device(requests, logits)
         out = self._sample_on_host(requests, logits, [int(t) for t in tokens])
         return dict(zip((r.request_id for r in requests), out, strict=True))
@@ -79,31 +59,6 @@ class KernelRunner:
     def release(self, request_id: str) -> None:
         self.host_samplers.release(request_id)
         self._seeds.pop(request_id, None)
-
-    # ---- building the step -------------------------------------------------------------------
-    def _inputs(self, seqs) -> StepInputs:
-        """The step's int32 inputs, packed on the host and uploaded in one copy; the fields are views."""
-        prefill = [s for s in seqs if not s.is_decode]
-        decode = [s for s in seqs if s.is_decode]
-        lens = [s.num_new_tokens for s in seqs]
-        ends = np.cumsum(lens, dtype=np.int32)
-        cu = np.zeros(len(prefill) + 1, np.int32)
-        cu[1:] = ends[: len(prefill)]
-        width = max(len(s.page_ids) for s in seqs)
-        parts = {
-            "token_ids": np.fromiter((t for s in seqs for t in s.token_ids), np.int32, int(ends[-1])),
-            "positions": np.concatenate([s.positions for s in seqs]),
-            "kv_indices": np.concatenate([s.kv_indices for s in seqs]),
-            "prefill_cu_seqlens": cu,
-            "prefill_start_pos": np.array([s.start_position for s in prefill], np.int32),
-            "prefill_block_tables": block_table_array([s.page_ids for s in prefill], width),
-            # decode tables at the width a CUDA graph would use, so that split attention cuts the
-            # context at the same pages in both (decode_attention.pick_splits): identical results
-            "decode_block_tables": block_table_array([s.page_ids for s in decode], table_width(width)),
-            "decode_context_lens": np.array([s.context_len for s in decode], np.int32),
-            "sample_rows": np.array([end - 1 for s, end in zip(seqs, ends, strict=True) if s.samples], np.int32),
-        }
-        return _upload(parts, int(cu[-1]), max((s.num_new_tokens for s in prefill), default=0))
 
     # ---- warming up ----------------------------------------------------------------------------
     def warm_up(self, max_pages: int) -> None:
@@ -117,10 +72,10 @@ class KernelRunner:
         samplers.
         """
         for num_tokens in range(1, min(GEMV_MAX_TOKENS + 1, self.max_step_tokens) + 1):  # every gemv, then gemm_tc
-            step = _null_decode_step(num_tokens, min(num_tokens, self.max_num_seqs))
+            step = null_decode_step(num_tokens, min(num_tokens, self.max_num_seqs))
             self._sample_all(self.model.forward(_upload(step, 0, 0)))
         num_tokens = self.max_step_tokens - self.max_num_seqs  # a full token budget of one prompt
-        self._sample_all(self.model.forward(_upload(_null_prefill_step(num_tokens), num_tokens, num_tokens)))
+        self._sample_all(self.model.forward(_upload(null_prefill_step(num_tokens), num_tokens, num_tokens)))
         if self.decode_graphs is not None:
             self.decode_graphs.record_all(max_pages)
 
@@ -128,10 +83,10 @@ class KernelRunner:
         """Run both device samplers on every row (their results are dropped)."""
         rows = logits.shape[0]
         tokens = cuda.device_array(rows, np.int32)
-        argmax(logits, tokens)
+        argmax(logits, tokens, self.model.sampler_workspace)
         ones = cuda.to_device(np.ones(rows, np.float32))
         zeros = cuda.to_device(np.zeros(rows, np.int32))
-        sample_gumbel(logits, ones, cuda.to_device(np.zeros(rows, np.uint32)), zeros, tokens)
+        sample_gumbel(logits, ones, cuda.to_device(np.zeros(rows, np.uint32)), zeros, tokens, self.model.sampler_workspace)
         tokens.copy_to_host()
 
     # ---- sampling ------------------------------------------------------------------------------
@@ -150,11 +105,11 @@ class KernelRunner:
             return np.zeros(0, np.int32)
         tokens = cuda.device_array(len(requests), np.int32)
         if all(r.sampling_params.greedy for r in requests):
-            argmax(logits, tokens)
+            argmax(logits, tokens, self.model.sampler_workspace)
         else:
             rows = self._sampling_rows(requests)
             temperatures, seeds, steps = (cuda.to_device(a) for a in (rows.temperatures, rows.seeds, rows.steps))
-            sample_gumbel(logits, temperatures, seeds, steps, tokens)
+            sample_gumbel(logits, temperatures, seeds, steps, tokens, self.model.sampler_workspace)
         return tokens.copy_to_host()
 
     def _sample_on_host(self, requests, logits, tokens: list[int]) -> list[int]:
@@ -184,38 +139,3 @@ def _upload(parts: dict[str, np.ndarray], num_prefill_tokens: int, prefill_max_n
         views[name] = packed[start : start + a.size].reshape(a.shape)
         start += a.size
     return StepInputs(**views, num_prefill_tokens=num_prefill_tokens, prefill_max_new_tokens=prefill_max_new_tokens)
-
-
-def _null_decode_step(num_tokens: int, num_sampled: int) -> dict[str, np.ndarray]:
-    """`num_tokens` sequences decoding token 0 at position 0 into the null page, each attending to it;
-    the first `num_sampled` are sampled (the logits buffer holds max_num_seqs rows)."""
-    zeros = np.zeros(num_tokens, np.int32)
-    return {
-        "token_ids": zeros, "positions": zeros, "kv_indices": zeros,
-        "prefill_cu_seqlens": np.zeros(1, np.int32), "prefill_start_pos": np.zeros(0, np.int32),
-        "prefill_block_tables": np.zeros((0, 1), np.int32), "decode_block_tables": np.zeros((num_tokens, 1), np.int32),
-        "decode_context_lens": np.ones(num_tokens, np.int32), "sample_rows": np.arange(num_sampled, dtype=np.int32),
-    }  # fmt: skip
-
-
-def _null_prefill_step(num_tokens: int) -> dict[str, np.ndarray]:
-    """One sequence prefilling `num_tokens` tokens at positions 0.. whose pages are all the null page."""
-    return {
-        "token_ids": np.zeros(num_tokens, np.int32), "positions": np.arange(num_tokens, dtype=np.int32),
-        "kv_indices": np.zeros(num_tokens, np.int32), "prefill_cu_seqlens": np.array([0, num_tokens], np.int32),
-        "prefill_start_pos": np.zeros(1, np.int32),
-        "prefill_block_tables": np.zeros((1, -(-num_tokens // PAGE_SIZE)), np.int32),
-        "decode_block_tables": np.zeros((0, 1), np.int32), "decode_context_lens": np.zeros(0, np.int32),
-        "sample_rows": np.array([num_tokens - 1], np.int32),
-    }  # fmt: skip
-
-
-def _max_step_tokens(engine_config: EngineConfig) -> int:
-    """The most tokens one step can hold: a full token budget of prefill chunks plus decodes."""
-    return engine_config.max_num_batched_tokens + engine_config.max_num_seqs
-
-
-def _workspace_bytes(config, engine_config: EngineConfig) -> int:
-    """Bytes of the float32 activation buffers DeviceModel.allocate will take."""
-    shapes = activation_shapes(config, _max_step_tokens(engine_config), engine_config.max_num_seqs)
-    return 4 * sum(math.prod(shape) for shape in shapes.values())

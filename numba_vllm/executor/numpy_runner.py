@@ -6,37 +6,19 @@ its pages and its scheduler are the same whatever runs the model:
   Runs anywhere; the oracle the other two are tested against.
 - `KernelRunner` (`kernel_runner.py`): the Numba CUDA kernels, on the GPU (`cuda`) or, unchanged,
   in the Numba simulator (`sim`).
-Sampling is per request: each request keeps its own random generator (seeded by its
-`SamplingParams.seed`), so its tokens do not depend on what else shares the batch.
+Sampling is per request (`host_sampling.RequestSamplers`), so a request's tokens do not depend on
+what else shares the batch.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from numba_vllm.engine.kv_cache import kv_indices
-from numba_vllm.engine.sampling import sample
 from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.executor.host_sampling import RequestSamplers
+from numba_vllm.executor.inputs import kv_indices
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
 from numba_vllm.model.reference import ReferenceModel
-
-
-class RequestSamplers:
-    """Each request's random generator, created at its first sample and dropped when it finishes."""
-
-    def __init__(self):
-        self._rngs: dict[str, np.random.Generator] = {}
-
-    def sample(self, request, logits: np.ndarray) -> int:
-        """One token for `request` from its logits row (V,)."""
-        params = request.sampling_params
-        rng = self._rngs.get(request.request_id)
-        if rng is None:
-            rng = self._rngs[request.request_id] = params.make_rng()
-        return sample(logits, params, rng)
-
-    def release(self, request_id: str) -> None:
-        self._rngs.pop(request_id, None)
 
 
 class PagedHostCache:

@@ -81,10 +81,9 @@ pages) 8.0 unsplit, 9.3-11 split; 300 tokens 10.2 vs 9.6-11.7 (a wash); 1000 tok
 (16 pages a split); 3000 tokens 50.1 vs 14.6 (16 pages) and 19.2 (8) or 107 (1): a split pays for
 its merge launch and idle warps only when each range is long.
 
-Workspace: ``partials`` is a view of one persistent device array per model, allocated at its
-largest size the first time a split is launched (``_split_workspace``): ``MAX_SPLITS x
-SMALL_GRID_BLOCKS`` blocks of ``group x (HD + 2)`` floats (18 MB for Llama 3.2 1B). Its address
-never changes, so recorded graphs keep pointing at it.
+Workspace: ``partials`` is a view of one device array the model allocates with its other buffers
+(``split_workspace_floats``): ``MAX_SPLITS x SMALL_GRID_BLOCKS`` blocks of ``group x (HD + 2)``
+floats (18 MB for Llama 3.2 1B). Its address never changes, so recorded graphs keep pointing at it.
 """
 
 from __future__ import annotations
@@ -295,11 +294,10 @@ def pick_splits(num_blocks: int, width: int) -> int:
     return -(-width // pages_per_split)
 
 
-@functools.cache
-def _split_workspace(num_floats: int):
-    """Device float32 scratch for the partial states of split grids, allocated once per size (one
-    size per model): its address never changes, so a CUDA graph that recorded a split launch stays valid."""
-    return cuda.device_array(num_floats, np.float32)
+def split_workspace_floats(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Floats of scratch any split launch for these heads needs at most: MAX_SPLITS x
+    (SMALL_GRID_BLOCKS - 1) blocks of ``group x (HD + 2)`` floats (rounded up to SMALL_GRID_BLOCKS)."""
+    return MAX_SPLITS * SMALL_GRID_BLOCKS * (num_heads // num_kv_heads) * (head_dim + 2)
 
 
 @kernel
@@ -331,14 +329,16 @@ def decode_attention_merge_kernel(partials, out):
         out[b, h, d] = total / total_sum
 
 
-def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, out) -> None:
+def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: float, out, workspace=None) -> None:
     """Paged attention of one query token per sequence over its cached K/V.
 
     q: (B, H, HD) f32; k_cache, v_cache: (num_pages, PAGE_SIZE, KVH, HD) bf16;
     block_tables: (B, max_pages) int32; context_lens: (B,) int32, each in 1 .. max_pages * PAGE_SIZE
     (cached tokens, the current one included); scale: usually 1 / sqrt(HD); out: (B, H, HD) f32.
     A small grid (``B * KVH`` blocks) is split over the context (``pick_splits``; the grid depends
-    on the shapes only, so the launch can be recorded in a CUDA graph and replayed).
+    on the shapes only, so the launch can be recorded in a CUDA graph and replayed). `workspace`:
+    (>= split_workspace_floats(H, KVH, HD),) f32 device scratch for the split's partial states (the
+    model's); without one a split launch allocates its own.
     """
     check_array("q", q, "float32", ndim=3)
     batch, num_heads, head_dim = q.shape
@@ -365,9 +365,9 @@ def decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale: flo
     if splits == 1:
         launch(decode_attention_kernel_for(group, head_dim, num_warps, False), (num_kv_heads, batch), threads, q, *kv, out)
         return
-    # the most any split launch of this (group, HD) needs: MAX_SPLITS x (SMALL_GRID_BLOCKS - 1) blocks
-    workspace = _split_workspace(MAX_SPLITS * SMALL_GRID_BLOCKS * group * (head_dim + 2))
     size = splits * batch * num_heads * (head_dim + 2)
+    if workspace is None:
+        workspace = cuda.device_array(size, np.float32)
     if size > workspace.shape[0]:  # pick_splits keeps it within: not a case that happens
         raise KernelError(f"decode_attention: a {splits}-way split of {batch} x {num_heads} heads exceeds the workspace")
     partials = workspace[:size].reshape(splits * batch, num_heads, head_dim + 2)

@@ -345,17 +345,11 @@ def pick_k_split(num_blocks: int, k_dim: int, num_sms: int) -> int:
     return split
 
 
-@functools.cache
-
-@functools.cache
-def _split_workspace():
-    """Device float32 scratch for split-K partial tiles, allocated once at its largest size.
-
-    A split grid has at most ``SPLIT_BLOCKS_PER_SM * num_sms`` blocks, each with one tile of partial
-    sums. Its address never changes, so a CUDA graph that recorded a split product stays valid.
-    """
-    largest_tile = max(c.block_m * c.block_n for c in TILE_CONFIGS)
-    return cuda.device_array(SPLIT_BLOCKS_PER_SM * num_sms() * largest_tile, np.float32)
+def split_workspace_floats(num_sms: int) -> int:
+    """Floats of scratch that any split-K product needs at most: a split grid has at most
+    ``SPLIT_BLOCKS_PER_SM * num_sms`` blocks, each with one tile of partial sums. The model allocates
+    this once (`DeviceModel.allocate`), so its address never changes and a recorded graph stays valid."""
+    return SPLIT_BLOCKS_PER_SM * num_sms * max(c.block_m * c.block_n for c in TILE_CONFIGS)
 
 
 @kernel
@@ -376,7 +370,9 @@ def _sum_splits_kernel(partials, out, accumulate):
             out[m, n] = total
 
 
-def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None) -> None:
+def gemm_tc(
+    x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None, workspace=None
+) -> None:
     """out = x @ w.T (or out += x @ w.T) on the tensor cores, any shape; x is rounded to bf16.
 
     x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits view), out (M, N) f32.
@@ -384,6 +380,8 @@ def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = Non
     fills the GPU, and K split while the GPU has room for more blocks. The parts of a split K are
     written to a workspace and summed in a fixed order by a second kernel: the same inputs give the
     same bits on every run (atomic adds would not, and bf16 rounding downstream amplifies their order).
+    `workspace`: (>= split_workspace_floats(num_sms),) f32 device scratch for those parts (the
+    model's); without one a split product allocates its own.
     """
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
     if num_tokens == 0 or num_rows == 0:
@@ -401,7 +399,8 @@ def gemm_tc(x, w, out, accumulate: bool = False, config: TileConfig | None = Non
     if splits == 1:
         launch(kernel_, (grid_n, grid_m, 1), config.threads, x, w_bits, out, flag, vectors_ok, tiles_per_split)
         return
-    workspace = _split_workspace()
+    if workspace is None:
+        workspace = cuda.device_array(splits * num_tokens * num_rows, np.float32)
     if splits * num_tokens * num_rows > workspace.shape[0]:
         raise KernelError(f"gemm_tc: a {splits}-way K split of a {num_tokens}x{num_rows} product exceeds the workspace")
     partials = workspace[: splits * num_tokens * num_rows].reshape(splits * num_tokens, num_rows)

@@ -31,11 +31,16 @@ GEMV_MAX_TOKENS = 8  # largest token count sent to gemv (<= gemv.MAX_TOKENS). H2
 # M=8 21.6 / 26.6, M=16 36.2 / 27.3, M=64 126 / 34.8: past a few tokens gemv's FMAs, not its loads, bound it
 assert GEMV_MAX_TOKENS <= MAX_TOKENS
 
-PREFILL_GEMMS = {"tensor_cores": gemm_tc, "fp32": gemm}  # what runs products of more than GEMV_MAX_TOKENS tokens
+# What runs products of more than GEMV_MAX_TOKENS tokens: (x, w, out, accumulate, workspace) -> None
+PREFILL_GEMMS = {
+    "tensor_cores": lambda x, w, out, accumulate, workspace: gemm_tc(x, w, out, accumulate, workspace=workspace),
+    "fp32": lambda x, w, out, accumulate, workspace: gemm(x, w, out, accumulate),  # never splits K: no scratch
+}
 
 
 def linear(
-    x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False, normed=None, gate_up=None, gemm: str = "tensor_cores"
+    x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False, normed=None, gate_up=None,
+    gemm: str = "tensor_cores", workspace=None,
 ) -> None:
     """out = x @ w.T, or out += x @ w.T with ``accumulate`` (a residual add fused into the product).
 
@@ -44,7 +49,8 @@ def linear(
     ``norm=(weight (K,) bf16, eps)``: the product takes rms_norm(x) * weight in place of x.
     ``silu_mul``: w is [gate; up] (2F, K) and out (M, F) = silu(x @ gate.T) * (x @ up.T).
     Unfused, they need ``normed`` (>= M, K) and ``gate_up`` (>= M, 2F) f32 scratch buffers.
-    ``gemm``: which of ``PREFILL_GEMMS`` runs a product of more than ``GEMV_MAX_TOKENS`` tokens.
+    ``gemm``: which of ``PREFILL_GEMMS`` runs a product of more than ``GEMV_MAX_TOKENS`` tokens, with
+    ``workspace`` its split-K scratch (`gemm_tc.split_workspace_floats`; None: allocated per call).
     """
     num_tokens = x.shape[0]
     if num_tokens <= GEMV_MAX_TOKENS and gemv_fuses(x, w):
@@ -60,6 +66,6 @@ def linear(
     if num_tokens <= GEMV_MAX_TOKENS:
         gemv(x, w, product, accumulate)
     else:
-        PREFILL_GEMMS[gemm](x, w, product, accumulate)
+        PREFILL_GEMMS[gemm](x, w, product, accumulate, workspace)
     if silu_mul:
         silu_and_mul(product, out)

@@ -59,10 +59,9 @@ second-pass work). On an H200 (132 SMs: 264 blocks) with V = 128 256: B = 1 or 3
 2080 columns (544 threads), B = 8 gives 33, B = 64 gives 4, and B >= 133 one block per row, in a
 single pass.
 
-The workspace (``_part_workspace``): ``SAMPLE_WORKSPACE_SLOTS`` winners, values (float32) and
-indices (int32) in two device arrays, allocated once at that size on first use (outside any graph
-capture: the engine's warm-up runs both samplers before recording) and never freed, so its
-address never changes and a recorded graph keeps pointing at it. 4096 slots (32 KB) hold the
+The workspace (``workspace``, a `PartWinners`): ``SAMPLE_WORKSPACE_SLOTS`` winners, values (float32)
+and indices (int32) in two device arrays that the model allocates with its other buffers, so their
+addresses never change and a recorded graph keeps pointing at them. 4096 slots (32 KB) hold the
 2-blocks-per-SM grid of any GPU up to 2048 SMs. One workspace serves every launch: samplers must
 not run concurrently on two streams.
 
@@ -79,8 +78,8 @@ thread, and with 16 columns a thread the kernels needed more and failed to launc
 (CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES).
 """
 
-import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32, int32, uint64
@@ -294,15 +293,15 @@ def pick_parts(num_rows: int, vocab_size: int, num_sms: int) -> int:
     return max(1, min(SAMPLE_BLOCKS_PER_SM * num_sms // num_rows, vocab_size // SAMPLE_MIN_PART_COLS))
 
 
-@functools.cache
-def _part_workspace():
-    """Device scratch for the part winners: (values (SLOTS,) float32, indices (SLOTS,) int32), allocated
-    once at its largest size. Its address never changes, so a CUDA graph that recorded a split launch
-    stays valid."""
-    return (
-        cuda.device_array(SAMPLE_WORKSPACE_SLOTS, np.float32),
-        cuda.device_array(SAMPLE_WORKSPACE_SLOTS, np.int32),
-    )
+class PartWinners(NamedTuple):
+    """Device scratch of a split launch: each (row, part)'s winner."""
+
+    values: object  # (SAMPLE_WORKSPACE_SLOTS,) f32
+    indices: object  # (SAMPLE_WORKSPACE_SLOTS,) i32
+
+
+def allocate_part_winners() -> PartWinners:
+    return PartWinners(cuda.device_array(SAMPLE_WORKSPACE_SLOTS, np.float32), cuda.device_array(SAMPLE_WORKSPACE_SLOTS, np.int32))
 
 
 def _num_threads(part_cols: int) -> int:
@@ -310,7 +309,7 @@ def _num_threads(part_cols: int) -> int:
     return min(SAMPLE_MAX_THREADS, -(-cols_per_thread // WARP_SIZE) * WARP_SIZE)
 
 
-def _launch_picker(name, kernel_, logits, row_args, token_ids) -> None:
+def _launch_picker(name, kernel_, logits, row_args, token_ids, workspace) -> None:
     """Launch ``kernel_`` (argmax or sample_gumbel) over grid (B, parts), then, with several parts,
     ``reduce_parts_kernel`` over the winners. row_args: the kernel's per-row arrays after logits."""
     num_rows, vocab_size = logits.shape
@@ -319,7 +318,7 @@ def _launch_picker(name, kernel_, logits, row_args, token_ids) -> None:
     part_cols = -(-vocab_size // pick_parts(num_rows, vocab_size, num_sms()))
     part_cols = -(-part_cols // WARP_SIZE) * WARP_SIZE  # slices start on 128-byte boundaries
     parts = -(-vocab_size // part_cols)  # no empty part
-    part_values, part_indices = _part_workspace()
+    part_values, part_indices = workspace or allocate_part_winners()
     if parts > 1 and num_rows * parts > SAMPLE_WORKSPACE_SLOTS:
         raise KernelError(f"{name}: {num_rows} rows in {parts} parts exceed the {SAMPLE_WORKSPACE_SLOTS}-slot workspace")
     grid = (num_rows, parts)
@@ -328,20 +327,21 @@ def _launch_picker(name, kernel_, logits, row_args, token_ids) -> None:
         launch(reduce_parts_kernel, num_rows, WARP_SIZE, part_values, part_indices, parts, token_ids)
 
 
-def argmax(logits, token_ids) -> None:
+def argmax(logits, token_ids, workspace: PartWinners | None = None) -> None:
     """Greedy decoding: token_ids[b] = argmax of logits[b] (device arrays).
 
-    logits: (B, V) float32; token_ids: (B,) int32, overwritten.
+    logits: (B, V) float32; token_ids: (B,) int32, overwritten. `workspace`: the model's part
+    winners (a split launch without one allocates its own).
     """
     check_array("logits", logits, dtype="float32", ndim=2)
     num_rows = logits.shape[0]
     check_array("token_ids", token_ids, dtype="int32", shape=(num_rows,))
     if num_rows == 0:
         return
-    _launch_picker("argmax", argmax_kernel, logits, (), token_ids)
+    _launch_picker("argmax", argmax_kernel, logits, (), token_ids, workspace)
 
 
-def sample_gumbel(logits, temperatures, seeds, steps, token_ids) -> None:
+def sample_gumbel(logits, temperatures, seeds, steps, token_ids, workspace: PartWinners | None = None) -> None:
     """Temperature sampling of one token per row (device arrays); rows with temperature 0 are greedy.
 
     logits: (B, V) float32; temperatures: (B,) float32, >= 0; seeds: (B,) uint32 (a request's
@@ -349,6 +349,7 @@ def sample_gumbel(logits, temperatures, seeds, steps, token_ids) -> None:
     its request; token_ids: (B,) int32, overwritten. The same (seed, step, logits row) always
     gives the same token. temperatures and seeds may be float32 / uint32 views of an int32
     buffer's slice (a CUDA graph's packed per-step inputs): only the dtype and layout are checked.
+    `workspace` as for `argmax`.
     """
     check_array("logits", logits, dtype="float32", ndim=2)
     num_rows = logits.shape[0]
@@ -358,4 +359,4 @@ def sample_gumbel(logits, temperatures, seeds, steps, token_ids) -> None:
     check_array("token_ids", token_ids, dtype="int32", shape=(num_rows,))
     if num_rows == 0:
         return
-    _launch_picker("sample_gumbel", sample_gumbel_kernel, logits, (temperatures, seeds, steps), token_ids)
+    _launch_picker("sample_gumbel", sample_gumbel_kernel, logits, (temperatures, seeds, steps), token_ids, workspace)

@@ -31,13 +31,17 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda
 
+from numba_vllm.kernels import matmul
+from numba_vllm.kernels._launch import num_sms
 from numba_vllm.kernels.decode_attention import decode_attention
+from numba_vllm.kernels.decode_attention import split_workspace_floats as attention_workspace_floats
 from numba_vllm.kernels.embedding import embedding
 from numba_vllm.kernels.gather import gather_rows
-from numba_vllm.kernels.matmul import linear
+from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspace_floats
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
+from numba_vllm.kernels.sample import SAMPLE_WORKSPACE_SLOTS, PartWinners
 from numba_vllm.loading.bf16 import bf16_from_bits, empty_bf16_device, to_bf16, upload_bf16
 from numba_vllm.model.config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
 from numba_vllm.model.rope_scaling import rope_inv_freq
@@ -96,16 +100,20 @@ class DeviceModel:
         self.inv_freq = cuda.to_device(rope_inv_freq(c))  # (HD/2,) f32, Llama-3 scaling applied on the host
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.k_cache = self.v_cache = None
-        self.buffers = None
+        self.buffers = None  # name -> device array, made by `allocate`
+        self.sampler_workspace = None  # the samplers' PartWinners (views of two buffers)
 
     def allocate(self, num_pages: int, max_num_tokens: int, max_num_seqs: int) -> None:
-        """The KV pools (L, num_pages, PAGE_SIZE, KVH, HD) bf16 and activation buffers for up to
-        `max_num_tokens` tokens and `max_num_seqs` sampled rows, allocated once and reused."""
+        """The KV pools (L, num_pages, PAGE_SIZE, KVH, HD) bf16 and every other buffer a step uses
+        (`buffer_specs`: activations for up to `max_num_tokens` tokens and `max_num_seqs` sampled rows,
+        the kernels' split scratch), allocated once and reused: their addresses never change, so
+        recorded CUDA graphs stay valid."""
         c = self.config
         shape = (c.num_hidden_layers, num_pages, PAGE_SIZE, c.num_key_value_heads, c.head_dim)
         self.k_cache, self.v_cache = empty_bf16_device(shape), empty_bf16_device(shape)
-        shapes = activation_shapes(c, max_num_tokens, max_num_seqs)
-        self.buffers = {name: cuda.device_array(shape, np.float32) for name, shape in shapes.items()}
+        specs = buffer_specs(c, max_num_tokens, max_num_seqs, num_sms())
+        self.buffers = {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in specs.items()}
+        self.sampler_workspace = PartWinners(self.buffers["sample_values"], self.buffers["sample_indices"])
 
     def forward(self, s: StepInputs, trace=None):
         """Run one step; returns the logits (B, V) f32 device array of the sampled rows.
@@ -125,13 +133,17 @@ class DeviceModel:
         qkv, q, attn = b["qkv"][:t], b["q"][:t], b["attn"][:t]  # (T, H + 2*KVH, HD), (T, H, HD), (T, H, HD)
         qkv2, attn2 = (a.reshape(t, a.shape[1] * a.shape[2]) for a in (qkv, attn))  # (T, heads*HD)
         gate_up, act = b["gate_up"][:t], b["act"][:t]  # (T, 2F), (T, F)
+        attention_ws = b["attention_partials"]  # split-context scratch
+
+        def linear(x, w, out, **fusions):  # every product of the step: the chosen GEMM and its split scratch
+            matmul.linear(x, w, out, gemm=self.gemm, workspace=b["gemm_partials"], **fusions)
 
         embedding(s.token_ids, self.embed, x)
         report("embed", None, x)
         eps = c.rms_norm_eps
         for i, w in enumerate(self.layers):
             k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # (P, PAGE_SIZE, KVH, HD) this layer's pages
-            linear(x, w["qkv"], qkv2, norm=(w["attn_norm"], eps), normed=h, gemm=self.gemm)  # the norm fused in when gemv runs
+            linear(x, w["qkv"], qkv2, norm=(w["attn_norm"], eps), normed=h)  # the norm fused in when gemv runs
             if trace is not None:
                 rms_norm(x, w["attn_norm"], h, eps)  # the fused norm leaves no h behind: make one to report
                 report("attn_norm", i, h)
@@ -146,41 +158,58 @@ class DeviceModel:
                     self.scale, attn[:tp], s.prefill_max_new_tokens,
                 )  # fmt: skip
             if tp < t:
-                decode_attention(q[tp:], k_cache, v_cache, s.decode_block_tables, s.decode_context_lens, self.scale, attn[tp:])
+                decode_attention(
+                    q[tp:], k_cache, v_cache, s.decode_block_tables, s.decode_context_lens, self.scale, attn[tp:],
+                    attention_ws,
+                )  # fmt: skip
             report("attn", i, attn)
-            linear(attn2, w["o"], x, accumulate=True, gemm=self.gemm)  # x += attention output
+            linear(attn2, w["o"], x, accumulate=True)  # x += attention output
             report("attn_residual", i, x)
             if trace is not None:
                 rms_norm(x, w["mlp_norm"], h, eps)
                 report("mlp_norm", i, h)
-            linear(x, w["gate_up"], act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=h, gate_up=gate_up, gemm=self.gemm)
+            linear(x, w["gate_up"], act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=h, gate_up=gate_up)
             report("mlp_act", i, act)
-            linear(act, w["down"], x, accumulate=True, gemm=self.gemm)  # x += MLP output
+            linear(act, w["down"], x, accumulate=True)  # x += MLP output
             report("mlp_residual", i, x)
 
         nb = s.sample_rows.shape[0]  # 0 when every sequence is in the middle of its prompt (chunked prefill)
         last, logits = b["last"][:nb], b["logits"][:nb]
         if nb:
             gather_rows(x, s.sample_rows, last)
-            linear(last, self.lm_head, logits, norm=(self.final_norm, eps), normed=last, gemm=self.gemm)
+            linear(last, self.lm_head, logits, norm=(self.final_norm, eps), normed=last)
         return logits
 
 
-def activation_shapes(c: ModelConfig, max_num_tokens: int, max_num_seqs: int) -> dict[str, tuple[int, ...]]:
-    """The float32 activation buffers `forward` uses, by name, for steps of up to `max_num_tokens`
-    tokens and `max_num_seqs` sampled rows (also what the KV-cache sizing leaves room for)."""
+def buffer_specs(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms: int) -> dict[str, tuple[tuple[int, ...], type]]:
+    """Every device buffer `forward` uses besides weights and KV cache, by name: (shape, dtype), for
+    steps of up to `max_num_tokens` tokens and `max_num_seqs` sampled rows on a GPU of `num_sms`
+    multiprocessors. The one list: `allocate` makes them, capacity planning counts them
+    (`buffer_bytes`) before sizing the KV cache."""
     t = max_num_tokens
+    f32 = np.float32
     return {
-        "x": (t, c.hidden_size),  # residual stream
-        "h": (t, c.hidden_size),  # normed input of a block
-        "qkv": (t, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim),  # q, k, v heads of a token
-        "q": (t, c.num_attention_heads, c.head_dim),  # rotated queries
-        "attn": (t, c.num_attention_heads, c.head_dim),
-        "gate_up": (t, 2 * c.intermediate_size),
-        "act": (t, c.intermediate_size),
-        "last": (max_num_seqs, c.hidden_size),
-        "logits": (max_num_seqs, c.vocab_size),
+        "x": ((t, c.hidden_size), f32),  # residual stream
+        "h": ((t, c.hidden_size), f32),  # normed input of a block
+        "qkv": ((t, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim), f32),  # q, k, v heads of a token
+        "q": ((t, c.num_attention_heads, c.head_dim), f32),  # rotated queries
+        "attn": ((t, c.num_attention_heads, c.head_dim), f32),
+        "gate_up": ((t, 2 * c.intermediate_size), f32),
+        "act": ((t, c.intermediate_size), f32),
+        "last": ((max_num_seqs, c.hidden_size), f32),
+        "logits": ((max_num_seqs, c.vocab_size), f32),
+        # split scratch: gemm_tc's K-split parts, decode attention's context-split states, sampler part winners
+        "gemm_partials": ((gemm_tc_workspace_floats(num_sms),), f32),
+        "attention_partials": ((attention_workspace_floats(c.num_attention_heads, c.num_key_value_heads, c.head_dim),), f32),
+        "sample_values": ((SAMPLE_WORKSPACE_SLOTS,), f32),
+        "sample_indices": ((SAMPLE_WORKSPACE_SLOTS,), np.int32),
     }
+
+
+def buffer_bytes(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms: int) -> int:
+    """Device bytes of `buffer_specs`."""
+    specs = buffer_specs(c, max_num_tokens, max_num_seqs, num_sms).values()
+    return sum(math.prod(shape) * np.dtype(dtype).itemsize for shape, dtype in specs)
 
 
 def _cached_rows(cache, kv_indices) -> np.ndarray:

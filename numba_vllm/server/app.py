@@ -37,7 +37,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from numba_vllm.engine.llm_engine import LLMEngine
-from numba_vllm.engine.output import PromptError, check_prompt
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.server.engine_loop import EngineLoop
 from numba_vllm.server.metrics import CONTENT_TYPE
@@ -259,11 +258,7 @@ async def _generate(
     explicit = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
     for i, ids in enumerate(prompts):
         param = prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]"
-        check_length(len(ids), req, engine.max_model_len, explicit, param)
-        try:
-            check_prompt(ids, engine.config, engine.max_model_len)
-        except PromptError as e:
-            raise bad_request(str(e), param) from None
+        check_length(engine.lengths, ids, req, explicit, param)
     if state.draining:
         raise APIError(503, "the server is shutting down", code="service_unavailable")
     base_id = f"{prefix}-{uuid.uuid4().hex}"

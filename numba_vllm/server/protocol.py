@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from numba_vllm.engine.lengths import LengthPolicy, MaxTokensError, PromptError
 from numba_vllm.engine.sampling import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the length limit
@@ -213,24 +214,21 @@ def sampling_params(req: _GenerationRequest) -> SamplingParams:
         raise bad_request(message, param) from None
 
 
-def check_length(prompt_len: int, req: _GenerationRequest, max_model_len: int, explicit_max_tokens: bool, param: str) -> None:
-    """A prompt that leaves no room, or an explicit max_tokens beyond what is left, is a 400."""
-    if prompt_len >= max_model_len:
-        raise bad_request(
-            f"this model's maximum context length is {max_model_len} tokens; the prompt has {prompt_len} tokens "
-            "(prompt plus at least one new token must fit)",
-            param,
-            "context_length_exceeded",
-        )
+def check_length(lengths: LengthPolicy, ids: list[int], req: _GenerationRequest, explicit_max_tokens: bool, param: str) -> None:
+    """A prompt the model cannot run, or an explicit max_tokens beyond what is left, is a 400
+    (the engine's length policy decides; vLLM's server answers the same way)."""
+    try:
+        lengths.check_prompt(ids)
+    except PromptError as e:
+        code = "context_length_exceeded" if len(ids) >= lengths.max_model_len else None
+        raise bad_request(str(e), param, code) from None
     max_tokens = requested_max_tokens(req)
-    if explicit_max_tokens and max_tokens is not None and prompt_len + max_tokens > max_model_len:
+    if explicit_max_tokens and max_tokens is not None:
         name = "max_completion_tokens" if getattr(req, "max_completion_tokens", None) is not None else "max_tokens"
-        raise bad_request(
-            f"{name} is too large: {max_tokens}; this model's maximum context length is {max_model_len} tokens "
-            f"and the prompt has {prompt_len} ({prompt_len} + {max_tokens} > {max_model_len})",
-            name,
-            "context_length_exceeded",
-        )
+        try:
+            lengths.check_max_tokens(len(ids), max_tokens, name)
+        except MaxTokensError as e:
+            raise bad_request(str(e), name, "context_length_exceeded") from None
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
