@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numba import cuda
@@ -46,24 +47,29 @@ from numba_vllm.loading.bf16 import bf16_from_bits, empty_bf16_device, to_bf16, 
 from numba_vllm.model.config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
 from numba_vllm.model.rope_scaling import rope_inv_freq
 
+if TYPE_CHECKING:
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
 PREFILL_ATTENTIONS = {"cuda_cores": prefill_attention_cuda_cores}  # by EngineConfig.prefill_attention
 
 
 @dataclass
 class StepInputs:
-    """One step's device arrays (int32), built by the runner from a StepPlan."""
+    """One step's device arrays (int32), built from the scheduler's plan by `executor/inputs.py`.
 
-    token_ids: object  # (T,) prefill tokens first, then one token per decoding sequence
-    positions: object  # (T,)
-    kv_indices: object  # (T,) page_id * PAGE_SIZE + offset: where each token's K/V is written
+    The CUDA-graph path leaves the prefill fields None (its steps have no prefill tokens)."""
+
+    token_ids: DeviceNDArray  # (T,) prefill tokens first, then one token per decoding sequence
+    positions: DeviceNDArray  # (T,)
+    kv_indices: DeviceNDArray  # (T,) page_id * PAGE_SIZE + offset: where each token's K/V is written
     num_prefill_tokens: int  # Tp
-    prefill_cu_seqlens: object  # (Sp + 1,) offsets of each prefilling sequence's tokens in [0, Tp)
-    prefill_start_pos: object  # (Sp,) position of each prefilling sequence's first new token
-    prefill_block_tables: object  # (Sp, max_pages)
+    prefill_cu_seqlens: DeviceNDArray | None  # (Sp + 1,) offsets of each prefilling sequence's tokens in [0, Tp)
+    prefill_start_pos: DeviceNDArray | None  # (Sp,) position of each prefilling sequence's first new token
+    prefill_block_tables: DeviceNDArray | None  # (Sp, max_pages)
     prefill_max_new_tokens: int  # the longest prefill chunk (sizes the prefill grid)
-    decode_block_tables: object  # (Sd, max_pages)
-    decode_context_lens: object  # (Sd,) cached tokens each decoding sequence attends to, itself included
-    sample_rows: object  # (B,) rows of the T tokens whose logits are needed
+    decode_block_tables: DeviceNDArray  # (Sd, W) W = inputs.table_width(longest)
+    decode_context_lens: DeviceNDArray  # (Sd,) cached tokens each decoding sequence attends to, itself included
+    sample_rows: DeviceNDArray  # (B,) rows of the T tokens whose logits are needed
 
 
 class DeviceModel:
