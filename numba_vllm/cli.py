@@ -250,7 +250,7 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
     _log(
         f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
         f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}, max_model_len {engine.max_model_len}, "
-        f"{engine.scheduler.allocator.num_usable_pages} KV pages; serving as {', '.join(names)} on http://{host}:{port}"
+        f"{engine.stats().num_pages} KV pages; serving as {', '.join(names)} on http://{host}:{port}"
     )
     run_server(
         engine,

@@ -20,6 +20,7 @@ from numba_vllm.engine.output import OutputBuilder, RequestOutput, check_prompt
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
+from numba_vllm.engine.stats import EngineStats, collect_stats
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
 HOST_CACHE_SEQUENCES = 4  # numpy / sim default: a cache that holds this many full-length sequences
@@ -130,6 +131,13 @@ class LLMEngine:
                 del self._builders[request.request_id]
             updated.append(output)
         return updated
+
+    # ---- state ---------------------------------------------------------------------------------
+    def stats(self, requests: bool = False) -> EngineStats:
+        """A snapshot of slots, pages and counters, for readers outside the engine (server metrics,
+        banners, benchmarks); with ``requests``, also each running and waiting request. Call it on
+        the thread that steps the engine; the snapshot itself may go to any thread."""
+        return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests)
 
 
 class LLM:
