@@ -222,7 +222,8 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
     try:
         from numba_vllm.server import run_server
     except ImportError as e:
-        raise click.ClickException(f"the server needs FastAPI and uvicorn ({e}): pip install 'numba-vllm[serve]'") from None
+        needs = "the server needs FastAPI, uvicorn and prometheus-client"
+        raise click.ClickException(f"{needs} ({e}): pip install 'numba-vllm[serve]'") from None
     if load_format == "dummy" and model is None:
         raise click.UsageError("--load-format dummy needs --model: a directory with config.json")
     try:
