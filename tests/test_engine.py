@@ -1,6 +1,10 @@
 """The engine end to end on a tiny random Llama: batch invariance on NumPy, and the kernels (in the
 simulator) agreeing with NumPy across page edges and with GQA."""
 
+import io
+import re
+import sys
+
 import pytest
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
@@ -148,3 +152,25 @@ def test_static_scheduling_with_preemption_equals_alone(tiny_dir):
 def test_bad_scheduling_mode_is_a_one_line_error():
     with pytest.raises(ValueError, match="^scheduling: 'dynamic' is not one of continuous, static$"):
         EngineConfig(scheduling="dynamic")
+
+
+# ---- offline progress bar ----------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal(tiny_dir, monkeypatch):
+    llm = LLM(str(tiny_dir), backend="numpy", max_num_seqs=2)
+    for stderr, use_tqdm in ((io.StringIO(), True), (_Terminal(), False)):  # not a terminal; not asked for
+        monkeypatch.setattr(sys, "stderr", stderr)
+        llm.generate(PAGE_EDGE_PROMPTS, GREEDY, use_tqdm=use_tqdm)
+        assert stderr.getvalue() == ""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    llm.generate(PAGE_EDGE_PROMPTS, GREEDY)
+    final = terminal.getvalue().split("\r")[-1]  # tqdm redraws the line in place
+    rates = r"input [\d.]+ tok/s, output [\d.]+ tok/s"
+    assert re.match(rf"Processed prompts: 100%.*\| 5/5 \[\d\d:\d\d<00:00, .*prompt/s, {rates}\]\n$", final)

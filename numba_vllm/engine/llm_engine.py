@@ -182,24 +182,34 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm)
 
     def _run(self, outputs: list[RequestOutput], use_tqdm: bool) -> None:
-        show = use_tqdm and sys.stderr.isatty()
-        done = 0
+        """Step until every request is done. With ``use_tqdm`` and stderr a terminal, a tqdm bar (as in
+        vLLM) shows prompts done, elapsed time and ETA, and the input (prompt) and output (generated)
+        tokens per second so far; a prompt counts as input once its first token is out."""
+        bar = None
+        if use_tqdm and sys.stderr.isatty():
+            from tqdm import tqdm  # only when a bar is drawn
+
+            # miniters=0: redraw every mininterval even while no prompt finishes (the rates move on)
+            bar = tqdm(total=len(outputs), desc="Processed prompts", unit="prompt", miniters=0, dynamic_ncols=True)
+        input_tokens = output_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
-                self.engine.step()
-                if show:
-                    now = sum(o.finished for o in outputs)
-                    if now != done:
-                        done = now
-                        print(f"\rProcessed prompts: {done}/{len(outputs)}", end="", file=sys.stderr, flush=True)
+                updated = self.engine.step()  # each got exactly one new token
+                if bar is not None:
+                    input_tokens += sum(len(o.prompt_token_ids) for o in updated if len(o.token_ids) == 1)
+                    output_tokens += len(updated)
+                    elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                    rates = f"input {input_tokens / elapsed:.1f} tok/s, output {output_tokens / elapsed:.1f} tok/s"
+                    bar.set_postfix_str(rates, refresh=False)
+                    bar.update(sum(o.finished for o in updated))
         except BaseException:
             for o in outputs:  # Ctrl-C or a failure: leave the engine clean for the next call
                 if not o.finished:
                     self.engine.abort_request(o.request_id)
             raise
         finally:
-            if show:
-                print(file=sys.stderr)
+            if bar is not None:
+                bar.close()
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:
