@@ -9,7 +9,9 @@ The engine is driven by hand: `LLMEngine.add_request` when a request arrives, `L
 per forward pass. With `verbose`, each step prints the scheduler's plan (`StepPlan.describe`): one
 line per batch slot (which request, prefill or decode, how many new tokens, their positions, how
 many pages the request holds; "(chunk)" when a prompt is only partly prefilled), then the step's
-token count, the free pages, the waiting queue's length and any request preempted this step.
+token count, the free pages, the waiting queue's length and any request preempted this step. After
+each step the example reads `LLMEngine.stats(requests=True)`, the engine's state as plain values, for
+the waiting queue and each request's preemption count.
 
 The settings are small on purpose: 3 slots, a budget of 16 tokens per step and 8 usable pages of
 16 tokens (page 0 is the reserved null page). What to look for:
@@ -116,7 +118,7 @@ def main(argv: list[str] | None = None) -> None:
         verbose=True,  # engine.step() prints its StepPlan
     )
     engine = LLMEngine(checkpoint, engine_config)
-    num_usable_pages = engine.scheduler.allocator.num_usable_pages
+    num_usable_pages = engine.stats().num_pages
     model_name = "a tiny random Llama" if args.tiny else checkpoint.source.name
     print(f"{model_name}, backend {engine.backend}: {args.max_num_seqs} slots, "
           f"{args.max_num_batched_tokens} tokens per step, {num_usable_pages} pages of {PAGE_SIZE} tokens "
@@ -124,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
 
     prompt_source = passage_ids(checkpoint, max(num_prompt for _, _, num_prompt, _ in ARRIVALS))
     arrivals = sorted(ARRIVALS)
-    requests = {}  # request id -> the scheduler's Request (kept to read its preemption count at the end)
+    preemptions = {}  # request id -> times it was preempted, as last seen in the engine's stats
     outputs = {}  # request id -> RequestOutput, filled in as steps run
     # The verbose plan goes to stderr; send it to stdout so it interleaves with the lines printed here.
     with contextlib.redirect_stderr(sys.stdout):
@@ -138,21 +140,22 @@ def main(argv: list[str] | None = None) -> None:
                 except ValueError as e:  # e.g. a prompt longer than the whole cache: rejected alone
                     print(f"+ {request_id} rejected: {e}")
                     continue
-                requests[request_id] = engine.scheduler.get(request_id)
                 print(f"+ {request_id} arrives: {num_prompt}-token prompt, up to {max_tokens} new tokens")
             for out in engine.step():  # prints "step N:" and the plan, runs the model, samples
                 if out.finished:
                     print(f"- {out.request_id} finished ({out.finish_reason}) with {len(out.token_ids)} new tokens: "
                           "its pages and slot are free for the next step")  # fmt: skip
-            queue = [r.request_id for r in engine.scheduler.waiting]
-            if queue:
-                print(f"  queue: {' '.join(queue)}")
+            stats = engine.stats(requests=True)
+            # A preempted request is still queued when the step that preempted it ends: no preemption is missed.
+            preemptions.update((r.request_id, r.num_preemptions) for r in stats.running + stats.waiting)
+            if stats.waiting:
+                print(f"  queue: {' '.join(r.request_id for r in stats.waiting)}")
 
     print(f"\nsteps: {engine.num_steps}, preemptions: {engine.num_preemptions}")
     for request_id, out in outputs.items():
         shown = repr(out.text) if checkpoint.tokenizer is not None else f"ids {out.token_ids}"
         print(f"{request_id}: {len(out.prompt_token_ids)} prompt + {len(out.token_ids)} new tokens, "
-              f"finish_reason={out.finish_reason}, preemptions={requests[request_id].num_preemptions}: {shown}")  # fmt: skip
+              f"finish_reason={out.finish_reason}, preemptions={preemptions.get(request_id, 0)}: {shown}")  # fmt: skip
 
 
 if __name__ == "__main__":

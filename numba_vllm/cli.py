@@ -223,7 +223,8 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
     try:
         from numba_vllm.server import run_server
     except ImportError as e:
-        raise click.ClickException(f"the server needs FastAPI and uvicorn ({e}): pip install 'numba-vllm[serve]'") from None
+        needs = "the server needs FastAPI, uvicorn and prometheus-client"
+        raise click.ClickException(f"{needs} ({e}): pip install 'numba-vllm[serve]'") from None
     if load_format == "dummy" and model is None:
         raise click.UsageError("--load-format dummy needs --model: a directory with config.json")
     try:
@@ -251,7 +252,7 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
     _log(
         f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
         f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}, max_model_len {engine.max_model_len}, "
-        f"{engine.scheduler.allocator.num_usable_pages} KV pages; serving as {', '.join(names)} on http://{host}:{port}"
+        f"{engine.stats().num_pages} KV pages; serving as {', '.join(names)} on http://{host}:{port}"
     )
     run_server(
         engine,

@@ -1,6 +1,10 @@
 """The engine end to end on a tiny random Llama: batch invariance on NumPy, and the kernels (in the
 simulator) agreeing with NumPy across page edges and with GQA."""
 
+import io
+import re
+import sys
+
 import pytest
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
@@ -75,12 +79,11 @@ def test_a_too_long_prompt_is_rejected_alone(tiny_dir):
 
 def test_abort_frees_pages(tiny_dir):
     engine = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy", num_pages=20))
-    free = engine.scheduler.allocator.num_free_pages
     out = engine.add_request("a", list(range(40)), SamplingParams(max_tokens=50))
     engine.step()
-    assert engine.scheduler.allocator.num_free_pages < free
+    assert engine.stats().num_pages_free == 19 - 3  # 40 tokens on 3 of the 19 usable pages
     engine.abort_request("a")
-    assert out.finish_reason == "abort" and engine.scheduler.allocator.num_free_pages == free
+    assert out.finish_reason == "abort" and engine.stats().num_pages_free == 19
     assert not engine.has_unfinished_requests()
 
 
@@ -101,21 +104,16 @@ def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alon
 # ---- static batching ---------------------------------------------------------------------------
 
 
-def run_recording_plans(engine: LLMEngine, prompts, params) -> tuple[list, list[tuple[set, set, set]]]:
-    """Run every prompt; per step, the running request ids before and after scheduling, and the
-    request ids in the step's plan."""
+def run_recording_admissions(engine: LLMEngine, prompts, params) -> tuple[list, list[tuple[set, set]]]:
+    """Run every prompt; per step, the requests running before it and those it admitted (running
+    after it, or finished by it, and not running before)."""
     outputs = [engine.add_request(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
-    schedule, steps = engine.scheduler.schedule, []
-
-    def recording_schedule():
-        before = {r.request_id for r in engine.scheduler.running}
-        plan = schedule()
-        steps.append((before, {r.request_id for r in engine.scheduler.running}, {s.request.request_id for s in plan.sequences}))
-        return plan
-
-    engine.scheduler.schedule = recording_schedule
+    steps = []
     while engine.has_unfinished_requests():
-        engine.step()
+        before = {r.request_id for r in engine.stats(requests=True).running}
+        stepped = {o.request_id for o in engine.step()}
+        after = {r.request_id for r in engine.stats(requests=True).running}
+        steps.append((before, (after | stepped) - before))
     return outputs, steps
 
 
@@ -127,17 +125,17 @@ def test_static_scheduling_gives_the_same_tokens_and_admits_batch_by_batch(tiny_
         return LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy", max_num_seqs=2, scheduling=scheduling))
 
     continuous, static = engine("continuous"), engine("static")
-    c_outputs, _ = run_recording_plans(continuous, PAGE_EDGE_PROMPTS, MIXED)
-    s_outputs, steps = run_recording_plans(static, PAGE_EDGE_PROMPTS, MIXED)
+    c_outputs, _ = run_recording_admissions(continuous, PAGE_EDGE_PROMPTS, MIXED)
+    s_outputs, steps = run_recording_admissions(static, PAGE_EDGE_PROMPTS, MIXED)
     assert [o.token_ids for o in s_outputs] == [o.token_ids for o in c_outputs]
     assert [len(o.token_ids) for o in s_outputs] == [9, 2, 6, 1, 3]
     batches = []
-    for before, after, scheduled in steps:
+    for before, admitted in steps:
         if before:  # a batch is running: nobody joins it
-            assert after <= before and scheduled <= before
-        elif after:
-            batches.append(sorted(after))
-    assert batches == [["r0", "r1"], ["r2", "r3"], ["r4"]] and static.scheduler.num_batches == 3
+            assert not admitted
+        elif admitted:
+            batches.append(sorted(admitted))
+    assert batches == [["r0", "r1"], ["r2", "r3"], ["r4"]]
     # Static waits for each batch's longest request (9 + 6 + 3 steps); continuous refills slots as they free.
     assert static.num_steps == 18 > continuous.num_steps
 
@@ -154,3 +152,25 @@ def test_static_scheduling_with_preemption_equals_alone(tiny_dir):
 def test_bad_scheduling_mode_is_a_one_line_error():
     with pytest.raises(ValueError, match="^scheduling: 'dynamic' is not one of continuous, static$"):
         EngineConfig(scheduling="dynamic")
+
+
+# ---- offline progress bar ----------------------------------------------------------------------
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_only_on_a_terminal(tiny_dir, monkeypatch):
+    llm = LLM(str(tiny_dir), backend="numpy", max_num_seqs=2)
+    for stderr, use_tqdm in ((io.StringIO(), True), (_Terminal(), False)):  # not a terminal; not asked for
+        monkeypatch.setattr(sys, "stderr", stderr)
+        llm.generate(PAGE_EDGE_PROMPTS, GREEDY, use_tqdm=use_tqdm)
+        assert stderr.getvalue() == ""
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    llm.generate(PAGE_EDGE_PROMPTS, GREEDY)
+    final = terminal.getvalue().split("\r")[-1]  # tqdm redraws the line in place
+    rates = r"input [\d.]+ tok/s, output [\d.]+ tok/s"
+    assert re.match(rf"Processed prompts: 100%.*\| 5/5 \[\d\d:\d\d<00:00, .*prompt/s, {rates}\]\n$", final)

@@ -30,10 +30,11 @@ from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noq
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.cli import main  # noqa: E402
+from numba_vllm.engine.stats import EngineStats  # noqa: E402
 from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path  # noqa: E402
 from numba_vllm.model.config import ModelConfig  # noqa: E402
 from numba_vllm.server import Server, create_app  # noqa: E402
-from numba_vllm.server.metrics import parse_metrics  # noqa: E402
+from numba_vllm.server.metrics import ServerMetrics, parse_metrics  # noqa: E402
 
 TINY_NAME = "tiny"
 MAX_LEN = 16384  # the tiny test model's max_position_embeddings: long enough to disconnect (or stop) mid-request
@@ -114,11 +115,38 @@ def test_models_health_and_metrics(tiny):
     assert client.models.retrieve(TINY_NAME).model_extra["max_model_len"] == MAX_LEN
     assert httpx.get(tiny.url + "/health").status_code == 200
     r = httpx.get(tiny.url + "/metrics")
-    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    assert r.status_code == 200 and r.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     names = ["num_requests_running", "num_requests_waiting", "kv_cache_pages_used", "kv_cache_pages_free", "prompt_tokens_total"]
     names += ["generation_tokens_total", "time_to_first_token_seconds_count", "time_per_output_token_seconds_count"]
     for name in names:
         assert M + name in r.text
+
+
+def test_metrics_text_from_engine_stats_and_events_in_a_registry_per_server():
+    stats = EngineStats(
+        num_running=3, num_waiting=2, num_free_slots=5, num_pages=40, num_pages_used=10, num_pages_free=30,
+        num_preemptions=4, num_steps=99, max_model_len=640,
+    )  # fmt: skip
+    a, b = ServerMetrics(stats), ServerMetrics(stats)  # two in one process: no clash
+    a.prompt_tokens.inc(7)
+    a.finished.labels("length").inc()
+    for seconds in (0.003, 0.03, 3.0):
+        a.ttft.observe(seconds)
+    text = a.render().decode()
+    assert "_created" not in text
+    m = parse_metrics(text)
+    assert {k.removeprefix(M): v for k, v in m.items() if "_seconds" not in k} == {
+        "num_requests_running": 3, "num_requests_waiting": 2, "kv_cache_pages_used": 10, "kv_cache_pages_free": 30,
+        "kv_cache_pages_total": 40, "kv_cache_usage_perc": 0.25, "num_preemptions_total": 4, "engine_steps_total": 99,
+        "prompt_tokens_total": 7, "generation_tokens_total": 0, 'request_success_total{finished_reason="stop"}': 0,
+        'request_success_total{finished_reason="length"}': 1, 'request_success_total{finished_reason="abort"}': 0,
+    }  # fmt: skip
+    ttft = M + "time_to_first_token_seconds"
+    assert [m[f'{ttft}_bucket{{le="{le}"}}'] for le in ("0.001", "0.005", "0.04", "2.5", "5.0", "+Inf")] == [0, 1, 2, 2, 3, 3]
+    assert m[ttft + "_count"] == 3 and m[ttft + "_sum"] == pytest.approx(3.033)
+    assert parse_metrics(b.render().decode())[M + "prompt_tokens_total"] == 0
+    b.set_engine_stats(EngineStats(0, 0, 8, 40, 0, 40, 4, 120, 640))
+    assert parse_metrics(b.render().decode())[M + "engine_steps_total"] == 120
 
 
 def test_greedy_and_seeded_completions_match_llm_generate(tiny, ref):

@@ -46,6 +46,23 @@ def test_bf16_round_trip_is_bit_exact(tmp_path):
     assert got.dtype == BF16 and np.array_equal(got.view(np.uint16), x.view(np.uint16))
 
 
+def test_written_values_are_the_arrays_values_whatever_their_layout(tmp_path):
+    x = np.arange(12, dtype=np.float32).reshape(3, 4)
+    tensors = {"transposed": x.T, "big_endian": x.astype(">f4"), "strided": x[:, ::2], "flags": x > 5}
+    save_safetensors(tmp_path / "l.safetensors", tensors, metadata={"format": "pt"})
+    got = read_safetensors(tmp_path / "l.safetensors")
+    for name, t in tensors.items():
+        assert got[name].shape == t.shape and np.array_equal(got[name], t), name
+    assert got["big_endian"].dtype == np.dtype("<f4") and got["flags"].dtype == np.dtype("?")
+    assert read_metadata(tmp_path / "l.safetensors") == {"format": "pt"}
+
+
+def test_a_dtype_the_reader_cannot_read_is_refused_and_nothing_is_written(tmp_path):
+    with pytest.raises(WeightsError, match=r"tensor 'u': dtype uint16 is not one read_safetensors reads"):
+        save_safetensors(tmp_path / "u.safetensors", {"f": np.zeros(2, np.float32), "u": np.zeros(2, np.uint16)})
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, "bf16"])
 def test_load_weights_checks_and_returns_every_tensor(tmp_path, dtype):
     cfg = tiny_config_dict()

@@ -107,7 +107,7 @@ def run_latency(
         row["warmup_runs_s"] = rehearsal_s
         log(f"[latency] batch {b}: ttft {row['ttft_ms']:.1f} ms, decode median {fmt(row['decode_ms_median'])} ms/step")
         rows.append(row)
-    num_pages = engine.scheduler.allocator.num_pages
+    num_pages = 1 + engine.stats().num_pages  # the pool, null page included, as --num-pages counts it
     del engine
     release_device_memory(backend)
 

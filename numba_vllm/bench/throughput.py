@@ -177,7 +177,7 @@ def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len:
         elapsed = time.perf_counter() - t0
         memory.sample()
         steps, preemptions = engine.num_steps - steps0, engine.num_preemptions - preempt0
-        num_pages = engine.scheduler.allocator.num_pages
+        num_pages = 1 + engine.stats().num_pages  # the pool, null page included, as --num-pages counts it
     finally:
         del engine
         release_device_memory(backend)

@@ -20,6 +20,7 @@ from numba_vllm.engine.output import OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
+from numba_vllm.engine.stats import EngineStats, collect_stats
 from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
@@ -119,6 +120,13 @@ class LLMEngine:
             updated.append(output)
         return updated
 
+    # ---- state ---------------------------------------------------------------------------------
+    def stats(self, requests: bool = False) -> EngineStats:
+        """A snapshot of slots, pages and counters, for readers outside the engine (server metrics,
+        banners, benchmarks); with ``requests``, also each running and waiting request. Call it on
+        the thread that steps the engine; the snapshot itself may go to any thread."""
+        return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests)
+
 
 class LLM:
     """Offline inference: `LLM(model).generate(prompts, params)` -> outputs in prompt order."""
@@ -162,24 +170,34 @@ class LLM:
         return self.generate(ids, sampling_params, use_tqdm)
 
     def _run(self, outputs: list[RequestOutput], use_tqdm: bool) -> None:
-        show = use_tqdm and sys.stderr.isatty()
-        done = 0
+        """Step until every request is done. With ``use_tqdm`` and stderr a terminal, a tqdm bar (as in
+        vLLM) shows prompts done, elapsed time and ETA, and the input (prompt) and output (generated)
+        tokens per second so far; a prompt counts as input once its first token is out."""
+        bar = None
+        if use_tqdm and sys.stderr.isatty():
+            from tqdm import tqdm  # only when a bar is drawn
+
+            # miniters=0: redraw every mininterval even while no prompt finishes (the rates move on)
+            bar = tqdm(total=len(outputs), desc="Processed prompts", unit="prompt", miniters=0, dynamic_ncols=True)
+        input_tokens = output_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
-                self.engine.step()
-                if show:
-                    now = sum(o.finished for o in outputs)
-                    if now != done:
-                        done = now
-                        print(f"\rProcessed prompts: {done}/{len(outputs)}", end="", file=sys.stderr, flush=True)
+                updated = self.engine.step()  # each got exactly one new token
+                if bar is not None:
+                    input_tokens += sum(len(o.prompt_token_ids) for o in updated if len(o.token_ids) == 1)
+                    output_tokens += len(updated)
+                    elapsed = max(bar.format_dict["elapsed"], 1e-9)
+                    rates = f"input {input_tokens / elapsed:.1f} tok/s, output {output_tokens / elapsed:.1f} tok/s"
+                    bar.set_postfix_str(rates, refresh=False)
+                    bar.update(sum(o.finished for o in updated))
         except BaseException:
             for o in outputs:  # Ctrl-C or a failure: leave the engine clean for the next call
                 if not o.finished:
                     self.engine.abort_request(o.request_id)
             raise
         finally:
-            if show:
-                print(file=sys.stderr)
+            if bar is not None:
+                bar.close()
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

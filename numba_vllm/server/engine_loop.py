@@ -80,7 +80,7 @@ class EngineLoop:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        self.metrics = ServerMetrics(engine.scheduler.allocator.num_usable_pages)
+        self.metrics = ServerMetrics(engine.stats())
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, object]] = []
@@ -163,15 +163,13 @@ class EngineLoop:
                 self._outbox.append((sink, APIError(500, f"the engine refused the request: {type(e).__name__}: {e}")))
                 return
             self._live[request_id] = _Live(sink, output, arrival)
-            with self.metrics.lock:
-                self.metrics.prompt_tokens += len(prompt_ids)
+            self.metrics.prompt_tokens.inc(len(prompt_ids))
             self._outbox.append((sink, _ACCEPTED))
         elif kind == "abort":
             live = self._live.pop(command[1], None)
             if live is not None:
                 self.engine.abort_request(command[1])
-                with self.metrics.lock:
-                    self.metrics.finished["abort"] += 1
+                self.metrics.finished.labels("abort").inc()
         elif kind == "abort_all":
             self._abort_all()
 
@@ -207,17 +205,16 @@ class EngineLoop:
         out = live.output
         new_tokens = out.token_ids[live.sent_tokens :]
         m = self.metrics
-        with m.lock:
-            if new_tokens:
-                m.generation_tokens += len(new_tokens)
-                if live.last_token_at is None:
-                    m.ttft.observe(now - live.arrival)
-                else:
-                    m.tpot.observe((now - live.last_token_at) / len(new_tokens))
-                live.last_token_at = now
-            if out.finished:
-                m.finished[out.finish_reason] = m.finished.get(out.finish_reason, 0) + 1
-                m.e2e.observe(now - live.arrival)
+        if new_tokens:
+            m.generation_tokens.inc(len(new_tokens))
+            if live.last_token_at is None:
+                m.ttft.observe(now - live.arrival)
+            else:
+                m.tpot.observe((now - live.last_token_at) / len(new_tokens))
+            live.last_token_at = now
+        if out.finished:
+            m.finished.labels(out.finish_reason).inc()
+            m.e2e.observe(now - live.arrival)
         delta = Delta(live.sink.index, out.text[live.sent_text :], list(new_tokens), out.finish_reason)
         live.sent_text, live.sent_tokens = len(out.text), len(out.token_ids)
         if out.finished:
@@ -225,11 +222,8 @@ class EngineLoop:
         self._outbox.append((live.sink, delta))
 
     def _snapshot(self) -> None:
-        s, m = self.engine.scheduler, self.metrics
-        with m.lock:
-            m.num_running, m.num_waiting = len(s.running), len(s.waiting)
-            m.pages_free = s.allocator.num_free_pages
-            m.steps, m.preemptions = self.engine.num_steps, self.engine.num_preemptions
+        """Publish the engine's state (requests, pages, steps) to the metrics."""
+        self.metrics.set_engine_stats(self.engine.stats())
 
     def _flush(self) -> None:
         """Hand this round's news to the event loop(s) that wait for it, one callback per loop."""

@@ -1,18 +1,32 @@
-"""Server metrics in the Prometheus text exposition format (version 0.0.4), written by hand.
+"""Server metrics for `/metrics`, in the Prometheus text format (version 0.0.4), with `prometheus_client`.
 
-The engine thread records (tokens, latencies, finished requests, and a snapshot of the scheduler
-and the page allocator after each step); `/metrics` renders under the same lock. Names follow
-vLLM's (`vllm:` becomes `numba_vllm:`), so dashboards built for it need only the prefix changed.
+Each server has its own `CollectorRegistry`, never the library's process-wide default, so two
+servers (or tests) in one process do not clash. Two kinds of series:
+- engine state (requests running and waiting, KV-cache pages, steps, preemptions): after every step
+  the engine thread stores a fresh `EngineStats`, and `EngineStateCollector` turns the latest one
+  into gauges and counters when `/metrics` is read. The snapshot is frozen and replaced whole, so
+  the event loop reads one consistent state without a lock;
+- events (tokens in and out, finished requests, latencies): counters and histograms the engine
+  thread updates as they happen (prometheus_client's metrics are thread-safe).
+
+Names follow vLLM's (`vllm:` becomes `numba_vllm:`), so dashboards built for it need only the prefix
+changed. The `_created` samples prometheus_client adds to counters and histograms (each series'
+creation time) are left out, as vLLM leaves them out.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-import threading
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from numba_vllm.engine.stats import EngineStats
 
 PREFIX = "numba_vllm:"
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
@@ -20,90 +34,86 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 FINISH_REASONS = ("stop", "length", "abort")
 
 
-class Histogram:
-    """Cumulative-bucket histogram: counts of observations <= each bound, their sum and count."""
+class EngineStateCollector:
+    """The latest `EngineStats` as Prometheus gauges and counters, built when /metrics is read."""
 
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...]):
-        self.name, self.help, self.buckets = name, help, tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # the last is +Inf
-        self.sum = 0.0
-        self.count = 0
+    def __init__(self, stats: EngineStats):
+        self.stats = stats  # replaced (never changed in place) by the engine thread after each step
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
-
-    def render(self, out: list[str]) -> None:
-        name = PREFIX + self.name
-        out += [f"# HELP {name} {self.help}", f"# TYPE {name} histogram"]
-        cumulative = 0
-        for bound, n in zip((*self.buckets, math.inf), self.counts, strict=True):
-            cumulative += n
-            le = "+Inf" if bound == math.inf else repr(float(bound))
-            out.append(f'{name}_bucket{{le="{le}"}} {cumulative}')
-        out += [f"{name}_sum {self.sum!r}", f"{name}_count {self.count}"]
+    def collect(self) -> Iterable[Metric]:
+        s = self.stats  # one snapshot for every series below
+        gauges = [
+            ("num_requests_running", "Requests in batch slots (prefilling or decoding).", s.num_running),
+            ("num_requests_waiting", "Requests queued for a slot (new or preempted).", s.num_waiting),
+            ("kv_cache_pages_used", "KV-cache pages held by requests.", s.num_pages_used),
+            ("kv_cache_pages_free", "KV-cache pages free.", s.num_pages_free),
+            ("kv_cache_pages_total", "Usable KV-cache pages (16 tokens each).", s.num_pages),
+            ("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0..1).", s.kv_cache_usage),
+        ]
+        for name, help, value in gauges:
+            yield GaugeMetricFamily(PREFIX + name, help, value)
+        yield CounterMetricFamily(
+            PREFIX + "num_preemptions", "Requests that lost their pages and were recomputed.", s.num_preemptions
+        )
+        yield CounterMetricFamily(PREFIX + "engine_steps", "Engine steps (forward passes).", s.num_steps)
 
 
 class ServerMetrics:
-    """Everything /metrics shows. Mutated by the engine thread, rendered by the event loop."""
+    """Everything /metrics shows, in one server's own registry. Updated by the engine thread,
+    rendered by the event loop."""
 
-    def __init__(self, num_pages_total: int):
-        self.lock = threading.Lock()
-        self.num_running = 0
-        self.num_waiting = 0
-        self.pages_total = num_pages_total  # usable pages (the null page excluded)
-        self.pages_free = num_pages_total
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.preemptions = 0
-        self.steps = 0
-        self.finished = dict.fromkeys(FINISH_REASONS, 0)
-        self.ttft = Histogram("time_to_first_token_seconds", "Time from arrival to the first generated token.", TTFT_BUCKETS)
-        self.tpot = Histogram(
-            "time_per_output_token_seconds", "Time between consecutive generated tokens of a request.", TPOT_BUCKETS
+    def __init__(self, stats: EngineStats):
+        self.registry = CollectorRegistry()
+        self.engine_state = EngineStateCollector(stats)
+        self.registry.register(self.engine_state)
+        r = self.registry
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of admitted requests.", registry=r)
+        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)
+        self.finished = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
-        self.e2e = Histogram("e2e_request_latency_seconds", "Time from arrival to the last token.", E2E_BUCKETS)
+        for reason in FINISH_REASONS:  # every reason shows from the start, at 0
+            self.finished.labels(reason)
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time from arrival to the first generated token.",
+            buckets=TTFT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds", "Time between consecutive generated tokens of a request.",
+            buckets=TPOT_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.", buckets=E2E_BUCKETS, registry=r
+        )
 
-    def render(self) -> str:
-        out: list[str] = []
-        with self.lock:
-            used = self.pages_total - self.pages_free
-            gauges = [
-                ("num_requests_running", "Requests in batch slots (prefilling or decoding).", self.num_running),
-                ("num_requests_waiting", "Requests queued for a slot (new or preempted).", self.num_waiting),
-                ("kv_cache_pages_used", "KV-cache pages held by requests.", used),
-                ("kv_cache_pages_free", "KV-cache pages free.", self.pages_free),
-                ("kv_cache_pages_total", "Usable KV-cache pages (16 tokens each).", self.pages_total),
-                (
-                    "kv_cache_usage_perc",
-                    "Fraction of KV-cache pages in use (0..1).",
-                    used / self.pages_total if self.pages_total else 0.0,
-                ),
-            ]
-            for name, help, value in gauges:
-                out += [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} gauge", f"{PREFIX}{name} {value}"]
-            counters = [
-                ("prompt_tokens_total", "Prompt tokens of admitted requests.", self.prompt_tokens),
-                ("generation_tokens_total", "Generated tokens.", self.generation_tokens),
-                ("num_preemptions_total", "Requests that lost their pages and were recomputed.", self.preemptions),
-                ("engine_steps_total", "Engine steps (forward passes).", self.steps),
-            ]
-            for name, help, value in counters:
-                out += [f"# HELP {PREFIX}{name} {help}", f"# TYPE {PREFIX}{name} counter", f"{PREFIX}{name} {value}"]
-            name = PREFIX + "request_success_total"
-            out += [f"# HELP {name} Finished requests by finish reason.", f"# TYPE {name} counter"]
-            out += [f'{name}{{finished_reason="{r}"}} {n}' for r, n in self.finished.items()]
-            for h in (self.ttft, self.tpot, self.e2e):
-                h.render(out)
-        return "\n".join(out) + "\n"
+    def set_engine_stats(self, stats: EngineStats) -> None:
+        """Publish the engine's state after a step (the engine thread calls this)."""
+        self.engine_state.stats = stats
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text format, without `_created` samples."""
+        return generate_latest(_WithoutCreated(self.registry))
+
+
+class _WithoutCreated:
+    """A registry's metrics minus their `_created` samples. Filtered here rather than switched off
+    with prometheus_client's `disable_created_metrics()`, which would change every registry in the
+    process, the application's own included."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        for metric in self.registry.collect():  # fresh Metric objects on every call: safe to edit
+            metric.samples = [s for s in metric.samples if not s.name.endswith("_created")]
+            yield metric
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {'name{labels}': value} (for the tests)."""
+    """Prometheus text -> {'name{labels}': value}, through prometheus_client's parser (for the tests)."""
     values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sample.labels.items())
+            values[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
     return values
