@@ -65,6 +65,7 @@ class KernelVariant:
     kernel: str  # "module:expression" giving the dispatcher, evaluated in numba_vllm.kernels.<module>
     signature: str  # argument types as the launcher passes them, over SIGNATURE_NAMES
     threads: str  # threads per block: an expression over the module's (the launcher's) constants
+    dynamic_shared: str = "0"  # dynamic shared memory per block the launcher asks for, bytes (an expression too)
     hot: bool = True  # on the engine's per-step path: must not use local memory (no spills, no stack) ...
     spill_budget: int = 0  # ... beyond this many bytes per thread, where a register cap trades spills for occupancy
 
@@ -166,7 +167,7 @@ names = dict(types=types, f32=_arr(types.float32), bf16=_arr(types.bfloat16), i3
              uint32=types.uint32, int64=types.int64)
 request = json.loads(sys.stdin.read())
 out = {}
-for key, kernel, signature, threads in request["variants"]:
+for key, kernel, signature, threads, dynamic_shared in request["variants"]:
     module_name, expression = kernel.split(":", 1)
     scope = vars(importlib.import_module(request["package"] + "." + module_name))
     try:
@@ -174,7 +175,8 @@ for key, kernel, signature, threads in request["variants"]:
         options = dispatcher_.targetoptions
         ptx, _ = cuda.compile_ptx(dispatcher_.py_func, eval(signature, names), cc=(9, 0), lineinfo=request["lineinfo"],
                                   fastmath=options.get("fastmath", False), launch_bounds=options.get("launch_bounds"))
-        out[key] = {"ptx": ptx, "threads": eval(threads, scope), "max_registers": options.get("max_registers")}
+        out[key] = {"ptx": ptx, "threads": eval(threads, scope), "dynamic_shared": eval(dynamic_shared, scope),
+                    "max_registers": options.get("max_registers")}
     except Exception as e:
         out[key] = {"error": f"{type(e).__name__}: {e}"}
 print(json.dumps(out))
@@ -182,7 +184,7 @@ print(json.dumps(out))
 
 
 def compile_ptx(variants: Sequence[KernelVariant], lineinfo: bool = False) -> dict[str, dict]:
-    """{variant key: {'ptx', 'threads', 'max_registers'} or {'error': message}}, for sm_90, no GPU needed.
+    """{key: {'ptx', 'threads', 'dynamic_shared', 'max_registers'} or {'error': message}} for sm_90, no GPU needed.
 
     The child process runs with the simulator off (``cuda.compile_ptx`` needs the real target) and
     imports this same package. lineinfo: compile as ``make profile`` does (``NUMBA_VLLM_LINEINFO=1``:
@@ -191,8 +193,8 @@ def compile_ptx(variants: Sequence[KernelVariant], lineinfo: bool = False) -> di
     package_root = str(Path(__file__).resolve().parents[2])  # the directory holding numba_vllm/
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", NUMBA_VLLM_LINEINFO="1" if lineinfo else "0")
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    request = json.dumps({"variants": [(v.key, v.kernel, v.signature, v.threads) for v in variants], "lineinfo": lineinfo,
-                          "package": KERNELS_PACKAGE})  # fmt: skip
+    specs = [(v.key, v.kernel, v.signature, v.threads, v.dynamic_shared) for v in variants]
+    request = json.dumps({"variants": specs, "lineinfo": lineinfo, "package": KERNELS_PACKAGE})
     proc = subprocess.run([sys.executable, "-c", _CHILD], input=request, capture_output=True, text=True, env=env, timeout=1200)
     if proc.returncode != 0:
         raise ReportError(f"PTX compilation child failed:\n{proc.stderr[-3000:]}")
@@ -261,7 +263,7 @@ class Resources:
     spill_stores: int  # bytes per thread written to local memory because registers ran out
     spill_loads: int  # bytes per thread read back
     stack: int  # bytes per thread of stack frame (local memory: spills and arrays kept in memory)
-    shared: int  # static shared memory per block, bytes
+    shared: int  # static shared memory per block, bytes (dynamic shared memory is the launcher's to add)
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -389,9 +391,9 @@ def kernel_report(variants: Sequence[KernelVariant] = REGISTRY, ptx: dict[str, d
     for v in variants:
         built = ptx[v.key]
         res = assemble(ptxas, built["ptx"], built["max_registers"])
-        occ = occupancy(res.registers, res.shared, built["threads"])
-        rows.append(dict(kernel=v.name, variant=v.variant, hot=v.hot, threads=built["threads"],
-                         max_registers=built["max_registers"], **asdict(res), **asdict(occ)))  # fmt: skip
+        occ = occupancy(res.registers, res.shared + built["dynamic_shared"], built["threads"])
+        launch = {k: built[k] for k in ("threads", "dynamic_shared", "max_registers")}  # the launcher's settings
+        rows.append(dict(kernel=v.name, variant=v.variant, hot=v.hot, **launch, **asdict(res), **asdict(occ)))
     nvvm = nvvm_release()
     return {
         "benchmark": "kernel resources (static)",
@@ -411,7 +413,7 @@ def table_rows(report: dict) -> list[list]:
     """The report's rows as table cells, in HEADERS order."""
     return [
         [r["kernel"], r["variant"] or "-", str(r["registers"]) + ("*" if r["max_registers"] else ""), r["spill_stores"],
-         r["spill_loads"], r["stack"], r["shared"], r["threads"], r["blocks"], r["limit"], r["warps"],
+         r["spill_loads"], r["stack"], r["shared"] + r["dynamic_shared"], r["threads"], r["blocks"], r["limit"], r["warps"],
          f"{100 * r['fraction']:.0f}%"]  # fmt: skip
         for r in report["rows"]
     ]
@@ -421,7 +423,7 @@ def format_report(report: dict) -> str:
     p = report["ptxas"]
     title = (f"# {report['target']} (H200: 64K registers, 228 KB shared memory, 64 warps, 32 blocks per SM); "
              f"ptxas {p['release']} ({p['source']}), NVVM {report['nvvm'] or 'unknown'}; bytes per thread "
-             "(spills, stack) or per block (smem); regs*: capped by max_registers")  # fmt: skip
+             "(spills, stack) or per block (smem: static + dynamic); regs*: capped by max_registers")  # fmt: skip
     return format_table(HEADERS, table_rows(report), title=title)
 
 
