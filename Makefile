@@ -60,6 +60,10 @@ profile-ncu:  ## the kernels only (Nsight Compute, source view): profiles/decode
 		$(GPU_PY) benchmarks/profile_decode.py $(PROFILE_ARGS) --profile-range $(NCU_RANGE)
 	-$(NCU) --import $(PROFILE_DIR)/decode.ncu-rep --page details --section SpeedOfLight
 
+.PHONY: kernel-report
+kernel-report: setup  ## registers, spills, shared memory and H200 occupancy of every kernel, no GPU needed (docs/benchmarks.md)
+	$(VENV)/bin/numba-vllm bench kernels --static $(ARGS)
+
 lint:  ## ruff over the package, tests, examples and benchmarks
 	$(VENV)/bin/ruff check --isolated --line-length 130 --select E,F,W,I,B,UP --ignore B007 numba_vllm tests examples benchmarks
 

@@ -447,15 +447,23 @@ def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_
 @click.option("--only", default=None, help="Run only the cases whose name contains this (e.g. gemv, attention).")
 @click.option("--iters", type=click.IntRange(1), default=30, show_default=True, help="Timed launches per case (median).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the table as JSON here.")
+@click.option("--static", is_flag=True, help="No GPU: each kernel variant's registers, spills, shared memory, H200 occupancy.")
 @_one_line_errors
-def kernels(only, iters, json_path):
-    """Per-kernel roofline table on the GPU: time, GB/s or TFLOP/s, share of the measured ceiling."""
+def kernels(only, iters, json_path, static):
+    """Per-kernel roofline table on the GPU: time, GB/s or TFLOP/s, share of the measured ceiling.
+    With --static, the kernels' resources instead, on any machine (`make kernel-report`)."""
     from numba_vllm.bench.common import check_json_path, write_json
-    from numba_vllm.bench.kernels import require_gpu, run_kernels
 
     check_json_path(json_path)
-    require_gpu()
-    result = run_kernels(only=only, iters=iters, emit=lambda line: click.echo(line))
+    if static:
+        from numba_vllm.bench.kernel_report import run_static_report
+
+        result = run_static_report(only=only, emit=click.echo)
+    else:
+        from numba_vllm.bench.kernels import require_gpu, run_kernels
+
+        require_gpu()
+        result = run_kernels(only=only, iters=iters, emit=lambda line: click.echo(line))
     write_json(json_path, result)
 
 

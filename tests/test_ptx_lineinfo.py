@@ -7,12 +7,13 @@ device function whose module is linked twice (once per specialisation of a calle
 "Symbol name with unsupported characters" (gemm_tc's ``_w_pair``). And a kernel that calls a
 function compiled elsewhere (``.extern .func``: numba's float32 -> bf16 store calls CUDA's C++
 constructor) fails at link time, because the debug-info flags of the two modules conflict (rope's
-cache stores did). Compiled without a GPU like the other PTX tests, for every kernel they cover; the
+cache stores did). Compiled without a GPU like the other PTX tests, for every kernel variant; the
 PTX must carry ``.loc`` directives that point at the kernel's Python file.
 
 NVVM also rejects some kernels for reasons that depend on how their optimised code comes out (gemv's
-2- and 4-token RMSNorm variants); ``jit.py`` then compiles such a kernel without line tables, with a
-warning, which the last test checks on a stand-in dispatcher.
+2- and 4-token RMSNorm variants, ``NVVM_REJECTS``); ``jit.py`` then compiles such a kernel without
+line tables, with a warning, which the last test checks on a stand-in dispatcher. The kernels are the
+registry's (``numba_vllm/bench/kernel_report.py``).
 """
 
 import re
@@ -20,21 +21,19 @@ import types
 
 import ptx_check
 import pytest
-import test_ptx_attention
-import test_ptx_matmul
-import test_ptx_pointwise
 
-SPECS = [
-    *[(m, n, s) for m, n, s, _ in test_ptx_attention.SPECS],
-    *[(m, n, s) for m, n, s, _ in test_ptx_matmul.SPECS],
-    *test_ptx_pointwise.KERNELS,
-]
+from numba_vllm.bench.kernel_report import REGISTRY
+
+NVVM_REJECTS = {"gemv t2 norm", "gemv t4 norm"}  # "ERROR_COMPILATION" with line tables (numba-cuda 0.30, NVVM 13.5)
 
 
+@pytest.mark.slow  # compiles every variant (seconds each)
 def test_every_kernel_compiles_with_line_information():
-    result = ptx_check.compile_ptx(SPECS, lineinfo=True)
+    result = ptx_check.compile_ptx(REGISTRY, lineinfo=True)
     failed = {name: r["error"] for name, r in result.items() if "error" in r}
-    assert failed == {}
+    assert set(failed) == NVVM_REJECTS, failed  # a kernel leaving the set: NVVM accepts it now, drop it
+    assert all("ERROR_COMPILATION" in e for e in failed.values()), failed
+    result = {name: r for name, r in result.items() if name not in NVVM_REJECTS}
     for name, r in result.items():
         files = re.findall(r'^\s*\.file\s+\d+\s+"([^"]+)"', r["ptx"], re.MULTILINE)
         assert any(f.endswith(".py") for f in files), f"{name}: no Python source file in the line table"

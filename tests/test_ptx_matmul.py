@@ -1,102 +1,58 @@
 """The matrix-product kernels compile for sm_90 without a GPU, with no FP64 and no local memory.
 
-The hot kernels (gemm, gemm_tc, the three gemv tiles) must also show the instructions they were
+The hot kernels (gemm, gemm_tc, every gemv variant) must also show the instructions they were
 written for: 16-byte global loads (``ld.global.nc.v4``), for gemm 16-byte shared loads
 (``ld.shared.v4.f32``), for gemm_tc the tensor-core instruction (``mma.sync``) fed by ``ldmatrix``,
 bf16 conversion (``cvt.rn.bf16x2.f32``), 16-byte shared stores and ``cp.async`` copies. Compiling
 also type-checks the GPU-only code paths (the ``@intrinsic`` loads and the inline PTX of
-``mma.py``), which the simulator never runs.
-
-Where a ``ptxas`` is on the PATH, gemm_tc's PTX is also assembled for sm_90 to check what the PTX
-cannot show: no register spills (its 128 accumulators per lane leave little room under 255).
+``mma.py``), which the simulator never runs. The variants are the kernel registry's
+(``numba_vllm/bench/kernel_report.py``); what the PTX cannot show (register spills, e.g. under
+gemm_tc's 128 accumulators per lane) is checked by ``test_kernel_report.py`` after ptxas.
 """
 
 import re
-import shutil
-import subprocess
 
 import ptx_check
 import pytest
 
-from numba_vllm.kernels.gemm_tc import LARGE, SMALL, gemm_tc_kernel_for
-from numba_vllm.kernels.gemv import gemv_kernel_for
+from numba_vllm.bench.kernel_report import select
 
-gemm_tc_large = gemm_tc_kernel_for(LARGE)  # module-level names for the compiler child
-gemm_tc_small = gemm_tc_kernel_for(SMALL)
-gemv_t1_kernel, gemv_t2_kernel, gemv_t4_kernel = (gemv_kernel_for(t) for t in (1, 2, 4))
-gemv_t1_norm_kernel = gemv_kernel_for(1, normalize=True)
-gemv_t4_norm_silu_kernel = gemv_kernel_for(4, normalize=True, silu_mul=True)
-HERE = __name__
-GEMV = "numba_vllm.kernels.gemv"
-GEMM = "numba_vllm.kernels.gemm"
-LINEAR_SIG = "(f32(2), u16(2), f32(2), int64, int64)"
-GEMV_SIG = "(f32(2), u16(2), f32(2), int64, int64, u16(1), float32)"  # + norm weight bits, eps
-GEMM_TC_SIG = "(f32(2), u16(2), f32(2), int64, int64, int64)"  # + K slices per split
-SPECS = [  # (module, kernel, signature, hot)
-    (HERE, "gemv_t1_kernel", GEMV_SIG, True),
-    (HERE, "gemv_t2_kernel", GEMV_SIG, True),
-    (HERE, "gemv_t4_kernel", GEMV_SIG, True),
-    (HERE, "gemv_t1_norm_kernel", GEMV_SIG, True),
-    (HERE, "gemv_t4_norm_silu_kernel", GEMV_SIG, True),
-    (GEMV, "gemv_unaligned_kernel", "(f32(2), u16(2), f32(2), int64)", False),
-    (GEMM, "gemm_kernel", LINEAR_SIG, True),
-    (HERE, "gemm_tc_large", GEMM_TC_SIG, True),
-    (HERE, "gemm_tc_small", GEMM_TC_SIG, True),
-]
-MMA_PER_STAGE = {"gemm_tc_large": 64, "gemm_tc_small": 16}  # warp's mma tiles (4 x 8, 2 x 4) x 2 k-steps, unrolled
+pytestmark = pytest.mark.slow  # compiles every variant (seconds each)
+
+VARIANTS = select(("gemv", "gemv_unaligned", "gemm", "gemm_two_blocks", "gemm_tc", "sum_splits"))
+GEMV_KEYS = [v.key for v in VARIANTS if v.name == "gemv"]
+MMA_PER_STAGE = {"gemm_tc LARGE 128x256": 64, "gemm_tc SMALL 64x64": 16}  # warp's mma tiles (4 x 8, 2 x 4) x 2 k-steps
 
 
 @pytest.fixture(scope="module")
 def ptx():
-    return ptx_check.compile_ptx([(module, name, sig) for module, name, sig, _ in SPECS])
+    return ptx_check.compile_ptx(VARIANTS)
 
 
-@pytest.mark.parametrize("module,name,sig,hot", SPECS, ids=[s[1] for s in SPECS])
-def test_kernel_compiles_clean(ptx, module, name, sig, hot):
-    result = ptx[f"{module}.{name}"]
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
+def test_kernel_compiles_clean(ptx, variant):
+    result = ptx[variant.key]
     assert "error" not in result, result.get("error")
-    assert ptx_check.ptx_problems(result["ptx"], hot) == []
+    assert ptx_check.ptx_problems(result["ptx"], variant.hot) == []
 
 
-GEMV_NAMES = ["gemv_t1_kernel", "gemv_t2_kernel", "gemv_t4_kernel", "gemv_t1_norm_kernel", "gemv_t4_norm_silu_kernel"]
-
-
-@pytest.mark.parametrize("name", [*GEMV_NAMES, "gemm_kernel"])
-def test_hot_kernels_use_16_byte_loads(ptx, name):
-    module = GEMM if name.startswith("gemm") else HERE
-    text = ptx[f"{module}.{name}"]["ptx"]
+@pytest.mark.parametrize("key", [*GEMV_KEYS, "gemm"])
+def test_hot_kernels_use_16_byte_loads(ptx, key):
+    text = ptx[key]["ptx"]
     assert "ld.global.nc.v4.u32" in text  # weights: 8 bf16 per load
     assert "ld.global.nc.v4.f32" in text  # activations: 4 f32 per load
-    assert not re.search(r"ld\.global(\.nc)?\.u16", text) or name == "gemm_kernel"  # gemm: only its K tail
-    if name == "gemm_kernel":
+    assert not re.search(r"ld\.global(\.nc)?\.u16", text) or key == "gemm"  # gemm: only its K tail
+    if key == "gemm":
         assert "ld.shared.v4.f32" in text
 
 
-@pytest.mark.parametrize("name", sorted(MMA_PER_STAGE))
-def test_gemm_tc_runs_on_tensor_cores(ptx, name):
-    text = ptx[f"{HERE}.{name}"]["ptx"]
+@pytest.mark.parametrize("key", sorted(MMA_PER_STAGE))
+def test_gemm_tc_runs_on_tensor_cores(ptx, key):
+    text = ptx[key]["ptx"]
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in text
-    assert text.count("mma.sync") == MMA_PER_STAGE[name]
+    assert text.count("mma.sync") == MMA_PER_STAGE[key]
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in text
     assert "cvt.rn.bf16x2.f32" in text  # x rounded to bf16 on its way to shared memory
     assert "st.shared.v4.u32" in text
     assert "ld.global.nc.v4.f32" in text  # x, 4 floats per load
     assert "cp.async.cg.shared.global" in text  # w, 16 bytes global -> shared without registers
-
-
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on the PATH")
-@pytest.mark.parametrize("name", sorted(MMA_PER_STAGE))
-def test_gemm_tc_assembles_without_spills(ptx, tmp_path, name):
-    text = ptx[f"{HERE}.{name}"]["ptx"]
-    version = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout)
-    if version and (int(version[1]), int(version[2])) < (13, 0):
-        pytest.skip("ptxas older than CUDA 13")
-    # NVVM may stamp a newer PTX ISA version than this ptxas knows; the kernel uses nothing newer than 9.0
-    path = tmp_path / "gemm_tc.ptx"
-    path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", text, count=1, flags=re.M))
-    proc = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / "gemm_tc.cubin")],
-                          capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "0 bytes spill stores" in proc.stderr, proc.stderr
-    registers = int(re.search(r"Used (\d+) registers", proc.stderr)[1])
-    assert registers <= 255

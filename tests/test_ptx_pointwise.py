@@ -1,7 +1,7 @@
 """The pointwise and row kernels compile to PTX for sm_90 with no FP64 and no local memory.
 
-Compiled without a GPU (tests/ptx_check.py, in a child process with the simulator off), with the
-argument types the launchers pass: bf16 weights arrive as their uint16 view, eps as float32.
+Compiled without a GPU (the kernel registry's variants, ``numba_vllm/bench/kernel_report.py``: the
+argument types the launchers pass, bf16 weights as their uint16 view, eps as float32).
 What this guards against:
 - a float literal or Python float argument that turns the arithmetic into FP64;
 - ``math.cos``/``math.sin`` (libdevice's cosf/sinf use FP64 and a local array in their slow path
@@ -17,37 +17,34 @@ import re
 import pytest
 from ptx_check import compile_ptx, ptx_problems
 
-KERNELS = [  # (module, kernel, signature)
-    ("numba_vllm.kernels.embedding", "embedding_kernel", "(i32(1), u16(2), f32(2))"),
-    ("numba_vllm.kernels.rmsnorm", "rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)"),
-    ("numba_vllm.kernels.rmsnorm", "add_rms_norm_kernel", "(f32(2), f32(2), u16(1), f32(2), float32)"),
-    ("numba_vllm.kernels.activation", "silu_and_mul_kernel", "(f32(2), f32(2))"),
-    ("numba_vllm.kernels.sample", "argmax_kernel", "(f32(2), int64, i32(1), f32(1), i32(1))"),
-    ("numba_vllm.kernels.sample", "sample_gumbel_kernel", "(f32(2), f32(1), u32(1), i32(1), int64, i32(1), f32(1), i32(1))"),
-    ("numba_vllm.kernels.sample", "reduce_parts_kernel", "(f32(1), i32(1), int64, i32(1))"),
-    ("numba_vllm.kernels.rope", "rope_kernel", "(f32(3), i32(1), f32(1), i32(1), f32(3), u16(4), u16(4))"),
-]
+from numba_vllm.bench.kernel_report import select
+
+pytestmark = pytest.mark.slow  # compiles every kernel (seconds each)
+
+VARIANTS = select(("embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "gather_rows", "argmax", "sample_gumbel",
+                   "reduce_parts", "rope"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def ptx():
-    return compile_ptx(KERNELS)
+    return compile_ptx(VARIANTS)
 
 
-@pytest.mark.parametrize("module, name, signature", KERNELS, ids=[k[1] for k in KERNELS])
-def test_kernel_compiles_without_fp64_or_local_memory(ptx, module, name, signature):
-    result = ptx[f"{module}.{name}"]
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
+def test_kernel_compiles_without_fp64_or_local_memory(ptx, variant):
+    result = ptx[variant.key]
     assert "error" not in result, result.get("error")
+    assert variant.hot
     assert ptx_problems(result["ptx"], hot=True) == []
 
 
 def test_no_kernel_makes_calls_or_uses_approximate_trigonometry(ptx):
-    for name, result in ptx.items():
+    for key, result in ptx.items():
         text = result["ptx"]
-        assert not re.search(r"^\s*call", text, re.MULTILINE), f"{name}: a call (an external function or a bf16 shim)"
-        assert "sin.approx" not in text and "cos.approx" not in text, name
+        assert not re.search(r"^\s*call", text, re.MULTILINE), f"{key}: a call (an external function or a bf16 shim)"
+        assert "sin.approx" not in text and "cos.approx" not in text, key
 
 
 def test_row_reductions_use_warp_shuffles(ptx):
-    for name in ("rmsnorm.rms_norm_kernel", "rmsnorm.add_rms_norm_kernel", "sample.argmax_kernel"):
-        assert "shfl.sync.bfly" in ptx[f"numba_vllm.kernels.{name}"]["ptx"], name
+    for key in ("rms_norm", "add_rms_norm", "argmax"):
+        assert "shfl.sync.bfly" in ptx[key]["ptx"], key

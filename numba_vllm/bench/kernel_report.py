@@ -1,0 +1,437 @@
+"""Kernel resources without a GPU: registers, spills, shared memory, and the occupancy they allow on an H200.
+
+Why a kernel is fast (or not) is mostly decided before it runs: how many registers each thread needs,
+whether some spilled to local memory, how much shared memory a block takes, how many threads a block
+has. Together they fix how many blocks an SM can hold at once, and so how many warps it can switch
+between while some wait on memory. This module computes that table on any machine:
+
+1. every kernel variant the engine launches (``REGISTRY``: one place, with the argument types and
+   block sizes of its launcher) is compiled to PTX for sm_90 by numba-cuda's NVVM
+   (``cuda.compile_ptx``, with the kernel's own ``fastmath`` and ``launch_bounds``), in a child
+   process with the simulator off;
+2. the PTX is assembled for sm_90 by ``ptxas -v`` (with the kernel's ``max_registers`` cap), which
+   reports registers per thread, spill bytes, stack frame and static shared memory. The ptxas must be
+   as new as the NVVM that wrote the PTX: the ``nvidia-cuda-nvcc`` wheel of the same CUDA release
+   (the ``dev`` extra asks for ``cuda-toolkit[nvcc]``, which pip resolves to the cuda-toolkit release
+   numba-cuda's NVVM comes from), else a ``ptxas`` on the PATH that is not older;
+3. ``occupancy`` turns those numbers into resident blocks and warps per SM of an H200 (``SM90``).
+
+``numba-vllm bench kernels --static`` and ``make kernel-report`` print the table; the PTX tests
+(``tests/test_ptx_*.py``) compile the same registry and check its PTX; ``tests/test_kernel_report.py``
+checks that no hot kernel spills. docs/benchmarks.md explains the columns.
+
+The registry holds text, not kernels: a kernel is named by ``module:expression``, evaluated in that
+module of ``numba_vllm.kernels`` (so factories such as ``gemv_kernel_for(4, True, True)`` and
+constants such as ``BLOCK_THREADS`` are the launcher's own), and its signature is written over the
+shorthands of ``SIGNATURE_NAMES``. So importing this module imports no numba, and only the child
+process builds and compiles kernels.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from numba_vllm.bench.common import BenchError, format_table
+
+PTXAS_PACKAGE = "nvidia-cuda-nvcc"  # the wheel whose ptxas matches numba-cuda's NVVM (setup.cfg's dev extra)
+NVVM_PACKAGE = "nvidia-nvvm"  # the wheel numba-cuda's NVVM comes from
+TARGET = "sm_90"  # H100 / H200
+
+
+class ReportError(BenchError):
+    """The report cannot be made here (no usable ptxas, a kernel that does not compile): one line."""
+
+
+# ---- the kernel variants the engine launches ------------------------------------------------------
+KERNELS_PACKAGE = "numba_vllm.kernels"
+
+
+@dataclass(frozen=True)
+class KernelVariant:
+    """One compiled build of a kernel, as its launcher runs it."""
+
+    name: str  # the kernel, as the table lists it (its function name without ``_kernel``)
+    variant: str  # which compile-time build ("t4 norm+silu", "g4 hd64 w8 split"); "" if only one
+    kernel: str  # "module:expression" giving the dispatcher, evaluated in numba_vllm.kernels.<module>
+    signature: str  # argument types as the launcher passes them, over SIGNATURE_NAMES
+    threads: str  # threads per block: an expression over the module's (the launcher's) constants
+    dynamic_shared: str = "0"  # dynamic shared memory per block the launcher asks for, bytes (an expression too)
+    hot: bool = True  # on the engine's per-step path: must not use local memory (no spills, no stack) ...
+    spill_budget: int = 0  # ... beyond this many bytes per thread, where a register cap trades spills for occupancy
+
+    @property
+    def key(self) -> str:
+        return f"{self.name} {self.variant}".strip()
+
+
+# Signature shorthands (evaluated in the child): f32(n), bf16(n), i32(n), u32(n), u16(n) are
+# C-contiguous arrays of n dimensions; bf16 weights arrive as their uint16 bits; Python ints as int64.
+SIGNATURE_NAMES = ("types", "f32", "bf16", "i32", "u32", "u16", "int32", "float32", "uint32", "int64")
+GEMV_SIG = "(f32(2), u16(2), f32(2), int64, int64, u16(1), float32)"  # x, w, out, accumulate, group shift, norm w, eps
+LINEAR_SIG = "(f32(2), u16(2), f32(2), int64, int64)"  # x, w, out, accumulate, vectors_ok
+GEMM_TC_SIG = "(f32(2), u16(2), f32(2), int64, int64, int64)"  # ... + K slices per split
+DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"  # q, k/v caches, tables, lengths, scale, out
+PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"  # ... cu_seqlens, start_pos ...
+ROPE_SIG = "(f32(3), i32(1), f32(1), i32(1), f32(3), u16(4), u16(4))"  # qkv, positions, inv_freq, kv indices, q, k/v caches
+PICK_TAIL = "int64, i32(1), f32(1), i32(1)"  # the samplers': part_cols, token_ids, the workspace's values and indices
+
+# gemv, per token tile: the engine's fusions (q/k/v and the head take the norm, gate/up the norm and
+# SwiGLU, o and down neither).
+GEMV_FUSIONS = (("", "False, False"), (" norm", "True, False"), (" norm+silu", "True, True"))
+# Attention (query heads per kv head, head dim): Llama 3.2 1B / 3B / 8B / 70B-style groups at HD 64
+# and 128 (SmolLM2-135M: group 3), and the tiny test models.
+DECODE_CONFIGS = ((1, 64), (3, 64), (4, 64), (8, 64), (4, 128), (8, 128), (2, 16), (2, 8))
+PREFILL_CONFIGS = ((1, 64), (4, 64), (8, 64), (4, 128), (2, 16), (2, 8))
+# Decode attention with group <= 4 is capped at 128 registers (its MAX_REGISTERS): at group 4 a 4th
+# block per SM for ~60 bytes of spills (L1-resident), measured faster on an H200 than 160 registers.
+DECODE_SPILL_BUDGET = 64
+
+# Block sizes that depend on the shapes (row width, vocabulary, heads) are the largest the launcher
+# picks: rows of 4096+ columns, the vocabulary at batch >= 133, 32+ heads (Llama 3.2 1B has 48).
+REGISTRY: tuple[KernelVariant, ...] = (
+    *(
+        KernelVariant("gemv", f"t{t}{label}", f"gemv:gemv_kernel_for({t}, {flags})", GEMV_SIG, "BLOCK_THREADS")
+        for t in (1, 2, 4)
+        for label, flags in GEMV_FUSIONS
+    ),
+    KernelVariant("gemv_unaligned", "", "gemv:gemv_unaligned_kernel", "(f32(2), u16(2), f32(2), int64)", "BLOCK_THREADS",
+                  hot=False),  # fmt: skip  # odd K or alignment only
+    KernelVariant("gemm_tc", "LARGE 128x256", "gemm_tc:gemm_tc_kernel_for(LARGE)", GEMM_TC_SIG, "LARGE.threads"),
+    KernelVariant("gemm_tc", "SMALL 64x64", "gemm_tc:gemm_tc_kernel_for(SMALL)", GEMM_TC_SIG, "SMALL.threads"),
+    KernelVariant("sum_splits", "", "gemm_tc:_sum_splits_kernel", "(f32(2), f32(2), int64)", "SUM_THREADS"),
+    KernelVariant("gemm", "", "gemm:gemm_kernel", LINEAR_SIG, "BLOCK_THREADS"),
+    # capped at 128 registers for two blocks per SM: spills by design (gemm.py)
+    KernelVariant("gemm_two_blocks", "", "gemm:gemm_two_blocks_kernel", LINEAR_SIG, "BLOCK_THREADS", hot=False),
+    *(
+        KernelVariant("decode_attention", f"g{g} hd{hd}", f"decode_attention:decode_attention_kernel_for({g}, {hd})",
+                      DECODE_SIG, "NUM_WARPS * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET if g <= 4 else 0)  # fmt: skip
+        for g, hd in DECODE_CONFIGS
+    ),
+    # small batches: 8 warps a block, and with long contexts split over blocks
+    KernelVariant("decode_attention", "g4 hd64 w8", "decode_attention:decode_attention_kernel_for(4, 64, SMALL_GRID_WARPS)",
+                  DECODE_SIG, "SMALL_GRID_WARPS * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET),  # fmt: skip
+    KernelVariant("decode_attention", "g4 hd64 w8 split",
+                  "decode_attention:decode_attention_kernel_for(4, 64, SMALL_GRID_WARPS, True)", DECODE_SIG,
+                  "SMALL_GRID_WARPS * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET),  # fmt: skip
+    KernelVariant("decode_attention_merge", "", "decode_attention:decode_attention_merge_kernel", "(f32(3), f32(3))",
+                  "MERGE_THREADS"),  # fmt: skip
+    *(
+        KernelVariant("prefill_attention", f"g{g} hd{hd}", f"prefill_attention:prefill_attention_kernel_for({g}, {hd})",
+                      PREFILL_SIG, "THREADS")  # fmt: skip
+        for g, hd in PREFILL_CONFIGS
+    ),
+    KernelVariant("rope", "", "rope:rope_kernel", ROPE_SIG, "WARP_SIZE * ROPE_MAX_WARPS"),
+    KernelVariant("rms_norm", "", "rmsnorm:rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)", "RMSNORM_MAX_THREADS"),
+    KernelVariant("add_rms_norm", "", "rmsnorm:add_rms_norm_kernel", "(f32(2), f32(2), u16(1), f32(2), float32)",
+                  "RMSNORM_MAX_THREADS"),  # fmt: skip
+    KernelVariant("silu_and_mul", "", "activation:silu_and_mul_kernel", "(f32(2), f32(2))", "ACTIVATION_THREADS"),
+    KernelVariant("embedding", "", "embedding:embedding_kernel", "(i32(1), u16(2), f32(2))", "EMBEDDING_MAX_THREADS"),
+    KernelVariant("gather_rows", "", "gather:gather_rows_kernel", "(f32(2), i32(1), f32(2))", "GATHER_THREADS"),
+    KernelVariant("argmax", "", "sample:argmax_kernel", f"(f32(2), {PICK_TAIL})", "SAMPLE_MAX_THREADS"),
+    KernelVariant("sample_gumbel", "", "sample:sample_gumbel_kernel", f"(f32(2), f32(1), u32(1), i32(1), {PICK_TAIL})",
+                  "SAMPLE_MAX_THREADS"),  # fmt: skip
+    KernelVariant("reduce_parts", "", "sample:reduce_parts_kernel", "(f32(1), i32(1), int64, i32(1))", "WARP_SIZE"),
+)
+
+
+def select(names: Sequence[str] = (), only: str | None = None) -> list[KernelVariant]:
+    """The registry's variants of the kernels ``names`` (all if empty) whose key contains ``only``."""
+    chosen = [v for v in REGISTRY if (not names or v.name in names) and (not only or only in v.key)]
+    if names and {v.name for v in chosen} != set(names):
+        raise ReportError(f"no kernel named {sorted(set(names) - {v.name for v in chosen})} in the registry")
+    return chosen
+
+
+# ---- 1. PTX, compiled in a child process with the simulator off -----------------------------------
+_CHILD = r"""
+import importlib, json, sys, types as pytypes
+from numba import cuda
+from numba.cuda import dispatcher, types
+# Device functions are compiled for the current device's compute capability; there is no device
+# here, so answer for the Hopper target the PTX is built for.
+dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(9, 0))
+def _arr(dt):
+    return lambda n: types.Array(dt, n, "C")
+names = dict(types=types, f32=_arr(types.float32), bf16=_arr(types.bfloat16), i32=_arr(types.int32),
+             u32=_arr(types.uint32), u16=_arr(types.uint16), int32=types.int32, float32=types.float32,
+             uint32=types.uint32, int64=types.int64)
+request = json.loads(sys.stdin.read())
+out = {}
+for key, kernel, signature, threads, dynamic_shared in request["variants"]:
+    module_name, expression = kernel.split(":", 1)
+    scope = vars(importlib.import_module(request["package"] + "." + module_name))
+    try:
+        dispatcher_ = eval(expression, scope)
+        options = dispatcher_.targetoptions
+        ptx, _ = cuda.compile_ptx(dispatcher_.py_func, eval(signature, names), cc=(9, 0), lineinfo=request["lineinfo"],
+                                  fastmath=options.get("fastmath", False), launch_bounds=options.get("launch_bounds"))
+        out[key] = {"ptx": ptx, "threads": eval(threads, scope), "dynamic_shared": eval(dynamic_shared, scope),
+                    "max_registers": options.get("max_registers")}
+    except Exception as e:
+        out[key] = {"error": f"{type(e).__name__}: {e}"}
+print(json.dumps(out))
+"""
+
+
+def compile_ptx(variants: Sequence[KernelVariant], lineinfo: bool = False) -> dict[str, dict]:
+    """{key: {'ptx', 'threads', 'dynamic_shared', 'max_registers'} or {'error': message}} for sm_90, no GPU needed.
+
+    The child process runs with the simulator off (``cuda.compile_ptx`` needs the real target) and
+    imports this same package. lineinfo: compile as ``make profile`` does (``NUMBA_VLLM_LINEINFO=1``:
+    line tables in every kernel and device function).
+    """
+    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding numba_vllm/
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", NUMBA_VLLM_LINEINFO="1" if lineinfo else "0")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    specs = [(v.key, v.kernel, v.signature, v.threads, v.dynamic_shared) for v in variants]
+    request = json.dumps({"variants": specs, "lineinfo": lineinfo, "package": KERNELS_PACKAGE})
+    proc = subprocess.run([sys.executable, "-c", _CHILD], input=request, capture_output=True, text=True, env=env, timeout=1200)
+    if proc.returncode != 0:
+        raise ReportError(f"PTX compilation child failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---- 2. ptxas ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Ptxas:
+    """The assembler the report runs."""
+
+    path: str
+    release: tuple[int, int]  # CUDA release, e.g. (13, 5)
+    source: str  # where it was found: the wheel (with its version) or the PATH
+
+
+def _release(path: str) -> tuple[int, int]:
+    text = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60).stdout
+    found = re.search(r"release (\d+)\.(\d+)", text)
+    if not found:
+        raise ReportError(f"{path} --version does not name a CUDA release")
+    return int(found[1]), int(found[2])
+
+
+def find_ptxas() -> Ptxas:
+    """The ptxas of the installed ``nvidia-cuda-nvcc`` wheel, else the one on the PATH."""
+    try:
+        dist = importlib.metadata.distribution(PTXAS_PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None:
+        for file in dist.files or ():
+            if file.name == "ptxas" and file.parent.name == "bin":
+                path = str(dist.locate_file(file))
+                if os.access(path, os.X_OK):
+                    return Ptxas(path, _release(path), f"{PTXAS_PACKAGE} {dist.version}")
+    path = shutil.which("ptxas")
+    if path is None:
+        raise ReportError(f"no ptxas: install the {PTXAS_PACKAGE} wheel matching numba-cuda's NVVM ({install_hint()})")
+    release, nvvm = _release(path), nvvm_release()
+    if nvvm is not None and release < nvvm:
+        raise ReportError(f"the ptxas on the PATH ({path}) is CUDA {release[0]}.{release[1]}, older than numba-cuda's "
+                          f"NVVM {nvvm[0]}.{nvvm[1]}: {install_hint()}")  # fmt: skip
+    return Ptxas(path, release, "PATH")
+
+
+def nvvm_release() -> tuple[int, int] | None:
+    """The CUDA release of the NVVM wheel numba-cuda compiles with, if it came from a wheel."""
+    try:
+        major, minor = importlib.metadata.version(NVVM_PACKAGE).split(".")[:2]
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return int(major), int(minor)
+
+
+def install_hint() -> str:
+    nvvm = nvvm_release()
+    return f"pip install '{PTXAS_PACKAGE}=={nvvm[0]}.{nvvm[1]}.*'" if nvvm else f"pip install {PTXAS_PACKAGE}"
+
+
+@dataclass(frozen=True)
+class Resources:
+    """What ptxas reports for a kernel: per thread, then per block."""
+
+    registers: int
+    spill_stores: int  # bytes per thread written to local memory because registers ran out
+    spill_loads: int  # bytes per thread read back
+    stack: int  # bytes per thread of stack frame (local memory: spills and arrays kept in memory)
+    shared: int  # static shared memory per block, bytes (dynamic shared memory is the launcher's to add)
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+
+
+def parse_ptxas(text: str) -> Resources:
+    """The kernel's resources from ``ptxas -v`` output (its entry function: numba inlines device functions)."""
+    start = _ENTRY.search(text)
+    if start is None:
+        raise ReportError(f"ptxas -v reported no entry function:\n{text[-2000:]}")
+    section = text[start.end():]
+    frame, used = _FRAME.search(section), _USED.search(section)
+    if frame is None or used is None:
+        raise ReportError(f"unexpected ptxas -v output:\n{text[-2000:]}")
+    smem = _SMEM.search(section[used.start():].splitlines()[0])
+    return Resources(int(used[1]), int(frame[2]), int(frame[3]), int(frame[1]), int(smem[1]) if smem else 0)
+
+
+def assemble(ptxas: Ptxas, ptx: str, max_registers: int | None = None) -> Resources:
+    """Assemble one kernel's PTX for sm_90 (as the driver would, with its register cap) and read its resources."""
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "kernel.ptx"
+        source.write_text(ptx)
+        cap = [f"--maxrregcount={max_registers}"] if max_registers else []
+        command = [ptxas.path, "-v", f"--gpu-name={TARGET}", *cap, str(source), "-o", str(Path(tmp) / "kernel.cubin")]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        stated = re.search(r"^\.version (\d+\.\d+)", ptx, re.M)
+        if "Unsupported .version" in proc.stderr and stated:
+            raise ReportError(f"{ptxas.path} (CUDA {ptxas.release[0]}.{ptxas.release[1]}, from {ptxas.source}) is older "
+                              f"than the NVVM that wrote PTX {stated[1]}: {install_hint()}")  # fmt: skip
+        raise ReportError(f"ptxas failed: {proc.stderr.strip()[-2000:]}")
+    return parse_ptxas(proc.stderr + proc.stdout)
+
+
+# ---- 3. occupancy -------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SmLimits:
+    """What one SM holds at once (CUDA's occupancy calculator's figures for the architecture)."""
+
+    registers: int  # 32-bit registers per SM
+    register_quarters: int  # the register file is split among this many schedulers; a warp lives in one
+    register_granularity: int  # registers are given to a warp in units of this many
+    max_registers_per_thread: int
+    shared_bytes: int  # shared memory per SM, at the largest carveout
+    max_shared_per_block: int
+    reserved_shared_per_block: int  # taken by the system from every block's share
+    shared_granularity: int  # a block's shared memory is rounded up to this
+    threads: int  # resident threads per SM
+    blocks: int  # resident blocks per SM
+    warp_size: int = 32
+
+    @property
+    def warps(self) -> int:
+        return self.threads // self.warp_size
+
+
+SM90 = SmLimits(registers=65536, register_quarters=4, register_granularity=256, max_registers_per_thread=255,
+                shared_bytes=228 * 1024, max_shared_per_block=227 * 1024, reserved_shared_per_block=1024,
+                shared_granularity=128, threads=2048, blocks=32)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Blocks per SM allowed by each resource, the binding one, and the warps that leaves resident."""
+
+    by_registers: int
+    by_shared: int
+    by_threads: int  # allowed by the SM's 64 warps, and at most its 32 blocks
+    blocks: int  # the smallest of the three: 0 means the block cannot launch at all
+    limit: str  # which resource binds: "registers", "shared", "threads" or "blocks"
+    warps: int  # resident warps per SM
+    fraction: float  # warps / the SM's maximum (64)
+
+
+def _round_up(n: int, unit: int) -> int:
+    return -(-n // unit) * unit
+
+
+def occupancy(registers: int, shared: int, threads: int, sm: SmLimits = SM90) -> Occupancy:
+    """Blocks (and warps) one SM can hold of a kernel with ``registers`` per thread, ``shared`` bytes of
+    shared memory per block (static plus dynamic) and ``threads`` per block.
+
+    - registers: a warp gets ``registers x 32`` rounded up to ``register_granularity``, from one quarter
+      of the register file; warps per SM = warps per quarter x quarters; blocks = that // warps per block.
+    - shared memory: a block takes ``shared + reserved`` rounded up to ``shared_granularity``; blocks =
+      the SM's shared memory // that; none if ``shared`` exceeds the per-block maximum.
+    - threads: blocks = warps per SM // warps per block, and at most ``sm.blocks``.
+    """
+    warps_per_block = -(-threads // sm.warp_size)
+    per_warp = _round_up(max(registers, 1) * sm.warp_size, sm.register_granularity)
+    if registers > sm.max_registers_per_thread or per_warp * _round_up(warps_per_block, sm.register_quarters) > sm.registers:
+        by_registers = 0
+    else:
+        by_registers = (sm.registers // sm.register_quarters // per_warp) * sm.register_quarters // warps_per_block
+    if shared > sm.max_shared_per_block:
+        by_shared = 0
+    else:
+        by_shared = sm.shared_bytes // _round_up(shared + sm.reserved_shared_per_block, sm.shared_granularity)
+    by_threads = sm.warps // warps_per_block
+    # On a tie the first binds: a block size at the SM's thread or block limit is no resource's fault.
+    limits = {"threads": by_threads, "blocks": sm.blocks, "registers": by_registers, "shared": by_shared}
+    limit = min(limits, key=limits.get)
+    blocks = limits[limit]
+    return Occupancy(by_registers, by_shared, min(by_threads, sm.blocks), blocks, limit, blocks * warps_per_block,
+                     blocks * warps_per_block / sm.warps)  # fmt: skip
+
+
+# ---- the report ---------------------------------------------------------------------------------------
+def kernel_report(variants: Sequence[KernelVariant] = REGISTRY, ptx: dict[str, dict] | None = None,
+                  ptxas: Ptxas | None = None) -> dict:  # fmt: skip
+    """Compile (unless ``ptx`` is given, as from ``compile_ptx``), assemble and size every variant.
+
+    Returns {target, ptxas, nvvm, sm, rows}: a row per variant with its resources, block size and occupancy.
+    """
+    ptxas = ptxas or find_ptxas()
+    ptx = ptx if ptx is not None else compile_ptx(variants)
+    failed = {v.key: ptx[v.key]["error"] for v in variants if "error" in ptx[v.key]}
+    if failed:
+        raise ReportError(f"kernels that do not compile: {failed}")
+    rows = []
+    for v in variants:
+        built = ptx[v.key]
+        res = assemble(ptxas, built["ptx"], built["max_registers"])
+        occ = occupancy(res.registers, res.shared + built["dynamic_shared"], built["threads"])
+        launch = {k: built[k] for k in ("threads", "dynamic_shared", "max_registers")}  # the launcher's settings
+        rows.append(dict(kernel=v.name, variant=v.variant, hot=v.hot, **launch, **asdict(res), **asdict(occ)))
+    nvvm = nvvm_release()
+    return {
+        "benchmark": "kernel resources (static)",
+        "target": TARGET,
+        "ptxas": {"path": ptxas.path, "release": ".".join(map(str, ptxas.release)), "source": ptxas.source},
+        "nvvm": None if nvvm is None else ".".join(map(str, nvvm)),
+        "sm": asdict(SM90),
+        "rows": rows,
+    }
+
+
+HEADERS = ("kernel", "variant", "regs", "spill st", "spill ld", "stack", "smem", "threads", "blocks/SM", "limit",
+           "warps", "occupancy")  # fmt: skip
+
+
+def table_rows(report: dict) -> list[list]:
+    """The report's rows as table cells, in HEADERS order."""
+    return [
+        [r["kernel"], r["variant"] or "-", str(r["registers"]) + ("*" if r["max_registers"] else ""), r["spill_stores"],
+         r["spill_loads"], r["stack"], r["shared"] + r["dynamic_shared"], r["threads"], r["blocks"], r["limit"], r["warps"],
+         f"{100 * r['fraction']:.0f}%"]  # fmt: skip
+        for r in report["rows"]
+    ]
+
+
+def format_report(report: dict) -> str:
+    p = report["ptxas"]
+    title = (f"# {report['target']} (H200: 64K registers, 228 KB shared memory, 64 warps, 32 blocks per SM); "
+             f"ptxas {p['release']} ({p['source']}), NVVM {report['nvvm'] or 'unknown'}; bytes per thread "
+             "(spills, stack) or per block (smem: static + dynamic); regs*: capped by max_registers")  # fmt: skip
+    return format_table(HEADERS, table_rows(report), title=title)
+
+
+def run_static_report(only: str | None = None, emit: Callable[[str], None] = print) -> dict:
+    """The table for the variants whose key contains ``only`` (all by default), printed through ``emit``."""
+    variants = select(only=only)
+    if not variants:
+        raise ReportError(f"no kernel variant contains {only!r}")
+    report = kernel_report(variants)
+    emit(format_report(report))
+    return report
