@@ -51,7 +51,7 @@ class KernelRunner:
         if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
             logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests))  # every row samples
         else:
-            logits = self.model.forward(_upload(*step_arrays(seqs)))  # (B, V) device
+            logits = self.model.forward(upload_inputs(*step_arrays(seqs)))  # (B, V) device
             tokens = self._sample_on_device(requests, logits)
         out = self._sample_on_host(requests, logits, [int(t) for t in tokens])
         return dict(zip((r.request_id for r in requests), out, strict=True))
@@ -73,9 +73,9 @@ class KernelRunner:
         """
         for num_tokens in range(1, min(GEMV_MAX_TOKENS + 1, self.max_step_tokens) + 1):  # every gemv, then gemm_tc
             step = null_decode_step(num_tokens, min(num_tokens, self.max_num_seqs))
-            self._sample_all(self.model.forward(_upload(step, 0, 0)))
+            self._sample_all(self.model.forward(upload_inputs(step, 0, 0)))
         num_tokens = self.max_step_tokens - self.max_num_seqs  # a full token budget of one prompt
-        self._sample_all(self.model.forward(_upload(null_prefill_step(num_tokens), num_tokens, num_tokens)))
+        self._sample_all(self.model.forward(upload_inputs(null_prefill_step(num_tokens), num_tokens, num_tokens)))
         if self.decode_graphs is not None:
             self.decode_graphs.record_all(max_pages)
 
@@ -130,7 +130,7 @@ class KernelRunner:
         return seed
 
 
-def _upload(parts: dict[str, np.ndarray], num_prefill_tokens: int, prefill_max_new_tokens: int) -> StepInputs:
+def upload_inputs(parts: dict[str, np.ndarray], num_prefill_tokens: int, prefill_max_new_tokens: int) -> StepInputs:
     """Pack a step's int32 arrays (StepInputs' names) into one buffer, upload it in one copy, and
     return the StepInputs whose fields are views of it."""
     packed = cuda.to_device(np.concatenate([a.ravel() for a in parts.values()]).astype(np.int32, copy=False))
