@@ -1,20 +1,25 @@
-"""The CUDA-graph decode path: buckets, and its padded packed inputs run (eagerly) in the simulator.
+"""The CUDA-graph paths: buckets, and their padded packed inputs run (eagerly) in the simulator.
 
 Recording needs a GPU (tests/test_engine_gpu.py replays graphs and compares with eager launches);
-here `capture=False` runs every decode step on the graphs' own buffers: batch padded to a bucket,
-block tables widened, one upload. The tokens must be NumPy's.
+here the graph classes without a recorder run every step on the graphs' own inputs: decode steps
+padded to a batch bucket, steps with prefill tokens to a token bucket and cut into pieces with the
+attention between them, one packed upload. The tokens must be NumPy's, and the eager path's.
 """
 
+import numpy as np
 import pytest
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
-from numba_vllm.executor import kernel_runner
-from numba_vllm.executor.cuda_graph import DecodeGraphs, batch_buckets
-from numba_vllm.executor.inputs import MIN_TABLE_WIDTH
+from numba_vllm.engine.config import EngineConfig
+from numba_vllm.engine.llm_engine import LLMEngine
+from numba_vllm.executor.cuda_graph import DecodeGraphs
+from numba_vllm.executor.inputs import MIN_TABLE_WIDTH, batch_buckets
+from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
 from numba_vllm.kernels.prefill_attention import prefill_attention
+from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model import llama as model
-from numba_vllm.model.config import ModelConfig
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig
 
 
 @pytest.mark.parametrize(
@@ -46,10 +51,13 @@ def tiny(tmp_path_factory):
     return str(path), [o.token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
 
 
+def _emulate_graphs(runner):
+    runner.decode_graphs, runner.piecewise_graphs = DecodeGraphs(runner.model), PiecewiseGraphs(runner.model)
+
+
 def _sim_with_emulated_graphs(path, **engine_args):
     sim = LLM(path, backend="sim", **engine_args)
-    runner = sim.engine.runner
-    runner.decode_graphs = DecodeGraphs(runner.model, runner.max_num_seqs, capture=False)
+    _emulate_graphs(sim.engine.runner)
     return sim
 
 
@@ -57,15 +65,51 @@ def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     path, want = tiny
     sim = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8)
     assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
-    assert set(sim.engine.runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
+    runner = sim.engine.runner
+    assert set(runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
+    assert runner.piecewise_graphs.token_counts == {40}  # the 33-token prefill, padded to a token bucket
 
 
-def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny, monkeypatch):
-    """Warm-up steps (decode of 1 .. GEMV_MAX_TOKENS + 1 tokens, a full prefill, every graph bucket)
-    write only the null page: the requests that follow still give NumPy's tokens. (Decode warm-ups
-    cut to 1 and 2 tokens: each simulated step costs seconds, and their count changes nothing here.)"""
+def test_mixed_steps_in_pieces_give_the_eager_and_numpy_tokens(tiny):
+    """An 8-token budget chunks a prompt while others decode: a step mixing a prefill chunk with two
+    decodes (whose tokens, overlapped, come from the previous step on the device) runs in pieces, and
+    the tokens are the eager path's (same padding, launch by launch) and NumPy's."""
+    path, _ = tiny
+    prompts, params = [[5], list(range(3, 9)), list(range(3, 12))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    want = [o.token_ids for o in LLM(path, backend="numpy").generate(prompts, params)]
+    args = dict(max_num_seqs=4, num_pages=8, max_num_batched_tokens=8)
+    graph = _sim_with_emulated_graphs(path, **args)
+    graph_tokens = [o.token_ids for o in graph.generate(prompts, params)]
+    eager = LLM(path, backend="sim", **args)
+    assert [o.token_ids for o in eager.generate(prompts, params)] == graph_tokens == want
+    assert eager.engine.runner.piecewise_graphs is None
+    # 1 + 6 + 1 prompt tokens; 2 decodes beside 6 more of the third prompt; its last 2 (the others held: finishing)
+    assert graph.engine.runner.piecewise_graphs.token_counts == {8, 2}
+
+
+def test_padding_writes_only_the_null_page(tiny):
+    """One step of 33 prompt tokens padded to 40: the K/V pools change only at the prompts' kv indices
+    and in the null page."""
+    path, _ = tiny
+    engine = LLMEngine(load_checkpoint(path), EngineConfig(backend="sim", max_num_seqs=4, num_pages=8))
+    _emulate_graphs(engine.runner)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, GREEDY3)
+    plan = engine.scheduler.schedule()
+    pools = engine.runner.model.k_cache, engine.runner.model.v_cache
+    before = [pool.view(np.uint16).copy_to_host() for pool in pools]  # (L, P, PAGE_SIZE, KVH, HD)
+    engine.runner.execute(plan)
+    written = {(s.page_ids[pos // PAGE_SIZE], pos % PAGE_SIZE) for s in plan.sequences for pos in range(s.context_len)}
+    for pool, old in zip(pools, before, strict=True):
+        changed = np.argwhere((pool.view(np.uint16).copy_to_host() != old).any(axis=(0, 3, 4)))  # (page, slot) pairs
+        assert {(int(p), int(o)) for p, o in changed} - written <= {(0, 0)}
+    assert engine.runner.piecewise_graphs.token_counts == {40}
+
+
+def test_warm_up_runs_every_bucket_on_the_null_page_and_changes_no_output(tiny, monkeypatch):
+    """Warm-up steps (one per token bucket, a prompt beside max_num_seqs - 1 decodes; then every
+    decode graph) write only the null page: the requests that follow still give NumPy's tokens."""
     path, want = tiny
-    monkeypatch.setattr(kernel_runner, "GEMV_MAX_TOKENS", 1)
     prefill_rows = []  # the prefill attention grid's longest chunk, per call
 
     def spy(*args):
@@ -75,8 +119,11 @@ def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny,
     monkeypatch.setitem(model.PREFILL_ATTENTIONS, "cuda_cores", spy)
     sim = _sim_with_emulated_graphs(path, max_num_seqs=2, num_pages=8, max_num_batched_tokens=16)
     sim.engine.warm_up()
-    assert prefill_rows == [16]  # one layer: the full-budget prefill ran its attention
-    assert set(sim.engine.runner.decode_graphs._graphs) == {(1, MIN_TABLE_WIDTH), (2, MIN_TABLE_WIDTH)}
+    runner = sim.engine.runner
+    assert runner.layout.token_sizes == [1, 2, 4, 8, 16, 18]
+    assert prefill_rows == [1, 1, 3, 7, 15, 17]  # one layer: each bucket's prompt, beside one decode from 2 tokens on
+    assert runner.piecewise_graphs.token_counts == {1, 2, 4, 8, 16, 18}
+    assert set(runner.decode_graphs._graphs) == {(1, MIN_TABLE_WIDTH), (2, MIN_TABLE_WIDTH)}
     assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
 
 

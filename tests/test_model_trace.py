@@ -15,8 +15,6 @@ from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
-from numba_vllm.executor.inputs import step_arrays
-from numba_vllm.executor.kernel_runner import upload_inputs
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model.config import ModelConfig
 from numba_vllm.model.reference import TRACE_POINTS, KVCache, ReferenceModel
@@ -33,7 +31,7 @@ def first_disagreement(path, backend: str) -> tuple[str, int | None, float] | No
     plan = engine.scheduler.schedule()
     seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # the runner's order: prefill first
     device = {}
-    inputs = upload_inputs(*step_arrays(seqs))  # what the runner hands the model
+    inputs = engine.runner.inputs_for(seqs)  # what the runner hands the model (padded: rows past the step's are ignored)
     engine.runner.model.forward(inputs, trace=lambda n, layer, a: device.setdefault((n, layer), a))
 
     reference = ReferenceModel(ckpt.config, ckpt.weights)

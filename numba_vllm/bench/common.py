@@ -99,7 +99,8 @@ class EngineOptions:
     max_num_batched_tokens: int = 2048
     num_pages: int | None = None
     gpu_memory_utilization: float = 0.9
-    enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps (where the engine has them)
+    enforce_eager: bool = False  # cuda: no CUDA graphs (where the engine has them)
+    async_scheduling: bool = True  # overlapped scheduling (where the engine has it)
 
     def engine_config(self, max_model_len: int, scheduling: str | None = None) -> EngineConfig:
         kwargs = dict(
@@ -122,6 +123,8 @@ class EngineOptions:
             kwargs["enforce_eager"] = self.enforce_eager
         elif self.enforce_eager:
             raise BenchError("--enforce-eager needs EngineConfig.enforce_eager, which this engine does not have")
+        if engine_config_has("async_scheduling"):
+            kwargs["async_scheduling"] = self.async_scheduling
         return EngineConfig(**kwargs)
 
     def to_dict(self) -> dict:
@@ -188,7 +191,7 @@ def record_decode_graphs(engine, max_tokens_per_sequence: int) -> float:
     if graphs is None or not graphs.capture:
         return 0.0
     t0 = time.perf_counter()
-    graphs.record_all(pages_for_tokens(max_tokens_per_sequence))
+    engine.runner.record_decode_graphs(pages_for_tokens(max_tokens_per_sequence))
     synchronize(engine.backend)
     return time.perf_counter() - t0
 

@@ -1,96 +1,188 @@
-"""The kernel runner: a StepPlan -> device arrays -> `DeviceModel.forward` -> sampled tokens.
+"""The kernel runner: a StepPlan -> one packed upload -> `DeviceModel.forward` -> sampled tokens.
 
 The same code runs on the GPU (`cuda` backend) and, unchanged, in the Numba simulator (`sim`).
 Sequences are reordered so prefilling ones (prompts or chunks) come first and decoding ones last,
-matching the two attention kernels. Decode-only steps are replayed from CUDA graphs (`cuda_graph.py`)
-unless `enforce_eager`; other steps launch kernel by kernel, with the step's int32 inputs packed into
-one buffer and uploaded in one copy. Sampling happens on the device where it can (inside the graph
-for a replayed step): greedy rows by argmax, temperature-only rows by the Gumbel-max kernel (noise
-from the request's seed and output index, so a request's tokens do not depend on its batch); rows
-with top-k or top-p copy their logits to the host sampler.
+matching the two attention kernels. A step is padded to a bucketed shape (`inputs.py`) and its
+int32 inputs go to the device in one asynchronous copy (`staging.py`); then, unless
+`enforce_eager`, a decode-only step is replayed from one CUDA graph (`cuda_graph.py`) and a step
+with prefill tokens from piecewise graphs with its attention launched between them
+(`piecewise_graphs.py`); with `enforce_eager` it runs kernel by kernel, on the same padded shapes, so
+the tokens are the same either way. Sampling happens on the device (inside the graph for a replayed
+step): greedy rows by argmax, temperature-only rows by the Gumbel-max kernel (noise from the
+request's seed and output index, so a request's tokens do not depend on its batch); rows with top-k
+or top-p copy their logits to the host sampler.
+
+A step is launched and collected apart (`launch` queues everything on the runner's stream and
+returns; `collect` waits for its tokens), so the engine can schedule and launch step n+1 while step
+n runs. A decoding sequence whose last token was sampled by the previous step and is not on the host
+yet (its token id is None in the plan) gets it on the device: the previous step's sampled tokens are
+copied into this step's token ids (`gather_rows`) before its first kernel.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda
 
 from numba_vllm.engine.config import EngineConfig
-from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.engine.kv_cache import pages_for_tokens
+from numba_vllm.engine.request import Request
+from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
 from numba_vllm.executor.capacity import Capacity
-from numba_vllm.executor.cuda_graph import DecodeGraphs, SamplingRows
+from numba_vllm.executor.cuda_graph import DecodeGraphs, GraphRecorder
 from numba_vllm.executor.host_sampling import RequestSamplers
-from numba_vllm.executor.inputs import null_decode_step, null_prefill_step, step_arrays
-from numba_vllm.kernels.matmul import GEMV_MAX_TOKENS
-from numba_vllm.kernels.sample import argmax, sample_gumbel
+from numba_vllm.executor.inputs import SamplingRows, StepLayout, null_sequences, table_width
+from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
+from numba_vllm.executor.staging import StagingSlot, StepStaging
+from numba_vllm.kernels._launch import launching_on
+from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.model.llama import DeviceModel, StepInputs
 
 SEED_MASK = 0xFFFFFFFF  # the device sampler takes 32-bit seeds
 
 
+@dataclass(eq=False)
+class KernelStep:
+    """A launched step: what `collect` needs, and what the next step needs to be fed from it."""
+
+    requests: list[Request]  # the sampling sequences' requests, in row order
+    rows: dict[str, int]  # request id -> its row of the sampled tokens
+    host_rows: list[int]  # rows whose token the host samples at collect time (top-k / top-p)
+    slot: StagingSlot
+
+    @property
+    def feeds_next(self) -> bool:
+        """Whether the next step may be launched before this one is collected: its sampled tokens
+        are final on the device (no row waits for the host sampler, which reads this step's logits)."""
+        return not self.host_rows
+
+
 class KernelRunner:
-    """Owns the device model, its KV pool and activation buffers; executes steps."""
+    """Owns the device model, its KV pool and step buffers, the staging and the graphs; runs steps."""
 
     def __init__(self, model: DeviceModel, capacity: Capacity, engine_config: EngineConfig, graphs: str = "none"):
         """Allocate the KV cache and step buffers `capacity` plans for. `graphs`: "capture" replays
-        decode steps from CUDA graphs, "emulate" runs them eagerly on the graphs' padded buffers (the
-        simulator's stand-in, for tests), "none" runs every step eagerly."""
+        steps from CUDA graphs, "emulate" runs them eagerly on the graphs' inputs (the simulator's
+        stand-in, for tests), "none" runs every step eagerly."""
         self.model = model
         self.num_pages = capacity.num_pages
         self.max_num_seqs = engine_config.max_num_seqs
         self.max_step_tokens = capacity.max_step_tokens
         model.allocate(capacity.num_pages, capacity.max_step_tokens, engine_config.max_num_seqs)
-        self.decode_graphs = None if graphs == "none" else DecodeGraphs(model, self.max_num_seqs, capture=graphs == "capture")
+        self.layout = StepLayout(capacity.max_step_tokens, self.max_num_seqs, pages_for_tokens(capacity.max_model_len))
+        self.stream = cuda.stream()  # every step's copies and kernels, in order
+        self.staging = StepStaging(self.layout, self.stream)
+        recorder = GraphRecorder(self.staging.launch_stream) if graphs == "capture" else None
+        self.decode_graphs = None if graphs == "none" else DecodeGraphs(model, recorder)
+        self.piecewise_graphs = None if graphs == "none" else PiecewiseGraphs(model, recorder)
         self.host_samplers = RequestSamplers()
         self._seeds: dict[str, int] = {}
         self._seed_rng = np.random.default_rng()
+        self._latest: KernelStep | None = None  # the step launched last
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
-        seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)
+        """Run a step and return its sampled tokens: `collect(launch(plan))`."""
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan, previous: KernelStep | None = None) -> KernelStep:
+        """Queue the step on the device and return at once. `previous`: the step launched just before,
+        whose sampled tokens feed this plan's decoding sequences whose token is None."""
+        seqs, fed_sources = self._order(plan.sequences, previous)
         requests = [s.request for s in seqs if s.samples]
-        if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
-            logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests))  # every row samples
-        else:
-            logits = self.model.forward(upload_inputs(*step_arrays(seqs)))  # (B, V) device
-            tokens = self._sample_on_device(requests, logits)
-        out = self._sample_on_host(requests, logits, [int(t) for t in tokens])
-        return dict(zip((r.request_id for r in requests), out, strict=True))
+        host_rows = [i for i, r in enumerate(requests) if _host_sampled(r)]
+        step = KernelStep(requests, {r.request_id: i for i, r in enumerate(requests)}, host_rows, None)
+        step.slot = self.staging.take_slot(step)
+        packed = self.layout.pack(step.slot.host, seqs, self._sampling_rows(requests), fed_sources)
+        shape = packed.shape
+        with launching_on(self.staging.launch_stream):
+            self.staging.upload(step.slot, packed)
+            inputs, sampler = self.staging.views(shape)
+            if fed_sources:  # the previous step's samples -> this step's token ids, on the device
+                sources, rows = self.layout.fed_views(self.staging.device, packed)
+                gather_rows(self.staging.tokens_2d, sources, rows)
+            if self.decode_graphs is not None and DecodeGraphs.handles(shape):
+                self.decode_graphs.run(shape, inputs, sampler)
+            elif self.piecewise_graphs is not None:
+                self.piecewise_graphs.run(shape, inputs, sampler)
+            else:
+                self.model.sample(self.model.forward(inputs), sampler)
+            self.staging.download(step.slot, packed.num_sampled)
+        self._latest = step
+        return step
+
+    def collect(self, step: KernelStep) -> dict[str, int]:
+        """Wait for a launched step; its sampled token per request id."""
+        if step.slot.owner is not step:
+            raise RuntimeError("collect: a later step has taken this step's slot; collect each step before the next but one")
+        step.slot.event.synchronize()
+        tokens = step.slot.tokens[: len(step.requests)].tolist()
+        if step.host_rows:
+            if self._latest is not step:
+                raise RuntimeError("collect: a step with host-sampled rows must be collected before the next is launched")
+            logits = self.model.buffers["logits"]  # (>= B, V) this step's, as no later step has run
+            for i in step.host_rows:
+                tokens[i] = self.host_samplers.sample(step.requests[i], logits[i].copy_to_host())
+        return dict(zip((r.request_id for r in step.requests), tokens, strict=True))
 
     def release(self, request_id: str) -> None:
         self.host_samplers.release(request_id)
         self._seeds.pop(request_id, None)
 
+    def inputs_for(self, seqs: list[ScheduledSequence]) -> StepInputs:
+        """Pack and upload the inputs of a step of `seqs` (prefilling first) and wait: what `launch`
+        hands the model (for tracing a step op by op)."""
+        slot = self.staging.take_slot(None)
+        packed = self.layout.pack(slot.host, seqs, self._sampling_rows([s.request for s in seqs if s.samples]))
+        self.staging.upload(slot, packed)
+        self.stream.synchronize()
+        return self.staging.views(packed.shape)[0]
+
+    @staticmethod
+    def _order(sequences: list[ScheduledSequence], previous: KernelStep | None) -> tuple[list[ScheduledSequence], list[int]]:
+        """Prefilling sequences first, then decoding ones, those fed from `previous` last (slot order
+        within each); and each fed one's row of the previous step's samples."""
+        prefill = [s for s in sequences if not s.is_decode]
+        decode = [s for s in sequences if s.is_decode and s.token_ids[0] is not None]
+        fed = [s for s in sequences if s.is_decode and s.token_ids[0] is None]
+        sources = []
+        for s in fed:
+            row = previous.rows.get(s.request.request_id) if previous is not None else None
+            if row is None:
+                raise ValueError(f"request {s.request.request_id}: its token is unknown and the previous step did not sample it")
+            sources.append(row)
+        return prefill + decode + fed, sources
+
     # ---- warming up ----------------------------------------------------------------------------
     def warm_up(self, max_pages: int) -> None:
-        """Compile every kernel variant a step can use, and record the decode graphs of sequences up
-        to `max_pages` pages, before the first request: otherwise the first steps of each new shape
-        pay for it (a second or so per kernel). Each run is a dummy step whose tokens all read and
-        write the null page; the KV cache of real sequences is not touched.
+        """Compile every kernel variant a step can use and record the graphs, before the first
+        request: otherwise the first steps of each new shape pay for it (a second or so per kernel).
+        Each run is a dummy step whose tokens all read and write the null page (`null_sequences`);
+        the KV cache of real sequences is not touched.
 
-        Variants: gemv per token count 1 .. GEMV_MAX_TOKENS, the tensor-core tilings (a full prefill
-        step uses the large one, small batches the small one and split K), both attention kernels, the
-        samplers.
+        One step per token bucket (a prompt and up to max_num_seqs - 1 decodes: every product's gemv
+        or tensor-core variant, both attention kernels, the sampler; with graphs, its pieces and head
+        are recorded), then the decode graphs of sequences up to `max_pages` pages.
         """
-        for num_tokens in range(1, min(GEMV_MAX_TOKENS + 1, self.max_step_tokens) + 1):  # every gemv, then gemm_tc
-            step = null_decode_step(num_tokens, min(num_tokens, self.max_num_seqs))
-            self._sample_all(self.model.forward(upload_inputs(step, 0, 0)))
-        num_tokens = self.max_step_tokens - self.max_num_seqs  # a full token budget of one prompt
-        self._sample_all(self.model.forward(upload_inputs(null_prefill_step(num_tokens), num_tokens, num_tokens)))
-        if self.decode_graphs is not None:
-            self.decode_graphs.record_all(max_pages)
+        for num_tokens in self.layout.token_sizes:
+            num_decodes = min(num_tokens, self.max_num_seqs) - 1
+            self.execute(StepPlan(null_sequences(num_tokens - num_decodes, num_decodes), [], 0, 0))
+        self.record_decode_graphs(max_pages)
 
-    def _sample_all(self, logits) -> None:
-        """Run both device samplers on every row (their results are dropped)."""
-        rows = logits.shape[0]
-        tokens = cuda.device_array(rows, np.int32)
-        argmax(logits, tokens, self.model.sampler_workspace)
-        ones = cuda.to_device(np.ones(rows, np.float32))
-        zeros = cuda.to_device(np.zeros(rows, np.int32))
-        sample_gumbel(logits, ones, cuda.to_device(np.zeros(rows, np.uint32)), zeros, tokens, self.model.sampler_workspace)
-        tokens.copy_to_host()
+    def record_decode_graphs(self, max_pages: int) -> None:
+        """Make every decode graph a sequence of up to `max_pages` pages can need, now (each (B, W)
+        run once on padding rows only), so that no later step pays for compiling and recording."""
+        if self.decode_graphs is None:
+            return
+        widths = sorted({table_width(p) for p in range(1, max_pages + 1)})
+        for batch in self.layout.batch_sizes:
+            for width in widths:
+                if not self.decode_graphs.has(batch, width):
+                    self.execute(StepPlan(null_sequences(0, batch, width), [], 0, 0))
 
     # ---- sampling ------------------------------------------------------------------------------
-    def _sampling_rows(self, requests) -> SamplingRows:
+    def _sampling_rows(self, requests: list[Request]) -> SamplingRows:
         """The device sampler's per-row inputs: temperature (0 = greedy), seed, output index."""
         params = [r.sampling_params for r in requests]
         return SamplingRows(
@@ -98,27 +190,6 @@ class KernelRunner:
             seeds=np.array([self._seed(r) if not p.greedy else 0 for r, p in zip(requests, params, strict=True)], np.uint32),
             steps=np.array([len(r.output_token_ids) for r in requests], np.int32),
         )
-
-    def _sample_on_device(self, requests, logits) -> np.ndarray:
-        """One token per row of `logits` (B, V): argmax when every row is greedy, else the Gumbel-max sampler."""
-        if not requests:
-            return np.zeros(0, np.int32)
-        tokens = cuda.device_array(len(requests), np.int32)
-        if all(r.sampling_params.greedy for r in requests):
-            argmax(logits, tokens, self.model.sampler_workspace)
-        else:
-            rows = self._sampling_rows(requests)
-            temperatures, seeds, steps = (cuda.to_device(a) for a in (rows.temperatures, rows.seeds, rows.steps))
-            sample_gumbel(logits, temperatures, seeds, steps, tokens, self.model.sampler_workspace)
-        return tokens.copy_to_host()
-
-    def _sample_on_host(self, requests, logits, tokens: list[int]) -> list[int]:
-        """Replace the device's pick for rows with top-k or top-p: their logits go to the host sampler."""
-        for i, r in enumerate(requests):
-            p = r.sampling_params
-            if not p.greedy and (p.top_k or p.top_p < 1):
-                tokens[i] = self.host_samplers.sample(r, logits[i].copy_to_host())
-        return tokens
 
     def _seed(self, request) -> int:
         """The request's 32-bit sampling seed: its own, or one drawn once for it."""
@@ -130,12 +201,7 @@ class KernelRunner:
         return seed
 
 
-def upload_inputs(parts: dict[str, np.ndarray], num_prefill_tokens: int, prefill_max_new_tokens: int) -> StepInputs:
-    """Pack a step's int32 arrays (StepInputs' names) into one buffer, upload it in one copy, and
-    return the StepInputs whose fields are views of it."""
-    packed = cuda.to_device(np.concatenate([a.ravel() for a in parts.values()]).astype(np.int32, copy=False))
-    views, start = {}, 0
-    for name, a in parts.items():
-        views[name] = packed[start : start + a.size].reshape(a.shape)
-        start += a.size
-    return StepInputs(**views, num_prefill_tokens=num_prefill_tokens, prefill_max_new_tokens=prefill_max_new_tokens)
+def _host_sampled(request: Request) -> bool:
+    """Rows with top-k or top-p are sampled on the host (the device samplers do neither)."""
+    p = request.sampling_params
+    return not p.greedy and bool(p.top_k or p.top_p < 1)

@@ -9,7 +9,7 @@ bf16, the KV cache bf16 in 16-token pages. Per layer:
     qkv = h @ [Wq; Wk; Wv].T             (q, k and v as one product)
     rope(q, k) at each token's position  (Llama-3 scaled frequencies from the host), fused with
       storing k and v at the tokens' kv indices in the paged cache; q goes to its own buffer
-    a = prefill_attention(q[:Tp]) | decode_attention(q[Tp:])   over the pages in the block tables
+    a = prefill_attention(q[:Tp]) | decode_attention(q[Tp:Tp+Sd])   over the pages in the block tables
     x += a @ Wo.T                        (the residual add is fused into the product)
     h = rmsnorm(x)                       mlp_norm
     a = silu(h @ Wg.T) * (h @ Wu.T)      (gate and up as one product)
@@ -18,9 +18,14 @@ bf16, the KV cache bf16 in 16-token pages. Per layer:
 Each norm is handed to the product after it (`linear(..., norm=...)`), and SwiGLU to the gate/up
 product (`silu_mul`): in a decode-sized step gemv applies the norm as it loads x and SwiGLU as it
 stores, so they cost no launch and no pass over memory; in a prefill they run as their own kernels.
-then the last token of every sampling sequence is gathered, normed and multiplied by the head.
-Sizes: T tokens, Tp of them prefill; D hidden, H heads, KVH kv heads, HD head dim, F MLP width,
-V vocabulary, B sampled rows.
+Then the last token of every sampling sequence is gathered, normed and multiplied by the head.
+Sizes: T tokens (padded, see `executor/inputs.py`), Tp of them prefill, Sd decode rows after them;
+D hidden, H heads, KVH kv heads, HD head dim, F MLP width, V vocabulary, B sampled rows.
+
+A step is `num_pieces` pieces with the attention of each layer between two of them (`piece`,
+`attention`, `head`; `forward` runs them in order): the pieces' grids depend on T alone, so
+`executor/piecewise_graphs.py` can record them once per token count and launch only the attention,
+whose grids follow the step's sequences, kernel by kernel.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspa
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
-from numba_vllm.kernels.sample import SAMPLE_WORKSPACE_SLOTS, PartWinners
+from numba_vllm.kernels.sample import SAMPLE_WORKSPACE_SLOTS, PartWinners, sample_gumbel
 from numba_vllm.loading.bf16 import bf16_from_bits, empty_bf16_device, to_bf16, upload_bf16
 from numba_vllm.model.config import LAYER_TENSORS, PAGE_SIZE, ModelConfig, layer_tensor_name
 from numba_vllm.model.rope_scaling import rope_inv_freq
@@ -55,9 +60,8 @@ PREFILL_ATTENTIONS = {"cuda_cores": prefill_attention_cuda_cores}  # by EngineCo
 
 @dataclass
 class StepInputs:
-    """One step's device arrays (int32), built from the scheduler's plan by `executor/inputs.py`.
-
-    The CUDA-graph path leaves the prefill fields None (its steps have no prefill tokens)."""
+    """One step's device arrays (int32), packed from the scheduler's plan by `executor/inputs.py`
+    (padded: see there). The prefill fields are None in a step with no prefill tokens."""
 
     token_ids: DeviceNDArray  # (T,) prefill tokens first, then one token per decoding sequence
     positions: DeviceNDArray  # (T,)
@@ -68,7 +72,7 @@ class StepInputs:
     prefill_block_tables: DeviceNDArray | None  # (Sp, max_pages)
     prefill_max_new_tokens: int  # the longest prefill chunk (sizes the prefill grid)
     decode_block_tables: DeviceNDArray  # (Sd, W) W = inputs.table_width(longest)
-    decode_context_lens: DeviceNDArray  # (Sd,) cached tokens each decoding sequence attends to, itself included
+    decode_context_lens: DeviceNDArray  # (Sd,) cached tokens each decode row (rows Tp .. Tp + Sd - 1) attends to
     sample_rows: DeviceNDArray  # (B,) rows of the T tokens whose logits are needed
 
 
@@ -106,6 +110,7 @@ class DeviceModel:
         self.inv_freq = cuda.to_device(rope_inv_freq(c))  # (HD/2,) f32, Llama-3 scaling applied on the host
         self.scale = 1.0 / math.sqrt(c.head_dim)
         self.k_cache = self.v_cache = None
+        self.layer_caches = []  # [(k, v)] (P, PAGE_SIZE, KVH, HD) bf16 views per layer, made by `allocate`
         self.buffers = None  # name -> device array, made by `allocate`
         self.sampler_workspace = None  # the samplers' PartWinners (views of two buffers)
 
@@ -117,74 +122,163 @@ class DeviceModel:
         c = self.config
         shape = (c.num_hidden_layers, num_pages, PAGE_SIZE, c.num_key_value_heads, c.head_dim)
         self.k_cache, self.v_cache = empty_bf16_device(shape), empty_bf16_device(shape)
+        self.layer_caches = [(self.k_cache[i], self.v_cache[i]) for i in range(c.num_hidden_layers)]  # per-layer views
         specs = buffer_specs(c, max_num_tokens, max_num_seqs, num_sms())
         self.buffers = {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in specs.items()}
         self.sampler_workspace = PartWinners(self.buffers["sample_values"], self.buffers["sample_indices"])
+        # Padding rows read stale rows of `attn` and write (and padding decode rows read) slot 0 of the
+        # null page: start both at zero, so that what padding computes is always finite.
+        self.buffers["attn"].copy_to_device(np.zeros(self.buffers["attn"].shape, np.float32))
+        null_page = np.zeros(self.k_cache.shape[2:], np.uint16)  # (PAGE_SIZE, KVH, HD)
+        for k_cache, v_cache in self.layer_caches:
+            k_cache.view(np.uint16)[0].copy_to_device(null_page)  # page 0: engine.kv_cache.NULL_PAGE_ID
+            v_cache.view(np.uint16)[0].copy_to_device(null_page)
+        self._views = {}  # views of the step buffers, by shape (see `_activations`)
+        self._attention_key, self._attention = None, None
 
     def forward(self, s: StepInputs, trace=None):
         """Run one step; returns the logits (B, V) f32 device array of the sampled rows.
+
+        The step is `num_pieces` pieces with each layer's attention between two of them (the
+        piecewise CUDA graphs record the pieces and launch the attention eagerly), then the head.
 
         `trace(name, layer, host_array)`, if given, receives a host copy of every intermediate under
         the reference model's names (`reference.TRACE_POINTS`): the way to find which kernel first
         disagrees with NumPy. Without it nothing is copied.
         """
-        c, b = self.config, self.buffers
+        for p in range(self.num_pieces):
+            self.piece(s, p, trace)
+            if p < len(self.layers):
+                self.attention(s, p, trace)
+        return self.head(s)
 
-        def report(name, layer, array):
+    @property
+    def num_pieces(self) -> int:
+        """Pieces of a step: the embedding and layer 0's qkv, one per layer boundary, the last layer's end."""
+        return len(self.layers) + 1
+
+    def piece(self, s: StepInputs, p: int, trace=None) -> None:
+        """Piece `p` of the step, everything between two attentions: the embedding (p = 0) or layer
+        p - 1's output projection and MLP, then (p < num_layers) layer p's qkv product, RoPE and K/V
+        store. Its kernels' grids depend on the token count T only."""
+        c, a, eps = self.config, self._activations(s.token_ids.shape[0]), self.config.rms_norm_eps
+        report = _reporter(trace)
+        if p == 0:
+            embedding(s.token_ids, self.embed, a.x)
+            report("embed", None, a.x)
+        else:
+            i, w = p - 1, self.layers[p - 1]
+            report("attn", i, a.attn)
+            self._linear(a.attn2, w["o"], a.x, accumulate=True)  # x += attention output
+            report("attn_residual", i, a.x)
             if trace is not None:
-                trace(name, layer, array.copy_to_host())
-
-        t, tp = s.token_ids.shape[0], s.num_prefill_tokens
-        x, h = b["x"][:t], b["h"][:t]  # (T, D)
-        qkv, q, attn = b["qkv"][:t], b["q"][:t], b["attn"][:t]  # (T, H + 2*KVH, HD), (T, H, HD), (T, H, HD)
-        qkv2, attn2 = (a.reshape(t, a.shape[1] * a.shape[2]) for a in (qkv, attn))  # (T, heads*HD)
-        gate_up, act = b["gate_up"][:t], b["act"][:t]  # (T, 2F), (T, F)
-        attention_ws = b["attention_partials"]  # split-context scratch
-
-        def linear(x, w, out, **fusions):  # every product of the step: the chosen GEMM and its split scratch
-            matmul.linear(x, w, out, gemm=self.gemm, workspace=b["gemm_partials"], **fusions)
-
-        embedding(s.token_ids, self.embed, x)
-        report("embed", None, x)
-        eps = c.rms_norm_eps
-        for i, w in enumerate(self.layers):
-            k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # (P, PAGE_SIZE, KVH, HD) this layer's pages
-            linear(x, w["qkv"], qkv2, norm=(w["attn_norm"], eps), normed=h)  # the norm fused in when gemv runs
+                rms_norm(a.x, w["mlp_norm"], a.h, eps)
+                report("mlp_norm", i, a.h)
+            self._linear(a.x, w["gate_up"], a.act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=a.h, gate_up=a.gate_up)
+            report("mlp_act", i, a.act)
+            self._linear(a.act, w["down"], a.x, accumulate=True)  # x += MLP output
+            report("mlp_residual", i, a.x)
+        if p < len(self.layers):
+            w = self.layers[p]
+            k_cache, v_cache = self.layer_caches[p]
+            self._linear(a.x, w["qkv"], a.qkv2, norm=(w["attn_norm"], eps), normed=a.h)  # the norm fused in when gemv runs
             if trace is not None:
-                rms_norm(x, w["attn_norm"], h, eps)  # the fused norm leaves no h behind: make one to report
-                report("attn_norm", i, h)
-                trace("v", i, qkv.copy_to_host()[:, c.num_attention_heads + c.num_key_value_heads :])
-            rope_and_cache_write(qkv, s.positions, self.inv_freq, s.kv_indices, q, k_cache, v_cache)
-            report("q_rope", i, q)
+                rms_norm(a.x, w["attn_norm"], a.h, eps)  # the fused norm leaves no h behind: make one to report
+                report("attn_norm", p, a.h)
+                trace("v", p, a.qkv.copy_to_host()[:, c.num_attention_heads + c.num_key_value_heads :])
+            rope_and_cache_write(a.qkv, s.positions, self.inv_freq, s.kv_indices, a.q, k_cache, v_cache)
+            report("q_rope", p, a.q)
             if trace is not None:
-                trace("k_rope", i, _cached_rows(k_cache, s.kv_indices))
-            if tp:
-                self.prefill_attention(
-                    q[:tp], k_cache, v_cache, s.prefill_block_tables, s.prefill_cu_seqlens, s.prefill_start_pos,
-                    self.scale, attn[:tp], s.prefill_max_new_tokens,
-                )  # fmt: skip
-            if tp < t:
-                decode_attention(
-                    q[tp:], k_cache, v_cache, s.decode_block_tables, s.decode_context_lens, self.scale, attn[tp:],
-                    attention_ws,
-                )  # fmt: skip
-            report("attn", i, attn)
-            linear(attn2, w["o"], x, accumulate=True)  # x += attention output
-            report("attn_residual", i, x)
-            if trace is not None:
-                rms_norm(x, w["mlp_norm"], h, eps)
-                report("mlp_norm", i, h)
-            linear(x, w["gate_up"], act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=h, gate_up=gate_up)
-            report("mlp_act", i, act)
-            linear(act, w["down"], x, accumulate=True)  # x += MLP output
-            report("mlp_residual", i, x)
+                trace("k_rope", p, _cached_rows(k_cache, s.kv_indices))
 
-        nb = s.sample_rows.shape[0]  # 0 when every sequence is in the middle of its prompt (chunked prefill)
-        last, logits = b["last"][:nb], b["logits"][:nb]
+    def attention(self, s: StepInputs, i: int, trace=None) -> None:
+        """Layer i's attention: the prefill kernel on rows [0, Tp), the decode kernel on the Sd decoding
+        rows after them (rows past Tp + Sd are padding, attended by neither). Grids depend on the step's
+        sequences, not only on T."""
+        q_prefill, attn_prefill, q_decode, attn_decode = self._attention_views(s)
+        k_cache, v_cache = self.layer_caches[i]
+        if s.num_prefill_tokens:
+            self.prefill_attention(
+                q_prefill, k_cache, v_cache, s.prefill_block_tables, s.prefill_cu_seqlens, s.prefill_start_pos,
+                self.scale, attn_prefill, s.prefill_max_new_tokens,
+            )  # fmt: skip
+        if q_decode.shape[0]:
+            decode_attention(
+                q_decode, k_cache, v_cache, s.decode_block_tables, s.decode_context_lens, self.scale, attn_decode,
+                self.buffers["attention_partials"],
+            )  # fmt: skip
+
+    def head(self, s: StepInputs):
+        """The logits (B, V) of the sampled rows: gather them (from the whole residual buffer, so the
+        launch depends on B only), final norm, vocabulary product. B = 0 (a step of prompt chunks
+        that all stop short of their last token) launches nothing."""
+        nb = s.sample_rows.shape[0]
+        views = self._views.get(("head", nb))
+        if views is None:
+            views = self._views[("head", nb)] = (self.buffers["last"][:nb], self.buffers["logits"][:nb])
+        last, logits = views
         if nb:
-            gather_rows(x, s.sample_rows, last)
-            linear(last, self.lm_head, logits, norm=(self.final_norm, eps), normed=last)
+            gather_rows(self.buffers["x"], s.sample_rows, last)
+            self._linear(last, self.lm_head, logits, norm=(self.final_norm, self.config.rms_norm_eps), normed=last)
         return logits
+
+    def sample(self, logits, sampler) -> None:
+        """One token per row of `logits` (B, V) into `sampler.tokens` (an `inputs.SamplerInputs`): the
+        Gumbel-max sampler, whose greedy rows (temperature 0) take the argmax."""
+        s = sampler
+        sample_gumbel(logits, s.temperatures, s.seeds, s.steps, s.tokens, self.sampler_workspace)
+
+    def _linear(self, x, w, out, **fusions) -> None:
+        """Every product of the step: the chosen GEMM and its split scratch."""
+        matmul.linear(x, w, out, gemm=self.gemm, workspace=self.buffers["gemm_partials"], **fusions)
+
+    def _activations(self, t: int) -> _Activations:
+        """The step buffers' views for T tokens (made once per T: slicing a device array costs tens of us)."""
+        a = self._views.get(t)
+        if a is None:
+            b = self.buffers
+            qkv, attn = b["qkv"][:t], b["attn"][:t]  # (T, H + 2*KVH, HD), (T, H, HD)
+            a = self._views[t] = _Activations(
+                x=b["x"][:t], h=b["h"][:t], qkv=qkv, q=b["q"][:t], attn=attn,
+                qkv2=qkv.reshape(t, qkv.shape[1] * qkv.shape[2]), attn2=attn.reshape(t, attn.shape[1] * attn.shape[2]),
+                gate_up=b["gate_up"][:t], act=b["act"][:t],
+            )  # fmt: skip
+        return a
+
+    def _attention_views(self, s: StepInputs) -> tuple:
+        """(q, out) of the prefill rows and of the decode rows of this step (kept for the step's layers)."""
+        tp, sd = s.num_prefill_tokens, s.decode_context_lens.shape[0]
+        key = ("attention", s.token_ids.shape[0], tp, sd)
+        if self._attention_key != key:
+            q, attn = self.buffers["q"], self.buffers["attn"]
+            self._attention_key = key
+            self._attention = (q[:tp], attn[:tp], q[tp : tp + sd], attn[tp : tp + sd])
+        return self._attention
+
+
+@dataclass
+class _Activations:
+    """Views of the step buffers for T tokens."""
+
+    x: DeviceNDArray  # (T, D) residual stream
+    h: DeviceNDArray  # (T, D) normed input of a block
+    qkv: DeviceNDArray  # (T, H + 2*KVH, HD)
+    q: DeviceNDArray  # (T, H, HD) rotated queries
+    attn: DeviceNDArray  # (T, H, HD)
+    qkv2: DeviceNDArray  # (T, (H + 2*KVH)*HD): qkv as the product's output
+    attn2: DeviceNDArray  # (T, H*HD): attn as the next product's input
+    gate_up: DeviceNDArray  # (T, 2F)
+    act: DeviceNDArray  # (T, F)
+
+
+def _reporter(trace):
+    """`report(name, layer, device_array)`: hand a host copy to `trace`, or nothing without one."""
+
+    def report(name, layer, array):
+        if trace is not None:
+            trace(name, layer, array.copy_to_host())
+
+    return report
 
 
 def buffer_specs(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms: int) -> dict[str, tuple[tuple[int, ...], type]]:
