@@ -51,6 +51,14 @@ def _one_line_errors(fn):
     return wrapper
 
 
+ASYNC_SCHEDULING_OPTION = click.option(
+    "--async-scheduling/--no-async-scheduling",
+    default=True,
+    show_default=True,
+    help="Schedule and launch each step before the previous step's tokens are back (overlapped scheduling).",
+)
+
+
 def engine_options(command):
     """The engine settings `run` and `serve` share (passed on as `EngineConfig` fields)."""
     options = [
@@ -71,8 +79,9 @@ def engine_options(command):
             help="continuous: refill free slots every step; static: admit a batch, wait until all of it finishes.",
         ),
         click.option(
-            "--enforce-eager", is_flag=True, help="cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs."
+            "--enforce-eager", is_flag=True, help="cuda: launch every step kernel by kernel instead of replaying CUDA graphs."
         ),
+        ASYNC_SCHEDULING_OPTION,
     ]
     for option in reversed(options):
         command = option(command)
@@ -322,7 +331,8 @@ def bench_options(command):
             show_default=True,
             help="GPU memory share for the KV cache.",
         ),
-        click.option("--enforce-eager", is_flag=True, help="cuda: no CUDA graphs for decode steps."),
+        click.option("--enforce-eager", is_flag=True, help="cuda: no CUDA graphs."),
+        ASYNC_SCHEDULING_OPTION,
         click.option(
             "--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the workload's lengths and token ids."
         ),

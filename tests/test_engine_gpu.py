@@ -39,7 +39,7 @@ def test_tiny_model_on_cuda_follows_the_reference(tmp_path, heads, kv_heads, hea
     cfg = tiny_config_dict(hidden_size=256, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                            intermediate_size=512, vocab_size=512, max_position_embeddings=512)  # fmt: skip
     path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
-    gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64)
+    gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
     logits = _record_sampled_logits(gpu.engine.runner)
     outs = gpu.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
 
@@ -58,8 +58,9 @@ def test_tiny_model_on_cuda_follows_the_reference(tmp_path, heads, kv_heads, hea
 
 
 def test_cuda_graph_replay_equals_eager_launches(tmp_path):
-    """Decode steps replayed from CUDA graphs give the eager path's logits and tokens, as the batch
-    shrinks through the buckets (outputs of different lengths) and contexts cross page widths."""
+    """Steps replayed from CUDA graphs (whole decode steps, and the first step's prompts in pieces)
+    give the eager path's logits and tokens, as the batch shrinks through the buckets (outputs of
+    different lengths) and contexts cross page widths."""
     cfg = tiny_config_dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                            intermediate_size=512, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
     path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
@@ -67,29 +68,32 @@ def test_cuda_graph_replay_equals_eager_launches(tmp_path):
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
     runs = {}
     for eager in (True, False):
-        llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=256, enforce_eager=eager)
+        llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=256, enforce_eager=eager, async_scheduling=False)
         logits = _record_sampled_logits(llm.engine.runner)
         outs = llm.generate(prompts, params)
         runs[eager] = ([o.token_ids for o in outs], [np.stack(logits[o.request_id]) for o in outs], llm.engine.runner)
     assert runs[True][2].decode_graphs is None
     assert runs[False][2].decode_graphs.num_graphs >= 4  # batches of 11, 10 .. 1 use buckets 16, 8, 4, 2, 1
+    assert runs[False][2].piecewise_graphs.num_graphs == 3 + 1  # the prompts' step: 3 pieces (2 layers), 1 head
     assert runs[False][0] == runs[True][0]
     for graph_logits, eager_logits in zip(runs[False][1], runs[True][1], strict=True):
         np.testing.assert_allclose(graph_logits, eager_logits, rtol=1e-5, atol=1e-5)
 
 
 def _record_sampled_logits(runner) -> dict[str, list]:
-    """Wrap the runner's sampler so each request's logits rows (V,) are kept, in step order."""
+    """Wrap the runner's collect so each request's logits rows (V,) are kept, in step order (the
+    engine must run serially: a step launched before this one is collected would overwrite them)."""
     seen: dict[str, list] = {}
-    sample = runner._sample_on_host
+    collect = runner.collect
 
-    def recording(requests, logits, tokens):
-        host = logits.copy_to_host() if requests else None
-        for i, r in enumerate(requests):
+    def recording(step):
+        tokens = collect(step)
+        host = runner.model.buffers["logits"].copy_to_host() if step.requests else None  # (>= B, V)
+        for i, r in enumerate(step.requests):
             seen.setdefault(r.request_id, []).append(host[i])
-        return sample(requests, logits, tokens)
+        return tokens
 
-    runner._sample_on_host = recording
+    runner.collect = recording
     return seen
 
 

@@ -24,7 +24,8 @@ class EngineConfig:
     num_pages: int | None = None  # KV-cache pages (PAGE_SIZE tokens each, page 0 reserved); None: sized
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take (cuda)
     verbose: bool = False  # print each step's slots and free pages
-    enforce_eager: bool = False  # cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs
+    enforce_eager: bool = False  # cuda: launch every step kernel by kernel instead of replaying CUDA graphs
+    async_scheduling: bool = True  # schedule and launch step n+1 before collecting step n's tokens (overlap)
     scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
     prefill_gemm: str = "tensor_cores"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
     prefill_attention: str = "cuda_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)

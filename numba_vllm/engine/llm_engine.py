@@ -5,6 +5,25 @@ the scheduler picks what runs (`StepPlan`), the runner executes it and samples, 
 advances the requests, and each request's `OutputBuilder` turns its new token into text and decides
 whether it stops; finished requests give back their pages and slot. `LLM` is the offline API on
 top: hand it all prompts, get all outputs back in order.
+
+Overlapped scheduling (`EngineConfig.async_scheduling`, on by default): the host schedules step n+1
+and launches it while the device still runs step n, then collects step n's tokens and runs its stop
+checks while n+1 runs. Step n+1 is planned as if step n's sampled tokens were known: the scheduler
+records them as None (`Scheduler.update`) and the runner feeds them to step n+1 on the device (from
+the previous step's sampled-token buffer); `Scheduler.fill` puts them in once collected. What keeps
+this exact:
+- a request that step n finishes by its output budget is known in advance: it is held out of step
+  n+1 (`Scheduler.schedule(hold=...)`);
+- a request that step n finishes otherwise (a stop token or string) has one extra token computed in
+  step n+1, which is dropped (`update` and `fill` skip finished requests), as vLLM does; the same for
+  a request aborted while a step runs;
+- pages freed by a finished, aborted or preempted request may be handed out while a step in flight
+  still writes them: the device runs steps in launch order, so the new owner's writes come later;
+- a step whose tokens the host must sample (top-k, top-p: the runner reads its logits) is
+  collected before the next step is scheduled (serial order), as is every step without
+  `async_scheduling`.
+A `step()` call therefore returns the outputs of the step launched by the call before it (the first
+call returns none).
 """
 
 from __future__ import annotations
@@ -12,6 +31,7 @@ from __future__ import annotations
 import itertools
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
@@ -19,7 +39,7 @@ from numba_vllm.engine.lengths import LengthPolicy
 from numba_vllm.engine.output import OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
-from numba_vllm.engine.scheduler import Scheduler
+from numba_vllm.engine.scheduler import Scheduler, StepPlan
 from numba_vllm.engine.stats import EngineStats, collect_stats
 from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
@@ -47,6 +67,7 @@ class LLMEngine:
             ec.max_num_seqs, ec.max_num_batched_tokens, allocator, self.capacity.max_model_len, scheduling=ec.scheduling
         )
         self._builders: dict[str, OutputBuilder] = {}
+        self._in_flight: _Flight | None = None  # launched, its tokens not collected yet
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0  # requests that lost their pages and recomputed, over the engine's life
@@ -101,17 +122,52 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass over the scheduled batch; return the outputs that got a token."""
-        plan = self.scheduler.schedule()
+        """Run one step of the batch; return the outputs that got a token (see the module docstring:
+        with overlapped scheduling, those of the step launched by the previous call)."""
+        previous, self._in_flight = self._in_flight, None
+        current = self._launch(previous)
+        outputs = self._complete(previous) if previous is not None else []
+        if current is not None:
+            self.scheduler.update(current.plan, {s.request.request_id: None for s in current.plan.sequences if s.samples})
+            if self.engine_config.async_scheduling and current.handle is not None and current.handle.feeds_next:
+                self._in_flight = current
+            else:
+                outputs += self._complete(current)
+        return outputs
+
+    def _launch(self, previous: _Flight | None) -> _Flight | None:
+        """Schedule the next step (holding out the requests `previous` finishes) and launch it, its
+        unknown tokens fed from `previous`; None when there is nothing to run yet."""
+        plan = self.scheduler.schedule(hold=self._finishing(previous) if previous is not None else ())
+        if plan.is_empty and not plan.preempted_request_ids:  # nothing, or only requests finishing in flight
+            self.scheduler.update(plan, {})
+            return None
         if self.engine_config.verbose:
             print(f"step {self.num_steps}:", *plan.describe(), sep="\n", file=sys.stderr)
-        sampled = self.runner.execute(plan) if not plan.is_empty else {}
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_request_ids)
+        handle = None if plan.is_empty else self.runner.launch(plan, previous.handle if previous is not None else None)
+        return _Flight(plan, handle)
+
+    def _finishing(self, flight: _Flight) -> set[str]:
+        """Requests the step in flight certainly finishes: it samples the last token of their budget."""
+        ids = set()
+        for s in flight.plan.sequences:
+            builder = self._builders.get(s.request.request_id)
+            if s.samples and not s.request.is_finished and builder is not None:
+                if len(builder.output.token_ids) + 1 >= builder.max_new_tokens:
+                    ids.add(s.request.request_id)
+        return ids
+
+    def _complete(self, flight: _Flight) -> list[RequestOutput]:
+        """Collect a launched step's tokens; stop checks and output for each request that got one."""
+        if flight.handle is None:
+            return []
+        sampled = self.runner.collect(flight.handle)
         updated = []
-        for request in self.scheduler.update(plan, sampled):
+        for request in self.scheduler.fill(flight.plan, sampled):
             builder = self._builders[request.request_id]
-            builder.add(request.output_token_ids[-1])
+            builder.add(sampled[request.request_id])
             output = builder.output
             if output.finished:
                 self.scheduler.finish(request, _STATUS_OF_REASON[output.finish_reason])
@@ -198,6 +254,14 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
+
+
+@dataclass
+class _Flight:
+    """A launched step: its plan and the runner's handle (None for a plan that only preempted)."""
+
+    plan: StepPlan
+    handle: object
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

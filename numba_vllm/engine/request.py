@@ -55,7 +55,8 @@ class Request:
     prompt_token_ids: list[int]  # (num_prompt_tokens,)
     sampling_params: SamplingParams
     arrival_index: int  # 0, 1, 2, ... in the order the engine received requests
-    output_token_ids: list[int] = field(default_factory=list)  # (num_output_tokens,) sampled so far
+    output_token_ids: list[int | None] = field(default_factory=list)  # (num_output_tokens,) sampled so far; None:
+    # sampled on the device by a step in flight, not on the host yet (overlapped scheduling)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # leading tokens of all_token_ids whose K/V are in the cache
     page_ids: list[int] = field(default_factory=list)  # block table: page ids in token order

@@ -28,13 +28,18 @@ stays empty while the longest one runs. Preemption (rule 2) works as above; a pr
 leaves its batch, goes to the front of the queue and is admitted first with the *next* batch.
 
 The scheduler advances requests in `update` after the step has run; stopping rules (EOS, stop
-strings, max_tokens, and `max_model_len` below) are the engine's, which calls `finish`.
+strings, max_tokens, and `max_model_len` below) are the engine's, which calls `finish`. With
+overlapped scheduling the engine calls `update` as soon as a step is launched, with None for the
+tokens it samples (the next step is scheduled as if they were known; the runner feeds them to it on
+the device), and `fill` once they are on the host; `schedule(hold=...)` leaves out the requests
+the step in flight certainly finishes.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from numba_vllm.engine.config import SCHEDULING_MODES
@@ -187,8 +192,12 @@ class Scheduler:
         return True
 
     # ---- one step ------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan:
-        """Plan the next step (see the module docstring), allocating the pages it writes."""
+    def schedule(self, hold: Collection[str] = ()) -> StepPlan:
+        """Plan the next step (see the module docstring), allocating the pages it writes.
+
+        `hold`: ids of running requests to give no tokens this step (they keep their slot and pages):
+        the engine's, for requests the step in flight will finish. When only held requests could run
+        the plan is empty."""
         if self._plan_in_flight is not None:
             raise RuntimeError("schedule() called again before update() of the previous plan")
         token_budget = self.max_num_batched_tokens
@@ -200,8 +209,13 @@ class Scheduler:
 
         # 1. Running requests, oldest first; preempting the newest when pages run out.
         i = 0
+        held = False
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
+            if request.request_id in hold:
+                held = True
+                i += 1
+                continue
             num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
             num_new_pages = pages_for_tokens(request.num_computed_tokens + num_new_tokens) - len(request.page_ids)
             while not self.allocator.can_allocate(num_new_pages) and request.status is RequestStatus.RUNNING:
@@ -228,7 +242,7 @@ class Scheduler:
             scheduled.append(self._schedule_tokens(request, num_new_tokens))
             token_budget -= num_new_tokens
 
-        if not scheduled and not preempted and self.has_unfinished():
+        if not scheduled and not preempted and not held and self.has_unfinished():
             raise SchedulerStalledError(
                 f"{len(self.running)} running / {len(self.waiting)} waiting requests but none can be scheduled "
                 f"({self.allocator.num_free_pages} free pages); was a request not finished at max_model_len="
@@ -247,7 +261,8 @@ class Scheduler:
     def update(self, plan: StepPlan, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Record that ``plan`` ran: advance each request's computed tokens and append its sampled
         token where the step sampled. Returns those requests, in plan order, for the engine to check
-        stopping rules on. Requests aborted while the step ran are skipped."""
+        stopping rules on. Requests aborted while the step ran are skipped. A token may be None: the
+        step was only launched, and `fill` puts the token in once it is known."""
         if plan is not self._plan_in_flight:
             raise ValueError("update() needs the plan returned by the last schedule()")
         # Check everything before changing anything, so a bad call changes nothing.
@@ -266,9 +281,26 @@ class Scheduler:
             assert request.num_computed_tokens == seq.start_position, f"request {request.request_id} moved during the step"
             request.num_computed_tokens += seq.num_new_tokens
             if seq.samples:
-                request.output_token_ids.append(int(sampled_token_ids[request.request_id]))
+                token = sampled_token_ids[request.request_id]
+                request.output_token_ids.append(None if token is None else int(token))
                 sampled_requests.append(request)
         return sampled_requests
+
+    def fill(self, plan: StepPlan, sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Put in the tokens of ``plan`` that `update` recorded as None, now that they are known.
+        Returns the requests that got one, in plan order; requests finished since are skipped (a
+        request preempted since still gets its token: it was computed before its pages went)."""
+        filled = []
+        for seq in plan.sequences:
+            request = seq.request
+            if not seq.samples or request.is_finished:
+                continue
+            index = seq.context_len - request.num_prompt_tokens  # the sampled token's place in the output
+            if request.output_token_ids[index] is not None:
+                raise ValueError(f"request {request.request_id}: output token {index} is already known")
+            request.output_token_ids[index] = int(sampled_token_ids[request.request_id])
+            filled.append(request)
+        return filled
 
     # ---- helpers -------------------------------------------------------------------------------
     def _form_batch(self) -> None:

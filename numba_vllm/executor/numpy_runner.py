@@ -1,7 +1,10 @@
 """Runners: turn a `StepPlan` into one forward pass and one sampled token per sampling sequence.
 
-Three executors behind one interface (`execute(plan) -> {request_id: token_id}`), so the engine,
-its pages and its scheduler are the same whatever runs the model:
+Three executors behind one interface, so the engine, its pages and its scheduler are the same
+whatever runs the model: `launch(plan, previous=None) -> step` queues a step (a decoding sequence
+whose token is None takes the token `previous` sampled for it), `collect(step) -> {request_id:
+token_id}` waits for its tokens, `execute(plan)` does both, `release(request_id)` forgets a request;
+a step's `feeds_next` says whether the next may be launched before it is collected.
 - `NumpyRunner`: the float32 reference model (`reference.py`) over a paged K/V pool in host memory.
   Runs anywhere; the oracle the other two are tested against.
 - `KernelRunner` (`kernel_runner.py`): the Numba CUDA kernels, on the GPU (`cuda`) or, unchanged,
@@ -11,6 +14,8 @@ what else shares the batch.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,6 +59,14 @@ class _SequenceCache:
         return self.pool.k[layer, idx], self.pool.v[layer, idx]
 
 
+@dataclass
+class HostStep:
+    """A step the NumPy runner has run: there is no device queue, so its tokens are there at once."""
+
+    sampled: dict[str, int]  # request id -> sampled token
+    feeds_next: bool = True
+
+
 class NumpyRunner:
     """The reference model, one sequence at a time, over the paged host cache."""
 
@@ -63,13 +76,27 @@ class NumpyRunner:
         self.samplers = RequestSamplers()
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
+        return self.collect(self.launch(plan))
+
+    def launch(self, plan: StepPlan, previous: HostStep | None = None) -> HostStep:
+        """Run the step now; a token still unknown to the engine (None) is the one `previous` sampled."""
         sampled = {}
         for seq in plan.sequences:
+            token_ids = seq.token_ids
+            if None in token_ids:
+                rid = seq.request.request_id
+                known = previous.sampled if previous is not None else {}
+                if token_ids != [None] or rid not in known:
+                    raise ValueError(f"request {rid}: its token is unknown and the previous step did not sample it")
+                token_ids = [known[rid]]
             cache = self.cache.sequence(seq.page_ids)
-            logits = self.model.forward(np.asarray(seq.token_ids), seq.start_position, cache)  # (V,)
+            logits = self.model.forward(np.asarray(token_ids), seq.start_position, cache)  # (V,)
             if seq.samples:
                 sampled[seq.request.request_id] = self.samplers.sample(seq.request, logits)
-        return sampled
+        return HostStep(sampled)
+
+    def collect(self, step: HostStep) -> dict[str, int]:
+        return step.sampled
 
     def release(self, request_id: str) -> None:
         self.samplers.release(request_id)

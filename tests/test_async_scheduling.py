@@ -1,0 +1,244 @@
+"""Overlapped scheduling (EngineConfig.async_scheduling) against the serial order, on the CPU.
+
+A fake device stands in front of the NumPy runner: steps run in launch order, as a GPU stream runs
+them, but on a worker thread after random delays (so a step may finish long before or after the
+host collects the one before it), or lazily, only when collected. The K/V writes of a step happen
+when it runs, so pages the host has already freed and handed out again are still written by the
+steps in flight: the tokens show whether that is safe. Greedy tokens must be the serial engine's,
+with preemptions, aborts, stop tokens and staggered arrivals; pages and slots must add up after
+every step and all come back at the end.
+"""
+
+import queue
+import threading
+import time
+
+import numpy as np
+import pytest
+from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
+
+from numba_vllm.engine.config import EngineConfig
+from numba_vllm.engine.kv_cache import PageAllocator
+from numba_vllm.engine.llm_engine import LLMEngine
+from numba_vllm.engine.request import Request
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.scheduler import Scheduler
+from numba_vllm.loading.checkpoint import load_checkpoint
+from numba_vllm.model.config import ModelConfig
+
+PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 20)), list(range(1, 34)), [7, 8, 9], list(range(40, 61))]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    cfg = tiny_config_dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+
+
+class FakeStep:
+    def __init__(self, plan, previous, feeds_next):
+        self.plan, self.previous, self.feeds_next = plan, previous, feeds_next
+        self.inner = None  # the NumPy runner's step, once run
+        self.done = threading.Event()
+
+
+class FakeDevice:
+    """The NumPy runner behind a queue: `mode` "thread" runs steps on a worker after random delays,
+    "lazy" only when a step is collected (then every step launched before it first). Steps with a
+    top-k or top-p row do not feed the next one (as on the GPU: the host samples them)."""
+
+    def __init__(self, runner, mode: str, seed: int = 0):
+        self.runner, self.mode = runner, mode
+        self.rng = np.random.default_rng(seed)
+        self.pending: list = []  # launched, not run yet (in order)
+        self.uncollected: list[FakeStep] = []
+        self.launched: list[FakeStep] = []
+        self.queue: queue.Queue = queue.Queue()
+        if mode == "thread":
+            threading.Thread(target=self._work, daemon=True).start()
+
+    def launch(self, plan, previous=None):
+        assert len(self.uncollected) < 2, "more than two steps outstanding"
+        assert previous is None or previous is self.launched[-1], "fed from a step other than the one just before"
+        assert previous is None or previous.feeds_next, "fed from a step whose tokens the host samples"
+        assert all(s.feeds_next for s in self.uncollected), "launched before collecting a step that does not feed"
+        sampling = [s.request.sampling_params for s in plan.sequences if s.samples]
+        step = FakeStep(plan, previous, feeds_next=not any(p.top_k or p.top_p < 1 for p in sampling if not p.greedy))
+        self.uncollected.append(step)
+        self.launched.append(step)
+        self._enqueue(("step", step))
+        return step
+
+    def collect(self, step):
+        assert step is self.uncollected[0], "collected out of launch order"
+        if self.mode == "lazy":
+            while not step.done.is_set():
+                self._run(self.pending.pop(0))
+        assert step.done.wait(30)
+        self.uncollected.pop(0)
+        return self.runner.collect(step.inner)
+
+    def release(self, request_id):
+        self._enqueue(("release", request_id))  # in stream order: steps in flight may still sample for it
+
+    def execute(self, plan):
+        return self.collect(self.launch(plan))
+
+    def _enqueue(self, item):
+        if self.mode == "thread":
+            self.queue.put(item)
+        else:
+            self.pending.append(item)
+
+    def _work(self):
+        while True:
+            time.sleep(float(self.rng.exponential(0.002)))
+            self._run(self.queue.get())
+
+    def _run(self, item):
+        kind, what = item
+        if kind == "release":
+            self.runner.release(what)
+            return
+        what.inner = self.runner.launch(what.plan, what.previous.inner if what.previous is not None else None)
+        what.done.set()
+
+
+def run(engine, arrivals, abort_at=None):
+    """Step until done; `arrivals`: (request id, prompt, params) added one per step() call;
+    `abort_at`: {call index: request id}. Checks the scheduler's accounting after every call."""
+    outputs, arrivals, call = {}, list(arrivals), 0
+    while arrivals or engine.has_unfinished_requests():
+        if arrivals:
+            rid, prompt, params = arrivals.pop(0)
+            outputs[rid] = engine.add_request(rid, prompt, params)
+        if abort_at and call in abort_at:
+            engine.abort_request(abort_at[call])
+        engine.step()
+        engine.scheduler.check_invariants()
+        call += 1
+    return outputs
+
+
+def engines(tiny_dir, modes=("thread", "lazy"), **config):
+    """The serial engine, then an overlapped one per fake device mode."""
+    serial = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy", async_scheduling=False, **config))
+    overlapped = []
+    for i, mode in enumerate(modes):
+        engine = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy", **config))
+        engine.runner = FakeDevice(engine.runner, mode, seed=i)
+        overlapped.append(engine)
+    return serial, overlapped
+
+
+def _all_pages_back(engine):
+    allocator = engine.scheduler.allocator
+    return allocator.num_free_pages == allocator.num_usable_pages
+
+
+def test_overlapped_steps_give_the_serial_tokens_with_chunks_preemptions_and_stop_tokens(tiny_dir):
+    greedy = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (9, 2, 12, 1, 7, 5, 10)]
+    arrivals = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS, greedy, strict=True))]
+    config = dict(max_num_seqs=4, max_num_batched_tokens=16, num_pages=5)  # 4 usable pages: preemptions
+    serial, overlapped = engines(tiny_dir, **config)
+    want = {rid: o.token_ids for rid, o in run(serial, arrivals).items()}
+    # A stop token met mid-way by r2: a finish the host learns only when it collects the step.
+    stop = want["r2"][4]
+    stopping = [(rid, p, SamplingParams(temperature=0, max_tokens=sp.max_tokens, stop_token_ids=[stop] if rid == "r2" else []))
+                for rid, p, sp in arrivals]  # fmt: skip
+    serial_stop, overlapped_stop = engines(tiny_dir, **config)
+    want_stop = {rid: (o.token_ids, o.finish_reason) for rid, o in run(serial_stop, stopping).items()}
+    assert want_stop["r2"][1] == "stop" and serial.num_preemptions > 0
+    for engine, engine_stop in zip(overlapped, overlapped_stop, strict=True):
+        assert {rid: o.token_ids for rid, o in run(engine, arrivals).items()} == want
+        assert {rid: (o.token_ids, o.finish_reason) for rid, o in run(engine_stop, stopping).items()} == want_stop
+        assert engine.num_preemptions > 0
+        assert _all_pages_back(engine) and _all_pages_back(engine_stop)
+        # Requests finishing by their budget are held out of the step after their last token: the
+        # device computed exactly one token per generated token (prefill chunks aside).
+        sampled = [s.request.request_id for step in engine.runner.launched for s in step.plan.sequences if s.samples]
+        assert {rid: sampled.count(rid) for rid in want} == {rid: len(t) for rid, t in want.items()}
+        assert sum(step.previous is not None for step in engine.runner.launched) > len(engine.runner.launched) / 2
+        # r2's stop token is seen one step late: one more token was computed for it, and dropped.
+        sampled = [s.request.request_id for step in engine_stop.runner.launched for s in step.plan.sequences if s.samples]
+        assert sampled.count("r2") == len(want_stop["r2"][0]) + 1
+
+
+def test_aborts_mid_run_free_everything_and_leave_the_others_alone(tiny_dir):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    arrivals = [(f"r{i}", p, params) for i, p in enumerate(PROMPTS)]
+    config = dict(max_num_seqs=3, max_num_batched_tokens=16, num_pages=12)
+    serial, overlapped = engines(tiny_dir, **config)
+    want = {rid: o.token_ids for rid, o in run(serial, arrivals).items()}
+    aborts = {3: "r1", 5: "r4", 6: "r0"}  # r4 while still waiting or prefilling, the others while decoding
+    for engine in overlapped:
+        outputs = run(engine, arrivals, abort_at=aborts)
+        for rid, out in outputs.items():
+            if rid in aborts.values():
+                assert out.finish_reason == "abort" and want[rid][: len(out.token_ids)] == out.token_ids
+            else:
+                assert out.token_ids == want[rid]
+        assert _all_pages_back(engine)
+
+
+def test_host_sampled_steps_are_collected_before_the_next_is_scheduled(tiny_dir):
+    """Top-k rows are sampled on the host: such a step cannot feed the next one, which then waits
+    (the fake device asserts it). Seeded tokens are the serial engine's."""
+    params = [SamplingParams(temperature=0.8, top_k=5, seed=3, max_tokens=6, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=1.1, seed=4, max_tokens=4, ignore_eos=True)]  # fmt: skip
+    arrivals = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS[:3], params, strict=True))]
+    serial, overlapped = engines(tiny_dir, modes=("lazy",), max_num_seqs=4)
+    want = {rid: o.token_ids for rid, o in run(serial, arrivals).items()}
+    engine = overlapped[0]
+    assert {rid: o.token_ids for rid, o in run(engine, arrivals).items()} == want
+    assert any(not s.feeds_next for s in engine.runner.launched) and any(s.previous for s in engine.runner.launched)
+
+
+def test_the_first_call_launches_and_the_next_returns_its_outputs(tiny_dir):
+    _, (engine,) = engines(tiny_dir, modes=("lazy",))
+    out = engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    assert engine.step() == [] and engine.num_steps == 1  # launched, in flight
+    assert engine.step() == [out] and len(out.token_ids) == 1 and engine.num_steps == 2
+    assert engine.step() == [out] and engine.num_steps == 3
+    assert engine.step() == [out] and out.finish_reason == "length" and engine.num_steps == 3  # held: nothing launched
+    assert not engine.has_unfinished_requests() and _all_pages_back(engine)
+
+
+# ---- the scheduler's side ------------------------------------------------------------------------
+
+
+def _scheduler(num_pages=8):
+    return Scheduler(max_num_seqs=2, max_num_batched_tokens=16, allocator=PageAllocator(num_pages), max_model_len=64)
+
+
+def test_update_with_unknown_tokens_then_fill():
+    sched = _scheduler()
+    a = Request("a", [1, 2, 3], SamplingParams(), 0)
+    sched.add(a)
+    plan = sched.schedule()
+    assert sched.update(plan, {"a": None}) == [a] and a.output_token_ids == [None]
+    following = sched.schedule()  # planned with the token unknown: it decodes None
+    assert [s.token_ids for s in following.sequences] == [[None]]
+    assert sched.fill(plan, {"a": 42}) == [a] and a.output_token_ids == [42]
+    with pytest.raises(ValueError, match="already known"):
+        sched.fill(plan, {"a": 43})
+    sched.update(following, {"a": None})
+    sched.finish(a, a.status.FINISHED_STOPPED)
+    assert sched.fill(following, {"a": 7}) == [] and a.output_token_ids == [42, None]  # finished since: skipped
+    sched.check_invariants()
+
+
+def test_held_requests_get_no_tokens_and_an_all_held_step_is_empty():
+    sched = _scheduler()
+    a, b = Request("a", [1, 2], SamplingParams(), 0), Request("b", [3], SamplingParams(), 1)
+    sched.add(a)
+    sched.add(b)
+    sched.update(sched.schedule(), {"a": 5, "b": 6})
+    plan = sched.schedule(hold={"a"})
+    assert [s.request.request_id for s in plan.sequences] == ["b"]
+    sched.update(plan, {"b": 7})
+    plan = sched.schedule(hold={"a", "b"})
+    assert plan.is_empty and not plan.preempted_request_ids and len(sched.running) == 2  # no stall error
+    sched.update(plan, {})
+    sched.check_invariants()
