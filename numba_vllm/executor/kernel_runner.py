@@ -90,6 +90,8 @@ class KernelRunner:
         """Queue the step on the device and return at once. `previous`: the step launched just before,
         whose sampled tokens feed this plan's decoding sequences whose token is None."""
         seqs, fed_sources = self._order(plan.sequences, previous)
+        if fed_sources and (previous is not self._latest or not previous.feeds_next):
+            raise ValueError("launch: unknown tokens are fed only from the step launched just before, sampled on the device")
         requests = [s.request for s in seqs if s.samples]
         host_rows = [i for i, r in enumerate(requests) if _host_sampled(r)]
         step = KernelStep(requests, {r.request_id: i for i, r in enumerate(requests)}, host_rows, None)
