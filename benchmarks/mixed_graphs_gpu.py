@@ -12,6 +12,8 @@ every kernel compiles once.
    request waits for a slot, and a request finishing by length is held out, not replaced), and eager
    and replayed steps launch the same kernels on the same padded shapes: the tokens must be
    identical, request by request. Prints mismatches and the graphs recorded.
+   Then the cost of the graphs: seconds and device memory of `warm_up` on a --max-num-seqs 64
+   engine (every token bucket's pieces and heads, the decode graphs up to 4096-token sequences).
 2. Throughput, `numba-vllm bench throughput --random-weights tests/data/llama-3.2-1b-instruct
    --max-num-seqs 64` (256 requests, prompts and outputs 100-1024, greedy, EOS ignored): continuous
    and static with graphs and overlap (the defaults), with --enforce-eager, and continuous with
@@ -92,6 +94,40 @@ def correctness(ckpt, backend: str, num_requests: int) -> dict:
     return report
 
 
+def graph_cost(ckpt, backend: str) -> dict:
+    """Seconds and device memory `LLMEngine.warm_up` takes to record every graph of a --max-num-seqs 64
+    engine (kernels already compiled by the correctness runs): one dummy step per token bucket
+    (pieces and heads recorded) and the decode graphs of sequences up to 4096 tokens."""
+    engine = LLMEngine(ckpt, EngineConfig(backend=backend, max_num_seqs=64, max_model_len=4096))
+    free = _free_bytes(backend)
+    t0 = time.perf_counter()
+    engine.warm_up()
+    seconds = time.perf_counter() - t0
+    used = free - _free_bytes(backend) if free is not None else None
+    runner = engine.runner
+    pieces, decode = getattr(runner, "piecewise_graphs", None), getattr(runner, "decode_graphs", None)
+    cost = {
+        "warm_up_s": seconds,
+        "device_MiB": None if used is None else used / 2**20,
+        "token_buckets": len(runner.layout.token_sizes) if hasattr(runner, "layout") else 0,
+        "piecewise_graphs": pieces.num_graphs if pieces is not None else 0,
+        "decode_graphs": decode.num_graphs if decode is not None else 0,
+    }
+    log(f"[graphs] warm-up {seconds:.1f} s, {cost['device_MiB']} MiB: {cost}")
+    del engine, runner, pieces, decode
+    release_device_memory(backend)
+    return cost
+
+
+def _free_bytes(backend: str) -> int | None:
+    if backend != "cuda":
+        return None
+    from numba import cuda
+
+    cuda.synchronize()
+    return cuda.current_context().get_memory_info()[0]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config-dir", default=LLAMA_3_2_1B_CONFIG_DIR)
@@ -106,6 +142,7 @@ def main() -> None:
     ckpt, desc, seconds = load_model(None, args.config_dir)
     log(f"[mixed-graphs] {desc} built in {seconds:.1f} s")
     result = {"model": desc, "correctness": correctness(ckpt, args.backend, args.num_requests)}
+    result["graph_cost"] = graph_cost(ckpt, args.backend)
 
     if not args.skip_throughput:
         variants = {  # name: (options, scheduling)
@@ -132,6 +169,7 @@ def main() -> None:
         print(f"{name:20s} requests differing {r['requests_differing']:3d}  steps {r['steps']:4d}  {r['seconds']:6.2f} s  "
               f"piecewise graphs {r['piecewise_graphs']:4d} ({len(r['token_buckets'])} token buckets)  "
               f"decode graphs {r['decode_graphs']:3d}  first difference {r['first_difference']}")  # fmt: skip
+    print(f"\n== graphs recorded by warm_up (--max-num-seqs 64) ==\n{result['graph_cost']}")
     if "throughput" in result:
         print("\n== throughput summary (output tokens/s) ==")
         for name, run in result["throughput"].items():

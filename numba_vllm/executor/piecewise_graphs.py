@@ -21,12 +21,13 @@ the packed buffer and the model's step buffers; the head graph reads the sample 
 inputs. Everything an attention launch reads is in the same buffer, uploaded before the first piece.
 
 Cost (estimated for Llama 3.2 1B, `--max-num-seqs 64 --max-num-batched-tokens 2048`: 52 token
-buckets and 15 row buckets): ~900 piece graphs of 6-14 kernel nodes and 15 head graphs. A graph
-node costs the driver well under a KB of host and device memory and the graphs share every buffer,
-so all of them hold a few MB. Recording a bucket is its first step run eagerly (for the full
+buckets and 11 row buckets; `benchmarks/mixed_graphs_gpu.py` measures it): ~900 piece graphs of
+6-14 kernel nodes and 11 head graphs. The graphs share every buffer (the packed inputs, the model's
+step buffers), so what they hold is the driver's own record of their ~10,000 nodes, a few KB each
+at most: some tens of MB. Recording a bucket is its first step run eagerly (for the full
 2112-token bucket ~20 ms on an H200, most of it the step's own work; it compiles nothing new once
 `warm_up` has run) plus 17 recordings of ~0.5 ms each (the launches' Python, then instantiation
-and upload): all buckets take about a second, made in `KernelRunner.warm_up` or on first use.
+and upload): all buckets take about a second, in `KernelRunner.warm_up` or on first use.
 """
 
 from __future__ import annotations

@@ -113,6 +113,8 @@ class DeviceModel:
         self.layer_caches = []  # [(k, v)] (P, PAGE_SIZE, KVH, HD) bf16 views per layer, made by `allocate`
         self.buffers = None  # name -> device array, made by `allocate`
         self.sampler_workspace = None  # the samplers' PartWinners (views of two buffers)
+        self._views = {}  # views of the step buffers, by shape (see `_activations`)
+        self._attention_key, self._attention = None, None  # the last step's attention views
 
     def allocate(self, num_pages: int, max_num_tokens: int, max_num_seqs: int) -> None:
         """The KV pools (L, num_pages, PAGE_SIZE, KVH, HD) bf16 and every other buffer a step uses
@@ -133,7 +135,7 @@ class DeviceModel:
         for k_cache, v_cache in self.layer_caches:
             k_cache.view(np.uint16)[0].copy_to_device(null_page)  # page 0: engine.kv_cache.NULL_PAGE_ID
             v_cache.view(np.uint16)[0].copy_to_device(null_page)
-        self._views = {}  # views of the step buffers, by shape (see `_activations`)
+        self._views.clear()
         self._attention_key, self._attention = None, None
 
     def forward(self, s: StepInputs, trace=None):
@@ -149,7 +151,7 @@ class DeviceModel:
         for p in range(self.num_pieces):
             self.piece(s, p, trace)
             if p < len(self.layers):
-                self.attention(s, p, trace)
+                self.attention(s, p)
         return self.head(s)
 
     @property
@@ -191,7 +193,7 @@ class DeviceModel:
             if trace is not None:
                 trace("k_rope", p, _cached_rows(k_cache, s.kv_indices))
 
-    def attention(self, s: StepInputs, i: int, trace=None) -> None:
+    def attention(self, s: StepInputs, i: int) -> None:
         """Layer i's attention: the prefill kernel on rows [0, Tp), the decode kernel on the Sd decoding
         rows after them (rows past Tp + Sd are padding, attended by neither). Grids depend on the step's
         sequences, not only on T."""
