@@ -127,7 +127,7 @@ def test_metrics_text_from_engine_stats_and_events_in_a_registry_per_server():
         num_running=3, num_waiting=2, num_free_slots=5, num_pages=40, num_pages_used=10, num_pages_free=30,
         num_preemptions=4, num_steps=99, max_model_len=640,
     )  # fmt: skip
-    a, b = ServerMetrics(stats), ServerMetrics(stats)  # two in one process: no clash
+    a, b = ServerMetrics(stats, TINY_NAME), ServerMetrics(stats, TINY_NAME)  # two in one process: no clash
     a.prompt_tokens.inc(7)
     a.finished.labels("length").inc()
     for seconds in (0.003, 0.03, 3.0):
@@ -135,7 +135,7 @@ def test_metrics_text_from_engine_stats_and_events_in_a_registry_per_server():
     text = a.render().decode()
     assert "_created" not in text
     m = parse_metrics(text)
-    assert {k.removeprefix(M): v for k, v in m.items() if "_seconds" not in k} == {
+    assert {k.removeprefix(M): v for k, v in m.items() if k.startswith(M) and "_seconds" not in k} == {
         "num_requests_running": 3, "num_requests_waiting": 2, "kv_cache_pages_used": 10, "kv_cache_pages_free": 30,
         "kv_cache_pages_total": 40, "kv_cache_usage_perc": 0.25, "num_preemptions_total": 4, "engine_steps_total": 99,
         "prompt_tokens_total": 7, "generation_tokens_total": 0, 'request_success_total{finished_reason="stop"}': 0,

@@ -67,8 +67,8 @@ class ServerState:
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
-        self.engine_loop = EngineLoop(engine)
         self.model_names = list(served_model_names)
+        self.engine_loop = EngineLoop(engine, self.model_names[0])
         self.api_key = api_key or None
         self.max_request_bytes = max_request_bytes
         self.created = int(time.time())

@@ -76,11 +76,12 @@ class _Live:
 
 
 class EngineLoop:
-    """Owns an LLMEngine and steps it in a daemon thread; the methods below are thread-safe."""
+    """Owns an LLMEngine and steps it in a daemon thread; the methods below are thread-safe.
+    `model_name` labels its vllm: metrics."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, model_name: str):
         self.engine = engine
-        self.metrics = ServerMetrics(engine.stats())
+        self.metrics = ServerMetrics(engine.stats(), model_name)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, object]] = []
