@@ -1,7 +1,8 @@
-"""The model-server protocol on /metrics: the series routers and the Gateway API Inference Extension
-read, under vLLM's names with vLLM's `model_name` label, beside the `numba_vllm:` ones. Expected
-names and values are written out here (vLLM's names as its servers publish them), not derived from
-the code's own table.
+"""The model-server protocol: on /metrics the series routers and the Gateway API Inference Extension
+read, under vLLM's names with vLLM's `model_name` label, beside the `numba_vllm:` ones (expected
+names and values are written out here, vLLM's names as its servers publish them, not derived from the
+code's own table); and vLLM's /tokenize, which prefix-aware routers call, checked against the
+`tokenizers` library and against what /v1/chat/completions runs.
 """
 
 from __future__ import annotations
@@ -75,3 +76,60 @@ def test_vllm_series_follow_the_engine_state():
     assert values["vllm:num_requests_running" + label] == 0
     assert values["vllm:kv_cache_usage_perc" + label] == 0.5
 
+
+# ---- /tokenize, which prefix-aware routers call -----------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_server(tmp_path_factory):
+    """A server on a tiny checkpoint with a tokenizer and a chat template, in this process; and the
+    tokenizer itself, straight from the `tokenizers` library."""
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from tiny_llama import write_chat_checkpoint
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from numba_vllm import LLM
+    from numba_vllm.server import create_app
+
+    path = write_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))
+    llm = LLM(str(path), backend="numpy")
+    with TestClient(create_app(llm.engine, ["tiny"])) as client:
+        yield client, HFTokenizer.from_file(str(path / "tokenizer.json"))
+
+
+def test_tokenize_a_prompt(chat_server):
+    client, hf = chat_server
+    max_model_len = client.get("/v1/models").json()["data"][0]["max_model_len"]
+    for text in ("hi the world", "<|im_start|>hi"):
+        r = client.post("/tokenize", json={"model": "tiny", "prompt": text})
+        want = hf.encode(text).ids
+        assert r.status_code == 200
+        assert r.json() == {"count": len(want), "max_model_len": max_model_len, "tokens": want, "token_strs": None}
+    r = client.post("/tokenize", json={"prompt": "hi the", "return_token_strs": True}).json()
+    assert r["token_strs"] == [hf.id_to_token(i) for i in hf.encode("hi the").ids] == ["hi", "Ġthe"]
+
+
+def test_tokenize_a_conversation_as_chat_completions_runs_it(chat_server):
+    client, hf = chat_server
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    tokens = client.post("/tokenize", json={"messages": conversation}).json()["tokens"]
+    chatml = "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi there<|im_end|>\n<|im_start|>assistant\n"
+    assert tokens == hf.encode(chatml).ids
+    chat = client.post("/v1/chat/completions", json={"messages": conversation, "max_tokens": 1, "return_token_ids": True})
+    assert chat.json()["choices"][0]["prompt_token_ids"] == tokens
+    bare = client.post("/tokenize", json={"messages": conversation, "add_generation_prompt": False}).json()["tokens"]
+    assert bare == hf.encode(chatml.removesuffix("<|im_start|>assistant\n")).ids
+
+
+def test_tokenize_errors(chat_server):
+    client, _ = chat_server
+    hi = [{"role": "user", "content": "x"}]
+    for body, status, param in [
+        ({"prompt": "a", "messages": hi}, 400, None),
+        ({}, 400, None),
+        ({"prompt": 5}, 400, "prompt"),
+        ({"messages": []}, 400, "messages"),
+        ({"messages": hi, "chat_template_kwargs": {"tokenize": False}}, 400, "chat_template_kwargs"),
+        ({"model": "other", "prompt": "a"}, 404, "model"),
+    ]:
+        r = client.post("/tokenize", json=body)
+        assert (r.status_code, r.json()["error"]["param"]) == (status, param), body

@@ -45,7 +45,6 @@ from numba_vllm.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
-    chat_messages,
     check_length,
     check_supported,
     envelope,
@@ -54,6 +53,7 @@ from numba_vllm.server.protocol import (
     usage,
 )
 from numba_vllm.server.streams import EventStream, Submission, collect, stream_chat, stream_completion, unless_disconnected
+from numba_vllm.server.tokenize import chat_prompt_ids, tokenize
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -165,6 +165,10 @@ def create_app(
             "max_model_len": engine.max_model_len,
         }
 
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> dict:  # vLLM's; prefix-aware routers call it
+        return await tokenize(engine, await _read_body(request, state.max_request_bytes), state.resolve_model)
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card(n) for n in state.model_names]}
@@ -190,22 +194,7 @@ def create_app(
         model = state.resolve_model(req.model)
         check_supported(req)
         params = sampling_params(req)
-        tok = engine.tokenizer
-        if tok is None or not tok.has_chat_template:
-            raise bad_request(f"the model '{model}' has no chat template; use /v1/completions", "messages")
-        messages = chat_messages(req)
-        reserved = {"messages", "add_generation_prompt", "tokenize"} & set(req.chat_template_kwargs or {})
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
-        try:
-            ids = await run_in_threadpool(
-                tok.apply_chat_template,
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e), "messages") from None
+        ids = await chat_prompt_ids(engine.tokenizer, req, model)
         return await _generate(state, request, "chatcmpl", [ids], params, req, model, arrival, "messages")
 
     return app
