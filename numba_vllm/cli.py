@@ -1,5 +1,5 @@
-"""The `numba-vllm` command: `run` a model on prompts, `serve` it over HTTP, `convert` a GGUF file to a
-model directory, `bench` latency, throughput and kernels.
+"""The `numba-vllm` command: `run` a model on prompts, `serve` it over HTTP (or a `fleet` of servers
+behind a router), `convert` a GGUF file to a model directory, `bench` latency, throughput and kernels.
 
 User mistakes end in one line on stderr starting with `Error:`, never a traceback: exit status 2 for a
 bad option or argument, 1 for a model or prompt that cannot be run (bad path, corrupt checkpoint,
@@ -21,6 +21,7 @@ from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.errors import KernelError
 from numba_vllm.executor.backend import prepare_backend, resolve_backend
+from numba_vllm.fleet import POLICIES
 from numba_vllm.loading.checkpoint import load_checkpoint
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
@@ -265,6 +266,50 @@ def serve(model, backend, host, port, served_model_name, api_key, load_format, m
         log_level=log_level,
         access_log=not no_access_log,
     )
+
+
+@main.command(context_settings={"ignore_unknown_options": True})
+@click.option("--replicas", "-n", type=click.IntRange(1), default=None, help="Replicas (default: one per --gpus id, or 1).")
+@click.option("--gpus", default=None, metavar="IDS", help="Comma-separated GPU ids: a replica each, its CUDA_VISIBLE_DEVICES.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="The router's address (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(1, 65535), default=8000, show_default=True, help="The router's port.")
+@click.option("--worker-port", type=click.IntRange(1, 65535), default=None,
+              help="Replica i listens on 127.0.0.1:(this + i) (default: --port + 1).")  # fmt: skip
+@click.option("--metrics-port", type=click.IntRange(1, 65535), default=None,
+              help="The router's own Prometheus metrics, on 127.0.0.1 (default: after the last replica's port).")  # fmt: skip
+@click.option("--policy", type=click.Choice(POLICIES), default="cache_aware", show_default=True,
+              help="The router's policy; cache_aware sends requests sharing a prefix to one replica.")  # fmt: skip
+@click.option("--health-check-interval", type=click.IntRange(1), default=5, show_default=True,
+              help="Seconds between the router's checks of each replica's /health.")  # fmt: skip
+@click.option("--router-args", default="", metavar="ARGS", help='More vllm-router options, e.g. "--balance-abs-threshold 8".')
+@click.option("--log-dir", type=click.Path(file_okay=False), default=None,
+              help="Write replica-i.log and router.log here instead of prefixed lines on stderr.")  # fmt: skip
+@click.option("--start-timeout", type=click.FloatRange(1), default=900.0, show_default=True,
+              help="Seconds for every replica to load (and warm up) and the router to be ready.")  # fmt: skip
+@click.argument("serve_args", nargs=-1, type=click.UNPROCESSED)
+def fleet(replicas, gpus, host, port, worker_port, metrics_port, policy, health_check_interval, router_args, log_dir,
+          start_timeout, serve_args):  # fmt: skip
+    """Serve from several replicas behind vLLM's router: `numba-vllm fleet --gpus 0,1 -- SERVE_ARGS`.
+
+    Starts one `numba-vllm serve SERVE_ARGS` per replica (each on its own GPU with --gpus), then
+    vllm-router in front of them (pip install 'numba-vllm[fleet]'); clients use the router's URL.
+    Ctrl-C or SIGTERM drains the replicas, then stops the router. docs/deploy.md has the details."""
+    import shlex
+
+    from numba_vllm.fleet import FleetError, FleetSpec, run_fleet
+
+    gpu_ids = None if gpus is None else gpus.split(",")
+    if gpu_ids is not None and replicas is not None and replicas != len(gpu_ids):
+        raise click.UsageError(f"--replicas {replicas} but --gpus lists {len(gpu_ids)} GPUs: one replica per GPU")
+    try:
+        spec = FleetSpec(
+            serve_args=list(serve_args), replicas=replicas or 1, gpus=gpu_ids, host=host, port=port, worker_port=worker_port,
+            metrics_port=metrics_port, policy=policy, health_check_interval=health_check_interval,
+            router_args=shlex.split(router_args), log_dir=Path(log_dir) if log_dir else None,
+        )  # fmt: skip
+        sys.exit(run_fleet(spec, start_timeout=start_timeout))
+    except (ValueError, FleetError) as e:
+        raise click.ClickException(str(e)) from None
 
 
 @main.command()
