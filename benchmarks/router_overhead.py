@@ -6,9 +6,9 @@
 
 starts a fleet of one replica (`numba_vllm.fleet`, so the replica is warmed up once and serves both
 sides), then runs `benchmarks/serve.py BENCH` alternately against the replica's own URL and the
-router's, `--rounds` times each (direct first), and prints each run and the median of each side:
-output tokens/s, TTFT and TPOT p50, and the router's throughput as a fraction of the direct one.
-The fleet is stopped at the end (or on Ctrl-C).
+router's, `--rounds` times each (direct first), and after every run prints (and writes to `--json`) the runs so
+far and the median of each side: output tokens/s, TTFT and TPOT p50, and the router's throughput as
+a fraction of the direct one. The fleet is stopped at the end (or on Ctrl-C).
 """
 
 from __future__ import annotations
@@ -65,19 +65,27 @@ def main() -> None:
         for _ in range(args.rounds):
             for side in ("direct", "router"):
                 runs[side].append(run_bench(urls[side], bench_args))
+                report(runs, args.json)  # after every run: a run cut short by a time limit keeps the others
     finally:
         fleet.stop()
 
+
+def report(runs: dict[str, list[dict]], json_path: str | None) -> None:
+    """Print every run so far and, once both sides have one, the medians; write them to `json_path`."""
     print(f"\n{'':<8}{'out tok/s':>12}{'TTFT p50':>12}{'TPOT p50':>12}{'ok':>8}{'failed':>8}")
-    for i in range(args.rounds):
+    for i in range(len(runs["direct"])):
         for side in ("direct", "router"):
-            print(row(side, runs[side][i]))
-    medians = {side: statistics.median(r["output_tokens_per_s"] for r in runs[side]) for side in runs}
-    ratio = medians["router"] / medians["direct"]
-    print(f"median output tokens/s: direct {medians['direct']:.1f}, router {medians['router']:.1f}: the router keeps {ratio:.1%}")
-    if args.json:
-        summary = {"runs": runs, "median_output_tokens_per_s": medians, "router_over_direct": ratio}
-        Path(args.json).write_text(json.dumps(summary, indent=2))
+            if i < len(runs[side]):
+                print(row(side, runs[side][i]))
+    summary: dict = {"runs": runs}
+    if runs["router"]:
+        medians = {side: statistics.median(r["output_tokens_per_s"] for r in runs[side]) for side in runs}
+        ratio = medians["router"] / medians["direct"]
+        summary.update(median_output_tokens_per_s=medians, router_over_direct=ratio)
+        print(f"median output tokens/s: direct {medians['direct']:.1f}, router {medians['router']:.1f} ({ratio:.1%})")
+    sys.stdout.flush()
+    if json_path:
+        Path(json_path).write_text(json.dumps(summary, indent=2))
 
 
 if __name__ == "__main__":
