@@ -6,9 +6,12 @@
 
 starts a fleet of one replica (`numba_vllm.fleet`, so the replica is warmed up once and serves both
 sides), then runs `benchmarks/serve.py BENCH` alternately against the replica's own URL and the
-router's, `--rounds` times each (direct first), and after every run prints (and writes to `--json`) the runs so
-far and the median of each side: output tokens/s, TTFT and TPOT p50, and the router's throughput as
-a fraction of the direct one. The fleet is stopped at the end (or on Ctrl-C).
+router's, `--rounds` times each (direct first). After every run it prints (and writes to `--json`)
+the runs so far and the median of each side: output tokens/s, TTFT and TPOT p50, and the router's
+throughput as a fraction of the direct one. The fleet is stopped at the end (or on Ctrl-C).
+
+With `--gpus 0,1,...` the fleet has a replica per GPU: "direct" is then the first replica alone and
+"router" all of them behind the router, which measures the scaling.
 """
 
 from __future__ import annotations
@@ -49,7 +52,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench", default="-n 512 -c 256 --prompt-len 100 1024 --output-len 256", help="benchmarks/serve.py options")
     ap.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating (direct first)")
-    ap.add_argument("--port", type=int, default=8000, help="the router's; the replica uses the next one")
+    ap.add_argument("--port", type=int, default=8000, help="the router's; the replicas use the next ones")
+    ap.add_argument("--gpus", default=None, help="comma-separated GPU ids, a replica each (default: one replica)")
     ap.add_argument("--start-timeout", type=float, default=900.0)
     ap.add_argument("--json", default=None, help="write every run's summary and the medians here")
     ap.add_argument("serve_args", nargs=argparse.REMAINDER, help="-- then `numba-vllm serve` options")
@@ -57,7 +61,8 @@ def main() -> None:
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     bench_args = shlex.split(args.bench)
 
-    fleet = Fleet(FleetSpec(serve_args=serve_args, replicas=1, port=args.port))
+    gpus = None if args.gpus is None else args.gpus.split(",")
+    fleet = Fleet(FleetSpec(serve_args=serve_args, replicas=1, gpus=gpus, port=args.port))
     runs: dict[str, list[dict]] = {"direct": [], "router": []}
     try:
         fleet.start(args.start_timeout)
