@@ -31,7 +31,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
@@ -59,7 +59,6 @@ class FleetSpec:
     health_check_interval: int = 5  # seconds between the router's checks of each replica's /health
     router_args: Sequence[str] = ()  # more vllm-router options
     log_dir: Path | None = None  # None: children's output to this process's stderr, line-prefixed
-    env: dict[str, str] = field(default_factory=dict)  # added to every child's environment
 
     def __post_init__(self):
         if self.gpus is not None:
@@ -145,10 +144,6 @@ class Child:
             else:
                 sys.stderr.write(f"[{self.name}] {line}")
 
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
     def running(self) -> bool:
         return self.process.poll() is None
 
@@ -183,7 +178,7 @@ class Fleet:
             raise FleetError("the fleet's router is the vllm-router package: pip install 'numba-vllm[fleet]'")
         spec = self.spec
         deadline = time.monotonic() + timeout
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **spec.env)  # children's lines arrive as written
+        env = dict(os.environ, PYTHONUNBUFFERED="1")  # children's lines arrive as written
         try:
             for i in range(spec.replicas):
                 command, replica_env = spec.replica_command(i), env | spec.replica_env(i)
@@ -295,7 +290,10 @@ def run_fleet(spec: FleetSpec, start_timeout: float = 600.0, stop_grace: float =
             file=sys.stderr,
         )
         fleet.wait()
-        return 0 if fleet.stopping.is_set() else 1
+        if fleet.stopping.is_set():
+            return 0
+        print(f"fleet: the router exited with status {fleet.router.process.returncode}; stopping", file=sys.stderr)
+        return 1
     finally:
         fleet.stop(stop_grace)
         for sig, handler in previous.items():
