@@ -2,19 +2,22 @@
 (`numba-vllm fleet`'s code, `numba_vllm.fleet`), driven with the official `openai` client through the
 router only. Greedy answers must equal the offline engine's on the same checkpoint (what one server
 answers: tests/test_server.py holds a server to that); requests sharing a prefix must land on one
-replica (each replica's own /metrics counts its requests); a replica drained with SIGTERM mid-run
-must finish what it runs while the router sends the rest elsewhere; a replica killed mid-run must not
-fail any later request. The tests run in order on one fleet: the last two take replicas away.
+replica (each replica's own /metrics counts its requests); benchmarks/serve.py must run against the
+router unchanged; a replica drained with SIGTERM mid-run must finish what it runs while the router
+sends the rest elsewhere; a replica killed mid-run must not fail any later request. The tests run in
+order on one fleet: the last two take replicas away.
 """
 
 from __future__ import annotations
 
+import json
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -32,6 +35,7 @@ from numba_vllm.cli import main  # noqa: E402
 from numba_vllm.fleet import Fleet, FleetSpec, http_status  # noqa: E402
 from numba_vllm.server.metrics import parse_metrics  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
 NAME = "tiny"
 REPLICAS = 3
 BODY = "the context every request of a group shares, long enough to outweigh the question"
@@ -194,6 +198,16 @@ def test_requests_sharing_a_prefix_land_on_one_replica(fleet, group_owners):
     assert len(set(group_owners)) >= 2, f"every group went to replica {group_owners[0]}"
     for g in range(REPLICAS):  # later, still the same replica
         assert _owner(fleet, g, requests=2) == group_owners[g]
+
+
+def test_the_load_generator_runs_unchanged_against_the_router(fleet, tmp_path):
+    summary = tmp_path / "serve.json"
+    cmd = [sys.executable, "benchmarks/serve.py", "--base-url", fleet.spec.url, "-n", "12", "-c", "6", "--prompt-len", "8", "24",
+           "--output-len", "4", "--vocab-size", "256", "--warmup", "1", "--json", str(summary)]  # fmt: skip
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(summary.read_text())
+    assert (result["requests_ok"], result["requests_failed"], result["output_tokens"]) == (12, 0, 48)
 
 
 # ---- replicas going away -----------------------------------------------------------------------------
