@@ -19,21 +19,28 @@ keys) scheduled first. A *query row* is one (new token, query head) pair of the 
 token-major (row ``r``: token ``r // group``, head ``r % group``), so the group's heads fill the
 M dimension of the mma and every K/V tile is loaded once for the whole group (GQA).
 
+Tiling (``default_tiling``; the kernel is compiled per tiling, its sizes constants in the code):
+``warp_m_tiles`` 16-row mma tiles per warp (block_rows = 4 warps x 16 x warp_m_tiles), key tiles of
+``block_keys`` (whole 16-token pages), and ``q_shared``: Q's fragments in registers or in shared
+memory. Head dim 64 runs (2, 64, True): 128 query rows (32 tokens of a 4-head group) per block.
+
 - Warp ``w`` owns ``warp_m_tiles`` x 16 consecutive rows of the tile. Its lanes hold, for the whole
-  kernel: the A fragments of Q (16 rows x head_dim per mma tile, loaded from global memory, rounded
-  to bf16, never stored in shared memory), the fp32 accumulators of O (16 x head_dim per mma tile),
-  and per row the running max ``m`` and the lane's share of the running sum ``l``. By the fragment
-  layout (``g = lane >> 2``, ``t = lane & 3``) a lane holds rows ``g`` and ``g + 8`` of each mma tile,
-  columns ``2t, 2t + 1`` of each 8-wide column tile: the four lanes of a quad share a row.
-- The block walks the keys ``0 .. position of its last row`` in tiles of ``block_keys`` (64 for
-  head_dim <= 64, else 32: whole 16-token pages). Per key tile, each warp:
+  kernel: the fp32 accumulators of O (16 x head_dim per mma tile) and per row the running max ``m``
+  and the lane's share of the running sum ``l``; with ``q_shared`` False also the A fragments of Q
+  (16 rows x head_dim per mma tile, loaded from global memory and rounded to bf16 once), else Q
+  rounded to bf16 sits in shared memory and each 16-dim step's A fragments are reloaded with one
+  ``ldmatrix.x4`` (32 registers fewer: room for 64-key tiles). By the fragment layout (``g = lane >>
+  2``, ``t = lane & 3``) a lane holds rows ``g`` and ``g + 8`` of each mma tile, columns ``2t, 2t + 1``
+  of each 8-wide column tile: the four lanes of a quad share a row.
+- The block walks the keys ``0 .. position of its last row`` in key tiles. Per key tile, each warp:
 
   1. ``S = Q K^T`` (16 x block_keys per mma tile) on the tensor cores: K's rows are keys with the
      head dims contiguous, which is the B operand's layout (``ldmatrix.x4``: two 8-key tiles of one
      16-dim step);
-  2. online softmax on S's fragments: scale, causal mask (only on tiles that reach past the warp's
-     first position), row max over the lane's 2 x block_keys/4 values then over the quad (two
-     ``shfl_xor``), ``P = exp2(S - m)``, rescale O and l by ``exp2(m_old - m_new)``;
+  2. online softmax on S's fragments: causal mask (only on tiles that reach past the warp's first
+     position), row max of the unscaled scores over the lane's values then over the quad (two
+     ``shfl_xor``), ``P = exp2(S * c - m * c)`` with ``c = scale * log2(e)`` (one FFMA and one
+     ``ex2.approx`` each), O and l rescaled by ``exp2((m_old - m_new) * c)``;
   3. ``O += P V``: the C fragments of S are, pair by pair, the A fragments of P (rows g, g + 8, keys
      2t, 2t + 1 and 2t + 8, 2t + 9 of a 16-key step), so P goes from accumulators to operands with
      one ``cvt.rn.bf16x2`` per pair and no data movement; V's rows are keys (k of this product)
@@ -43,13 +50,15 @@ M dimension of the mma and every K/V tile is loaded once for the whole group (GQ
 - At the end the quad adds its four shares of l (two ``shfl_xor``) and writes ``O / l``.
 
 Shared memory: K and V tiles, ``(2, block_keys, head_dim / 2)`` uint32 each (bf16 pairs), double
-buffered: head_dim 64: 2 x 2 x 64 x 128 bytes = 32 KB. The rows are staged with ``cp.async`` 16 bytes
-at a time straight from the paged cache (page ``block_tables[s, pos // 16]``, no registers, no
-conversion); a thread copies chunk ``tid % (head_dim / 8)`` of rows ``tid // (head_dim / 8) + j *
-rows_per_pass``. Copies for key tile i + 1 are issued right after the barrier that opens tile i, so
-they land while tile i is computed; each thread waits for its own copies (``cp.async.wait_all``)
-before the next barrier: one barrier per key tile. Rows past the context (the tail of the last
-page) are stored as zeros, never read: a NaN there would poison ``P V`` even with P = 0.
+buffered (head_dim 64, 64 keys: 2 x 2 x 64 x 128 bytes = 32 KB), plus with ``q_shared`` the Q tile
+``(block_rows, head_dim / 2)`` (16 KB): 48 KB, all of the static limit. K/V rows are staged with
+``cp.async`` 16 bytes at a time straight from the paged cache (no registers, no conversion); a
+thread copies chunk ``tid % (head_dim / 8)`` of rows ``tid // (head_dim / 8) + j * rows_per_pass``.
+Copies for key tile i + 1 are issued right after the barrier that opens tile i, so they land while
+tile i is computed; each thread waits for its own copies (``cp.async.wait_all``) before the next
+barrier: one barrier per key tile. The page ids (``block_tables[s, pos // 16]``) are loaded one tile
+earlier still, so issuing a copy never waits for a global load. Rows past the context (the tail of
+the last page) are stored as zeros, never read: a NaN there would poison ``P V`` even with P = 0.
 
 Swizzle: ldmatrix reads, per 8 lanes, the same 16-byte chunk of 8 consecutive rows; with 128-byte
 rows stored plainly those 8 chunks sit in the same 4 banks (8-way conflict). Chunk ``c`` of row
@@ -57,9 +66,15 @@ rows stored plainly those 8 chunks sit in the same 4 banks (8-way conflict). Chu
 shorter rows share a 128-byte bank line and use a coarser row index), so the 8 rows of every
 ldmatrix phase, and the copies, cover all 32 banks.
 
-Registers (head_dim 64, ``warp_m_tiles`` = 2): 64 O accumulators, 64 S accumulators, 32 words of
-Q fragments, 8 of row state per lane; ``tests/test_prefill_attention_tc.py`` checks the PTX has no
-local memory. Rows past a sequence's new tokens compute a copy of its last row and are not written.
+Registers (ptxas 13.5, sm_90, no spills; ``tests/test_prefill_attention_tc.py`` checks): head dim 64,
+(2, 64, True): 254 (64 O and 64 S accumulators a lane), so 2 blocks (8 warps) per SM; (2, 32, False):
+223. Rows past a sequence's new tokens compute a copy of its last row and are not written.
+
+Speed (H200, Llama 3.2 1B's heads, ``benchmarks/attn_tc_gpu.py``): 1 x 2048 tokens 106 us, 8 x 512
+86 us, 1 x 16384 5.06 ms, a 2048-token chunk after 14,000 cached 1.23 ms: 12-14x the CUDA-core
+kernel, 1.4-2.0x torch's flash attention (60 / 42 / 2,499 / 877 us). Per key tile a warp issues ~9
+instructions per ``mma`` (index and address arithmetic in 64 bits, softmax), and with 8 warps per
+SM the tensor cores are busy about a third of the time.
 """
 
 from __future__ import annotations
@@ -97,12 +112,18 @@ MAX_GROUP = 16
 LOG2_E = 1.4426950408889634
 
 
-def default_tiling(head_dim: int) -> tuple[int, int]:
-    """(warp_m_tiles, block_keys) for a head dim: the largest warp tile whose accumulators (O: 16
-    x head_dim, S: 16 x block_keys per mma tile) fit in registers with no spills (ptxas, sm_90)."""
+def default_tiling(head_dim: int) -> tuple[int, int, bool]:
+    """(warp_m_tiles, block_keys, q_shared) for a head dim: the largest tiles whose accumulators (O:
+    16 x head_dim, S: 16 x block_keys per mma tile) fit in registers with no spills (ptxas, sm_90).
+
+    Head dim 64 (H200, Llama 3.2 1B's shapes): 32-row warp tiles with 64-key tiles and Q in shared
+    memory (254 registers) ran as fast as with 32-key tiles and Q in registers (223) on 2048-token
+    prompts and 5% faster on 16384 (fewer barriers and rescales per key); 16-row warp tiles were
+    slower (``benchmarks/attn_tc_gpu.py``). Head dim 128 is not measured: 16-row warp tiles, 32 keys.
+    """
     if head_dim <= 32:
-        return 2, 64  # (a 64-key tile is one staging pass of the block's threads at head dim 16)
-    return (2, 32) if head_dim == 64 else (1, 32)
+        return 2, 64, False  # (a 64-key tile is one staging pass of the block's threads at head dim 16)
+    return (2, 64, True) if head_dim == 64 else (1, 32, False)
 
 
 def block_rows_for(warp_m_tiles: int) -> int:
@@ -111,9 +132,11 @@ def block_rows_for(warp_m_tiles: int) -> int:
 
 
 @functools.cache
-def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int, block_keys: int):
+def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int, block_keys: int, q_shared: bool):
     """The kernel compiled for ``group`` query heads per kv head, ``head_dim``, a warp tile of
-    ``warp_m_tiles`` x 16 rows and key tiles of ``block_keys`` (its sizes are constants in the code)."""
+    ``warp_m_tiles`` x 16 rows, key tiles of ``block_keys``, and Q's fragments kept in registers
+    (``q_shared`` False) or in shared memory, loaded with ``ldmatrix`` at each use (True: frees
+    registers for a larger tile). Its sizes are constants in the code."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise KernelError(f"prefill_attention_tc: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
     if not 1 <= group <= MAX_GROUP:
@@ -132,8 +155,11 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
     line_rows = max(1, 8 // row_chunks)
     swizzle_shift = line_rows.bit_length() - 1
     swizzle_mask = min(row_chunks, 8) - 1
-    assert block_keys % PAGE_SIZE == 0 and block_keys % rows_per_pass == 0
+    assert block_keys % PAGE_SIZE == 0 and block_keys % rows_per_pass == 0 and block_rows % rows_per_pass == 0
     assert rows_per_pass % (line_rows * (swizzle_mask + 1)) == 0  # a thread's rows share one swizzle
+    q_passes = block_rows // rows_per_pass  # 16-byte chunks of Q per thread, staging Q in shared memory
+    q_rows = block_rows if q_shared else 1  # (arrays of the unused path are minimal)
+    q_frag_tiles = 1 if q_shared else warp_m_tiles
     minus_inf = float32(-math.inf)
 
     @device_function
@@ -142,9 +168,18 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
         return (chunk ^ ((row >> swizzle_shift) & swizzle_mask)) * 4
 
     @device_function
-    def _stage_kv(k_bits, v_bits, ks, vs, buf, block_tables, s, kv_head, key0, context_len, tid):
-        """Start copying the K and V rows of keys key0 .. key0 + block_keys - 1 into buffer ``buf``
-        (zeros past the context); they have landed after this thread's ``cp_async_wait_all``."""
+    def _load_pages(block_tables, s, key0, context_len, tid, pages):
+        """pages[j] = the page holding this thread's staging row j of the key tile at key0 (0 past the
+        context). Loaded a tile ahead of its copies: a copy cannot start before its page id arrives."""
+        row0 = tid // row_chunks
+        for j in range(stage_passes):
+            pos = key0 + row0 + j * rows_per_pass
+            pages[j] = block_tables[s, pos // PAGE_SIZE] if pos < context_len else 0
+
+    @device_function
+    def _stage_kv(k_bits, v_bits, ks, vs, buf, pages, kv_head, key0, context_len, tid):
+        """Start copying the K and V rows of keys key0 .. key0 + block_keys - 1 (their pages in ``pages``)
+        into buffer ``buf`` (zeros past the context); they have landed after ``cp_async_wait_all``."""
         row0 = tid // row_chunks
         chunk = tid % row_chunks
         word = _chunk_word(row0, chunk)
@@ -152,8 +187,7 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
             row = row0 + j * rows_per_pass
             pos = key0 + row
             if pos < context_len:
-                page = block_tables[s, pos // PAGE_SIZE]
-                src = (page, pos % PAGE_SIZE, kv_head, chunk * BF16_PER_VECTOR)
+                src = (pages[j], pos % PAGE_SIZE, kv_head, chunk * BF16_PER_VECTOR)
                 cp_async_16(ks, (buf, row, word), k_bits, src)
                 cp_async_16(vs, (buf, row, word), v_bits, src)
             else:
@@ -162,27 +196,28 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
 
     @device_function
     def _softmax_rows(acc_s, acc_o, row_max, row_sum, row_pos, i, key0, masked, scale_log2, t):
-        """Online softmax of mma tile i's two rows per lane: S -> P = exp2(S * scale_log2 - m) in place,
-        m and l updated, O rescaled. Lane (g, t) holds S[g + 8h, 8j + 2t + e] in acc_s[i, j, 2h + e]."""
+        """Online softmax of mma tile i's two rows per lane: S -> P = exp2((S - m) * scale_log2) in place,
+        m (the max of the unscaled scores) and l updated, O rescaled. Lane (g, t) holds S[g + 8h,
+        8j + 2t + e] in acc_s[i, j, 2h + e]. The max is taken before scaling (scale > 0), so each P is
+        one fused multiply-add and one ``ex2``."""
         for h in range(2):
             last_key = row_pos[i, h] - key0 - 2 * t  # this lane's keys j * 8 + e past it are masked
             tile_max = minus_inf
             for j in range(key_tiles):
                 for e in range(2):
-                    x = acc_s[i, j, 2 * h + e] * scale_log2
                     if masked and j * MMA_N + e > last_key:
-                        x = minus_inf  # a later position (or past the context)
-                    acc_s[i, j, 2 * h + e] = x
-                    tile_max = max(tile_max, x)
+                        acc_s[i, j, 2 * h + e] = minus_inf  # a later position (or past the context)
+                    tile_max = max(tile_max, acc_s[i, j, 2 * h + e])
             tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # the quad shares the row
             tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 2))
             m_new = max(row_max[i, h], tile_max)  # finite: key 0 (in the first tile) is seen by every row
-            alpha = math.exp2(row_max[i, h] - m_new)  # 0 on the first tile (m = -inf)
+            alpha = math.exp2((row_max[i, h] - m_new) * scale_log2)  # 0 on the first tile (m = -inf)
             row_max[i, h] = m_new
+            m_scaled = m_new * scale_log2
             tile_sum = float32(0.0)
             for j in range(key_tiles):
                 for e in range(2):
-                    p = math.exp2(acc_s[i, j, 2 * h + e] - m_new)
+                    p = math.exp2(acc_s[i, j, 2 * h + e] * scale_log2 - m_scaled)
                     acc_s[i, j, 2 * h + e] = p
                     tile_sum += p
             row_sum[i, h] = row_sum[i, h] * alpha + tile_sum  # this lane's share (its keys) of l
@@ -230,7 +265,9 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
 
         ks = cuda.shared.array((2, block_keys, row_words), uint32, SHARED_ALIGN)  # K tiles, bf16 pairs, swizzled
         vs = cuda.shared.array((2, block_keys, row_words), uint32, SHARED_ALIGN)  # V tiles
-        qf = cuda.local.array((warp_m_tiles, d_steps, 4), uint32)  # A fragments of Q (bf16 pairs)
+        qs = cuda.shared.array((q_rows, row_words), uint32, SHARED_ALIGN)  # q_shared: Q rows, bf16 pairs, swizzled
+        qf = cuda.local.array((q_frag_tiles, d_steps, 4), uint32)  # else: A fragments of Q (bf16 pairs)
+        qa = cuda.local.array((warp_m_tiles, 4), uint32)  # A fragments of Q for one 16-dim step
         acc_s = cuda.local.array((warp_m_tiles, key_tiles, 4), float32)  # S, then P, of one key tile
         acc_o = cuda.local.array((warp_m_tiles, d_tiles, 4), float32)  # O (unnormalised)
         pf = cuda.local.array((warp_m_tiles, 4), uint32)  # A fragments of P for one 16-key step
@@ -241,7 +278,10 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
         last_row = min(first_row + block_rows, num_rows) - 1
         num_keys = start + last_row // group + 1  # keys 0 .. position of the block's last row
         num_key_tiles = (num_keys + block_keys - 1) // block_keys
-        _stage_kv(k_bits, v_bits, ks, vs, 0, block_tables, s, kv_head, 0, context_len, tid)  # lands while Q loads
+        pages = cuda.local.array(stage_passes, int32)  # page ids of the next key tile this thread stages
+        _load_pages(block_tables, s, 0, context_len, tid, pages)
+        _stage_kv(k_bits, v_bits, ks, vs, 0, pages, kv_head, 0, context_len, tid)  # lands while Q loads
+        _load_pages(block_tables, s, block_keys, context_len, tid, pages)
 
         warp_row0 = first_row + warp * warp_rows
         warp_active = warp_row0 < num_rows  # else all its rows are padding: it only stages
@@ -255,18 +295,38 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                 row_pos[i, h] = start + row // group
                 row_max[i, h] = minus_inf
                 row_sum[i, h] = float32(0.0)
-                for kk in range(d_steps):
-                    for half in range(2):  # a0/a1: dims 2t, 2t + 1 of the step; a2/a3: 8 further
-                        d = kk * MMA_K + half * 8 + 2 * t
-                        qf[i, kk, 2 * half + h] = pack_bf16x2(q[token, head, d], q[token, head, d + 1])
+                if not q_shared:
+                    for kk in range(d_steps):
+                        for half in range(2):  # a0/a1: dims 2t, 2t + 1 of the step; a2/a3: 8 further
+                            d = kk * MMA_K + half * 8 + 2 * t
+                            qf[i, kk, 2 * half + h] = pack_bf16x2(q[token, head, d], q[token, head, d + 1])
             for j in range(d_tiles):
                 for r in range(4):
                     acc_o[i, j, r] = float32(0.0)
+        if q_shared:  # the block's Q rows, 16 bytes (8 dims) a store; the loop's first barrier publishes them
+            q_row0 = tid // row_chunks
+            q_chunk = tid % row_chunks
+            q_word = _chunk_word(q_row0, q_chunk)
+            for j in range(q_passes):
+                r = q_row0 + j * rows_per_pass
+                row = min(first_row + r, num_rows - 1)
+                token = first_token + row // group
+                head = kv_head * group + row % group
+                d = q_chunk * BF16_PER_VECTOR
+                store_shared_u32x4(
+                    qs, (r, q_word),
+                    pack_bf16x2(q[token, head, d], q[token, head, d + 1]),
+                    pack_bf16x2(q[token, head, d + 2], q[token, head, d + 3]),
+                    pack_bf16x2(q[token, head, d + 4], q[token, head, d + 5]),
+                    pack_bf16x2(q[token, head, d + 6], q[token, head, d + 7]),
+                )  # fmt: skip
 
         # ldmatrix rows of this lane. K (non-transposed, B of Q K^T): matrices (keys 0-7, dims 0-7),
         # (keys 0-7, dims 8-15), (keys 8-15, dims 0-7), (keys 8-15, dims 8-15) of a 16 x 16 block give
         # b0, b1 of two 8-key tiles. V (transposed, B of P V): matrices (keys 0-7, dims 0-7), (keys 8-15,
         # dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, dims 8-15) give b0, b1 of two 8-dim tiles.
+        q_row = warp * warp_rows + (lane & 15)  # (A operand: rows lane & 15, dims 8 (lane >> 4) on)
+        q_half = lane >> 4
         k_row = (lane & 7) + ((lane >> 4) << 3)
         k_half = (lane >> 3) & 1
         v_row = (lane & 7) + (((lane >> 3) & 1) << 3)
@@ -280,7 +340,8 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
             # with tile kt - 1, in the other buffer, where tile kt + 1 goes right below.
             cuda.syncthreads()
             if kt + 1 < num_key_tiles:
-                _stage_kv(k_bits, v_bits, ks, vs, 1 - buf, block_tables, s, kv_head, key0 + block_keys, context_len, tid)
+                _stage_kv(k_bits, v_bits, ks, vs, 1 - buf, pages, kv_head, key0 + block_keys, context_len, tid)
+                _load_pages(block_tables, s, key0 + 2 * block_keys, context_len, tid, pages)  # used next time
             if warp_active and key0 <= warp_last_pos:
                 # 1. S = Q K^T
                 for i in range(warp_m_tiles):
@@ -288,19 +349,26 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                         for r in range(4):
                             acc_s[i, j, r] = float32(0.0)
                 for kk in range(d_steps):
+                    for i in range(warp_m_tiles):
+                        if q_shared:
+                            row = q_row + i * MMA_M
+                            qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3] = ldmatrix_x4(qs, (row, _chunk_word(row, 2 * kk + q_half)))
+                        else:
+                            for r in range(4):
+                                qa[i, r] = qf[i, kk, r]
                     word = _chunk_word(k_row, 2 * kk + k_half)  # the same for rows k_row + 16 jj
                     for jj in range(key_tiles // 2):
                         b0, b1, b2, b3 = ldmatrix_x4(ks, (buf, k_row + jj * MMA_K, word))
                         for i in range(warp_m_tiles):
                             acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3] = (
                                 mma_bf16_16816(
-                                    qf[i, kk, 0], qf[i, kk, 1], qf[i, kk, 2], qf[i, kk, 3], b0, b1,
+                                    qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b0, b1,
                                     acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3],
                                 )
                             )  # fmt: skip
                             acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2], acc_s[i, 2 * jj + 1, 3] = (
                                 mma_bf16_16816(
-                                    qf[i, kk, 0], qf[i, kk, 1], qf[i, kk, 2], qf[i, kk, 3], b2, b3,
+                                    qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b2, b3,
                                     acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2],
                                     acc_s[i, 2 * jj + 1, 3],
                                 )
@@ -344,12 +412,12 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
 
 
 def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,
-                         max_new_tokens: int | None = None, tiling: tuple[int, int] | None = None) -> None:
+                         max_new_tokens: int | None = None, tiling: tuple[int, int, bool] | None = None) -> None:
     """Causal attention of a ragged batch of new tokens over their sequences' cached K/V, on the
     tensor cores. The arguments are ``prefill_attention``'s (q: (T, H, HD) f32; k_cache, v_cache:
     (num_pages, PAGE_SIZE, KVH, HD) bf16; block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,)
     int32; start_pos: (S,) int32; out: (T, H, HD) f32; max_new_tokens: the longest sequence's new
-    tokens, read from cu_seqlens when None); ``tiling`` (warp_m_tiles, block_keys) forces a tiling
+    tokens, read from cu_seqlens when None); ``tiling`` (warp_m_tiles, block_keys, q_shared) forces a tiling
     (tests, benchmarks), else ``default_tiling(head_dim)``."""
     check_array("q", q, "float32", ndim=3)
     num_tokens, num_heads, head_dim = q.shape
@@ -369,8 +437,8 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens, start_po
         max_new_tokens = int(np.max(np.diff(cu))) if num_seqs else 0
     if num_tokens == 0 or num_seqs == 0 or max_new_tokens <= 0:
         return
-    warp_m_tiles, block_keys = tiling or default_tiling(head_dim)
-    kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys)
+    warp_m_tiles, block_keys, q_shared = tiling or default_tiling(head_dim)
+    kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys, q_shared)
     num_row_tiles = -(-max_new_tokens * group // block_rows_for(warp_m_tiles))
     launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), THREADS, q, k_cache.view(np.uint16),
            v_cache.view(np.uint16), block_tables, cu_seqlens, start_pos, np.float32(scale * LOG2_E), out)
