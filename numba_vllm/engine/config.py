@@ -10,7 +10,7 @@ from numba_vllm.model.config import ConfigError
 BACKENDS = ("auto", "cuda", "sim", "numpy")
 SCHEDULING_MODES = ("continuous", "static")
 PREFILL_GEMMS = ("tensor_cores", "fp32")  # kernels/gemm_tc.py (bf16 mma.sync) or kernels/gemm.py (fp32 FMA, the readable one)
-PREFILL_ATTENTIONS = ("cuda_cores",)  # kernels/prefill_attention.py
+PREFILL_ATTENTIONS = ("cuda_cores", "tensor_cores")  # kernels/prefill_attention.py (readable) or prefill_attention_tc.py
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class EngineConfig:
     enforce_eager: bool = False  # cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs
     scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
     prefill_gemm: str = "tensor_cores"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
-    prefill_attention: str = "cuda_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
+    prefill_attention: str = "tensor_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -40,6 +40,7 @@ from numba_vllm.kernels.embedding import embedding
 from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspace_floats
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
+from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
 from numba_vllm.kernels.sample import SAMPLE_WORKSPACE_SLOTS, PartWinners
@@ -50,7 +51,10 @@ from numba_vllm.model.rope_scaling import rope_inv_freq
 if TYPE_CHECKING:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-PREFILL_ATTENTIONS = {"cuda_cores": prefill_attention_cuda_cores}  # by EngineConfig.prefill_attention
+PREFILL_ATTENTIONS = {  # by EngineConfig.prefill_attention
+    "cuda_cores": prefill_attention_cuda_cores,
+    "tensor_cores": prefill_attention_tc,
+}
 
 
 @dataclass
@@ -77,7 +81,7 @@ class DeviceModel:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, np.ndarray], prefill_gemm: str = "tensor_cores",
-        prefill_attention: str = "cuda_cores",
+        prefill_attention: str = "tensor_cores",
     ):
         """Upload the weights. `prefill_gemm` and `prefill_attention` name the kernels of steps with more
         than a few tokens (`EngineConfig`'s fields of the same names; one of `PREFILL_GEMMS` and
