@@ -18,15 +18,11 @@ chunks after a cached prefix, GQA groups 1/3/4/8, head dims 64 and 128 (and 16 a
 models'), every tiling (warp tile, key tile, Q in registers or shared memory); sequences longer than
 a block's rows (several row tiles, warps whose rows are all padding) are ``slow``. A ``gpu`` test runs
 Llama 3.2 1B's heads on ragged prompts and chunks after a prefix. The PTX tests compile the kernel
-for sm_90: no FP64, no local memory, the tensor-core instructions present; where ptxas is on the
-PATH, no register spills.
+registry's builds and the other tilings for sm_90: no FP64, no local memory, the tensor-core
+instructions present (tests/test_kernel_report.py assembles the registry's and checks for spills).
 """
 
 from __future__ import annotations
-
-import re
-import shutil
-import subprocess
 
 import numpy as np
 import ptx_check
@@ -34,10 +30,11 @@ import pytest
 from numba import cuda, uint32
 from test_attention import PREFILL_SEQS, PagedCache, nan_device, reference_attention
 
+from numba_vllm.bench.kernel_report import PREFILL_SIG, KernelVariant, select
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.jit import kernel
 from numba_vllm.kernels.mma import ldmatrix_x4_trans
-from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc, prefill_attention_tc_kernel_for
+from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
 from numba_vllm.kernels.vector_load import SHARED_ALIGN
 from numba_vllm.loading.bf16 import BF16, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
@@ -191,42 +188,28 @@ def test_launcher_rejects_what_it_cannot_run():
 
 # ---- PTX -----------------------------------------------------------------------------------------
 
-PTX_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"
-# (group, head_dim, warp_m_tiles, block_keys, q_shared): Llama 3.2 1B (default and other tilings),
-# 8B/70B-style groups at head dim 128, a tiny model's.
-PTX_CONFIGS = [(4, 64, 2, 32, False), (4, 64, 2, 64, True), (4, 64, 1, 64, False), (4, 64, 2, 32, True),
-               (1, 64, 2, 32, False), (8, 128, 1, 32, False), (8, 128, 1, 32, True), (2, 16, 2, 64, False)]
-for _config in PTX_CONFIGS:  # module-level names for the compiler child: prefill_tc_g4_hd64_m2_k32_q0, ...
-    globals()["prefill_tc_g{}_hd{}_m{}_k{}_q{:d}".format(*_config)] = prefill_attention_tc_kernel_for(*_config)
-PTX_NAMES = ["prefill_tc_g{}_hd{}_m{}_k{}_q{:d}".format(*c) for c in PTX_CONFIGS]
+# The registry's builds (the launcher's default tiling per head dim; tests/test_kernel_report.py
+# checks they do not spill) and the other tilings the launcher accepts, as registry-style variants.
+OTHER_TILINGS = [(4, 64, 2, 32, False), (4, 64, 1, 64, False), (4, 64, 2, 32, True), (8, 128, 1, 32, True)]
+VARIANTS = select(("prefill_attention_tc",)) + [
+    KernelVariant("prefill_attention_tc", "g{} hd{} tiling {} {} {}".format(*c),
+                  "prefill_attention_tc:prefill_attention_tc_kernel_for({}, {}, {}, {}, {})".format(*c), PREFILL_SIG, "THREADS")
+    for c in OTHER_TILINGS
+]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def ptx():
-    return ptx_check.compile_ptx([(__name__, name, PTX_SIG) for name in PTX_NAMES])
+    return ptx_check.compile_ptx(VARIANTS)
 
 
-@pytest.mark.parametrize("name", PTX_NAMES)
-def test_kernel_compiles_clean(ptx, name):
-    result = ptx[f"{__name__}.{name}"]
+@pytest.mark.slow  # compiles each variant (seconds each)
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
+def test_kernel_compiles_clean(ptx, variant):
+    result = ptx[variant.key]
     assert "error" not in result, result.get("error")
     text = result["ptx"]
     assert ptx_check.ptx_problems(text, hot=True) == []
     for instruction in ("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32", "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
                         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global", "ex2.approx"):
-        assert instruction in text, f"{name}: no {instruction}"
-
-
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on the PATH")
-@pytest.mark.parametrize("name", PTX_NAMES)
-def test_kernel_assembles_without_spills(ptx, tmp_path, name):
-    version = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout)
-    if version and (int(version[1]), int(version[2])) < (13, 0):
-        pytest.skip("ptxas older than CUDA 13")
-    # NVVM may stamp a newer PTX ISA version than this ptxas knows; the kernel uses nothing newer than 9.0
-    path = tmp_path / f"{name}.ptx"
-    path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", ptx[f"{__name__}.{name}"]["ptx"], count=1, flags=re.M))
-    proc = subprocess.run(["ptxas", "-arch=sm_90", "-v", str(path), "-o", str(tmp_path / f"{name}.cubin")],
-                          capture_output=True, text=True)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "0 bytes spill stores" in proc.stderr, proc.stderr
+        assert instruction in text, f"{variant.key}: no {instruction}"
