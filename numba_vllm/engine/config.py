@@ -9,7 +9,8 @@ from numba_vllm.model.config import ConfigError
 
 BACKENDS = ("auto", "cuda", "sim", "numpy")
 SCHEDULING_MODES = ("continuous", "static")
-PREFILL_GEMMS = ("tensor_cores", "fp32")  # kernels/gemm_tc.py (bf16 mma.sync) or kernels/gemm.py (fp32 FMA, the readable one)
+# kernels/gemm_tc.py (bf16 mma.sync), kernels/gemm.py (fp32 FMA, the readable one), kernels/gemm_wgmma.py (bf16 wgmma, sm_90a)
+PREFILL_GEMMS = ("tensor_cores", "fp32", "wgmma")
 PREFILL_ATTENTIONS = ("cuda_cores",)  # kernels/prefill_attention.py
 
 

@@ -5,11 +5,13 @@ loads. More tokens (a large decode batch, a prefill) go to a tiled GEMM that reu
 weight across its block's tokens. ``GEMV_MAX_TOKENS`` is where one stops beating the other (see
 ``benchmarks/bench_matmul.py``, which times both around it).
 
-Two prefill GEMMs, chosen by the caller's ``gemm`` (``EngineConfig.prefill_gemm``):
+Three prefill GEMMs, chosen by the caller's ``gemm`` (``EngineConfig.prefill_gemm``):
 
 - ``"tensor_cores"`` (default): ``gemm_tc.py``, ``mma.sync`` on bf16 operands with fp32 accumulation.
   The activations are rounded to bf16 as they are staged (the weights already are), so results
   differ from the fp32 path by about 2^-9 relative per product.
+- ``"wgmma"``: ``gemm_wgmma.py``, Hopper's warpgroup ``wgmma`` on the same bf16 operands (H100/H200
+  only: it needs sm_90a).
 - ``"fp32"``: ``gemm.py``, the plain register-tiled SGEMM on the FMA units (x stays fp32): the
   readable reference path, slower (~32 against a 200+ TFLOP/s target on an H200).
 
@@ -24,6 +26,7 @@ from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.activation import silu_and_mul
 from numba_vllm.kernels.gemm import gemm
 from numba_vllm.kernels.gemm_tc import gemm_tc
+from numba_vllm.kernels.gemm_wgmma import gemm_wgmma
 from numba_vllm.kernels.gemv import MAX_TOKENS, gemv, gemv_fuses
 from numba_vllm.kernels.rmsnorm import rms_norm
 
@@ -31,7 +34,8 @@ GEMV_MAX_TOKENS = 8  # largest token count sent to gemv (<= gemv.MAX_TOKENS). H2
 # M=8 21.6 / 26.6, M=16 36.2 / 27.3, M=64 126 / 34.8: past a few tokens gemv's FMAs, not its loads, bound it
 assert GEMV_MAX_TOKENS <= MAX_TOKENS
 
-PREFILL_GEMMS = {"tensor_cores": gemm_tc, "fp32": gemm}  # what runs products of more than GEMV_MAX_TOKENS tokens
+# what runs products of more than GEMV_MAX_TOKENS tokens
+PREFILL_GEMMS = {"tensor_cores": gemm_tc, "fp32": gemm, "wgmma": gemm_wgmma}
 
 
 def linear(
