@@ -10,14 +10,22 @@ of ``wgmma m64n16k16`` through ``smem_descriptor``, and writes each thread's 8 a
 documented fragment layout: on the simulator it checks the emulation against NumPy, on a GPU the
 hardware against the same NumPy (the layout and descriptor encoding are the hardware's, not ours).
 
+Without a GPU, the kernels of every tiling are compiled to PTX (for sm_90a) and, where a ptxas is on
+the PATH, assembled: no local memory, no spills, and no "wgmma serialized" report (C7515: ptxas
+serialises every wgmma when other code touches the accumulators inside a pipeline stage).
+
 Simulator shapes are small (a 128-thread block per warpgroup; every wgmma is a 128-thread
 rendezvous): M from 1, N and K not multiples of the tile, K past the pipeline depth, a K split, each
 tiling once; ``slow`` marks the 256-thread tilings.
 """
 
 import functools
+import re
+import shutil
+import subprocess
 
 import numpy as np
+import ptx_check
 import pytest
 from numba import cuda, float32, uint32
 from test_gemv import check_product, launch_case
@@ -40,6 +48,7 @@ from numba_vllm.loading.bf16 import BF16
 
 PROBE_N = 16
 PROBE_K = 64
+PROBE_ACC = 8  # accumulators per thread (PROBE_N / 2): a literal, as a local array's size must be
 _probe_mma = wgmma_bf16(PROBE_N)
 _probe_fence = wgmma_fence(PROBE_N)
 _probe_wait = wgmma_wait(PROBE_N, 0)
@@ -74,8 +83,8 @@ def _wgmma_probe_kernel(a_bits, b_bits, d):
             smem[first + r * 32 + (c ^ (r % 8)) * 4 + j] = word
     fence_proxy_async()
     cuda.syncthreads()
-    acc = cuda.local.array(PROBE_N // 2, float32)
-    for i in range(PROBE_N // 2):
+    acc = cuda.local.array(PROBE_ACC, float32)
+    for i in range(PROBE_ACC):
         acc[i] = float32(0.0)
     desc_a = smem_descriptor(base + pad)
     desc_b = smem_descriptor(base + pad + 64 * 128)
@@ -136,6 +145,11 @@ def test_gemm_wgmma_small_tiling(m, n, k, accumulate):
     run_gemm_wgmma(m, n, k, accumulate, seed=m + k, launcher=functools.partial(gw.gemm_wgmma, config=gw.SMALL))
 
 
+def test_gemm_wgmma_tiny_tiling():
+    """64 x 64 tiles, 8 stages: two column tiles, the K loop wrapping the stages once (K = 584: 10 slices)."""
+    run_gemm_wgmma(9, 70, 584, True, launcher=functools.partial(gw.gemm_wgmma, config=gw.TINY))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("config", [gw.LARGE, gw.MEDIUM], ids=["large", "medium"])
 def test_gemm_wgmma_two_warpgroups(config):
@@ -174,26 +188,92 @@ def test_linear_sends_prefill_to_gemm_wgmma_when_asked():
 
 @pytest.mark.parametrize(
     "m, n, sms, want",
-    [(4096, 8192, 132, gw.LARGE), (512, 128256, 132, gw.LARGE), (2048, 2048, 132, gw.MEDIUM), (512, 2048, 132, gw.SMALL),
-     (1, 1, 132, gw.SMALL), (128, 256, 1, gw.LARGE)],
+    [(4096, 8192, 132, gw.LARGE), (512, 8192, 132, gw.LARGE), (64, 128256, 132, gw.LARGE), (256, 8192, 132, gw.MEDIUM),
+     (128, 16384, 132, gw.MEDIUM), (512, 2048, 132, gw.SMALL), (128, 8192, 132, gw.SMALL), (256, 2048, 132, gw.TINY),
+     (64, 8192, 132, gw.TINY), (1, 1, 132, gw.TINY), (128, 256, 1, gw.LARGE)],
 )  # fmt: skip
-def test_the_largest_tiling_that_fills_the_sms_is_picked(m, n, sms, want):
+def test_the_largest_tiling_that_reaches_most_sms_is_picked(m, n, sms, want):
+    """The picks that were fastest on an H200 (gemm_wgmma's table): 128 LARGE tiles beat 256 SMALL ones."""
     assert gw.pick_tile_config(m, n, num_sms=sms) == want
 
 
 @pytest.mark.parametrize(
     "config, blocks, k, want",
-    [(gw.LARGE, 1024, 2048, 1), (gw.LARGE, 64, 2048, 2), (gw.SMALL, 32, 2048, 8), (gw.SMALL, 32, 256, 1),
-     (gw.SMALL, 128, 8192, 2)],
+    [(gw.TINY, 32, 8192, 4), (gw.TINY, 64, 8192, 2), (gw.TINY, 128, 8192, 1), (gw.TINY, 32, 2048, 1),
+     (gw.SMALL, 128, 8192, 2), (gw.LARGE, 1024, 2048, 1), (gw.LARGE, 64, 2048, 1)],
 )  # fmt: skip
-def test_k_is_split_while_the_sms_have_room(config, blocks, k, want):
+def test_k_is_split_only_when_few_tiles_meet_a_long_k(config, blocks, k, want):
     assert gw.pick_k_split(config, blocks, k, num_sms=132) == want
+
+
+def test_auto_is_gemm_wgmma_on_hopper_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(matmul, "gemm_tc", lambda *args: calls.append("gemm_tc"))
+    monkeypatch.setattr(matmul, "gemm_wgmma", lambda *args: calls.append("gemm_wgmma"))
+    matmul.gemm_auto(None, None, None)  # the simulator: no sm_90a
+    monkeypatch.setattr(matmul, "_hopper", lambda: True)
+    matmul.gemm_auto(None, None, None)
+    assert calls == ["gemm_tc", "gemm_wgmma"]
 
 
 def test_tilings_fit_in_shared_memory():
     for config in gw.TILE_CONFIGS:
         assert config.shared_bytes <= 227 * 1024
         assert config.block_m * (config.block_n + gw.OUT_PAD_WORDS) * 4 + ATOM_BYTES <= config.shared_bytes
+
+
+# ---- PTX, no GPU ----------------------------------------------------------------------------------
+
+PTX_KERNELS = {
+    "gemm_wgmma_large": gw.LARGE, "gemm_wgmma_medium": gw.MEDIUM, "gemm_wgmma_small": gw.SMALL, "gemm_wgmma_tiny": gw.TINY
+}  # fmt: skip
+globals().update({name: gw.gemm_wgmma_kernel_for(config) for name, config in PTX_KERNELS.items()})  # for the compiler child
+x_to_bf16_kernel = gw._x_to_bf16_kernel
+KERNEL_SIG = "(types.Array(types.uint64, 1, 'C'), types.Array(types.uint64, 1, 'C'), u16(2), u16(2), f32(2), int64, int64, int64)"
+OTHER_KERNELS = {"_wgmma_probe_kernel": "(u16(2), u16(2), f32(2))", "x_to_bf16_kernel": "(f32(2), u32(2))"}
+
+
+@pytest.fixture(scope="module")
+def wgmma_ptx():
+    specs = [(__name__, name, KERNEL_SIG) for name in PTX_KERNELS] + [(__name__, n, sig) for n, sig in OTHER_KERNELS.items()]
+    return ptx_check.compile_ptx(specs)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_KERNELS))
+def test_probe_and_conversion_compile(wgmma_ptx, name):
+    result = wgmma_ptx[f"{__name__}.{name}"]
+    assert "error" not in result, result.get("error")
+    assert ptx_check.ptx_problems(result["ptx"], hot=True) == []
+
+
+@pytest.mark.parametrize("name", sorted(PTX_KERNELS))
+def test_kernel_compiles_to_wgmma_and_tma(wgmma_ptx, name):
+    result = wgmma_ptx[f"{__name__}.{name}"]
+    assert "error" not in result, result.get("error")
+    text = result["ptx"]
+    assert ptx_check.ptx_problems(text, hot=True) == []
+    assert f"wgmma.mma_async.sync.aligned.m64n{PTX_KERNELS[name].block_n}k16.f32.bf16.bf16" in text
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
+    assert "mbarrier.try_wait.parity.shared::cta.b64" in text
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on the PATH")
+@pytest.mark.parametrize("name", sorted(PTX_KERNELS))
+def test_kernel_assembles_with_the_wgmma_pipeline_kept(wgmma_ptx, tmp_path, name):
+    version = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout)
+    if version and (int(version[1]), int(version[2])) < (13, 0):
+        pytest.skip("ptxas older than CUDA 13")
+    text = wgmma_ptx[f"{__name__}.{name}"]["ptx"]
+    # compiled for compute_90 here (no GPU to ask): wgmma needs the sm_90a target;
+    # NVVM may stamp a newer PTX ISA version than this ptxas knows, and nothing here is newer than 9.0
+    text = re.sub(r"^\.target sm_90\b", ".target sm_90a", text, count=1, flags=re.M)
+    path = tmp_path / f"{name}.ptx"
+    path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", text, count=1, flags=re.M))
+    proc = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / f"{name}.cubin")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "0 bytes spill stores" in proc.stderr, proc.stderr
+    assert "C7515" not in proc.stderr and "serialized" not in proc.stderr, proc.stderr[-2000:]
 
 
 # ---- GPU -----------------------------------------------------------------------------------------
@@ -209,7 +289,7 @@ def test_wgmma_gpu_random_values():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=["large", "medium", "small"])
+@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=["large", "medium", "small", "tiny"])
 @pytest.mark.parametrize("m,n,k,accumulate", [(256, 2048, 8192, True), (77, 3072, 2048, False), (333, 1003, 1000, True)])
 def test_gemm_wgmma_gpu_each_tiling(m, n, k, accumulate, config):
     run_gemm_wgmma(m, n, k, accumulate, seed=m, launcher=functools.partial(gw.gemm_wgmma, config=config))

@@ -26,14 +26,28 @@ with it, as inline PTX from ``@intrinsic`` functions, like ``mma.py``:
 - ``smem_descriptor(address)``: the descriptor of a K-major operand tile at a shared address, laid
   out with the 128-byte swizzle (below). Advance it by ``DESC_K_STEP`` per 16 values of k.
 - ``shared_address(array, index)``: the 32-bit shared-window address of ``array[index]``.
-- ``cp_async_16_zfill(dst, dst_index, src, src_index, src_bytes)``: ``cp.async.cg`` of 16 bytes,
-  of which only the first ``src_bytes`` (0..16) are read from global memory and the rest are zero:
-  tile edges are zero-filled with no branch. ``cp_async_commit()``, ``cp_async_wait(pending)``:
-  ``cp.async.commit_group`` and ``cp.async.wait_group pending`` (this thread's copies of all but the
-  ``pending`` most recent groups have landed).
+- ``tma_load_2d(rows)``: the intrinsic ``load(smem, dst, tensor_map, src, col, row, barrier)``: one
+  ``cp.async.bulk.tensor.2d`` (the Tensor Memory Accelerator, TMA) copying the box of ``rows`` rows
+  x 64 columns from ``row, col`` of the 2-D uint16 matrix ``src`` described by ``tensor_map`` (a
+  CUtensorMap in global memory, made on the host with the 128-byte swizzle: the box lands in the
+  layout above) to the shared address ``dst``, zeros where the box leaves the matrix. One thread
+  issues it; its completion is counted on the mbarrier at ``barrier`` (``rows * 128`` bytes).
+  ``src`` is what the tensor map describes (unused on the GPU; the simulator copies from it).
+- mbarriers (64-bit barrier objects in shared memory, at shared addresses): ``mbarrier_init(barrier,
+  count)`` (by one thread, then ``fence_mbarrier_init()`` and a ``syncthreads``),
+  ``mbarrier_arrive(barrier)``, ``mbarrier_arrive_expect_tx(barrier, bytes)`` (arrive and expect
+  ``bytes`` of TMA copies), ``mbarrier_wait(barrier, parity)`` (until the phase of that parity has
+  completed). A phase completes when ``count`` arrivals and all expected bytes have come; phases
+  alternate parity 0, 1, 0, ...
+- ``named_barrier(index, threads)``: ``bar.sync index, threads``: a barrier of the first
+  ``threads`` threads (index 1-15; ``syncthreads`` is barrier 0).
+- ``tensormap_acquire(tensor_map)``: ``fence.proxy.tensormap::generic.acquire.gpu`` on the 128
+  bytes of a tensor map in global memory (written by ordinary copies, read by the TMA's own proxy):
+  issued once by the thread that issues the copies, before the first.
 - ``fence_proxy_async()``: ``fence.proxy.async.shared::cta``. The tensor cores read shared memory
   through the *async proxy*; data written through the generic proxy (``st.shared``, ``cp.async``)
-  must be fenced by each writing thread before the barrier after which a wgmma reads it.
+  must be fenced by each writing thread before the barrier after which a wgmma reads it (TMA copies
+  are async-proxy writes: their mbarrier is enough).
 
 Shared-memory layout of an operand (PTX ISA, "Shared Memory Matrix Layout", K-major, 128-byte
 swizzle). A tile of R rows (M rows of A = x, or N rows of B = w, since B[k, n] = w[n, k]) by 64
@@ -55,13 +69,18 @@ mma.sync layout of ``mma.py``, warp ``w`` owning rows 16w .. 16w + 15.
 Asynchrony: a wgmma returns before it has read its operands or written ``acc``. Until a
 ``wgmma_wait`` covers its group, the shared memory it reads must not be overwritten and ``acc``
 must not be touched (another wgmma on the same accumulators may follow at once: they run in
-order). ``ptxas`` checks the accumulator rule and serialises the wgmma (with a warning naming the
-kernel) when code between issue and wait uses them.
+order). ``ptxas`` checks the accumulator rule and serialises every wgmma of the kernel (info
+C7515, "wgmma.mma_async instructions are serialized", and a ``WARPGROUP.DEPBAR`` after each
+``HGMMA`` in the SASS: 2-3x slower) when code between issue and wait may write them; seen here
+when a path reached the final wait from the accumulators' zeroing with no wgmma (a loop that
+could run zero times), fixed by a loop that runs at least once. The tests assemble every tiling
+and fail on C7515.
 
 Compiling: wgmma needs the architecture-specific target sm_90a. numba-cuda 0.30.4 compiles every
 kernel for ``compute_90a`` on a device of compute capability 9.0 (``CUDACodeLibrary._ensure_cc``
 adds the ``a`` from 9.0 on); ``cuda.compile_ptx(..., cc=(9, 0, "a"))`` does the same without a GPU.
-Plain ``cc=(9, 0)`` gives PTX that ptxas rejects for sm_90.
+Plain ``cc=(9, 0)`` gives the same PTX text with ``.target sm_90``, which ptxas rejects for wgmma
+(the tests compile that way, as ``tests/ptx_check.py`` does, and assemble with ``.target sm_90a``).
 
 Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) the same names are Python functions. The wgmma is
 a rendezvous of the 128 threads of the warpgroup (``Block.group_round``); the thread that finds it
@@ -71,7 +90,11 @@ accumulator arrays, adds the exact fp32 products in k order (rounding to fp32 af
 and writes D back into every thread's ``acc``. A descriptor other than 128-byte-swizzled K-major
 raises, and so do descriptors that differ between the threads of the warpgroup (they must be
 uniform). Shared addresses are byte offsets into the array (the simulator has no shared window;
-offset 0 is 1024-byte aligned), copies land at once, and fences and waits do nothing.
+offset 0 is 1024-byte aligned), and fences and waits do nothing. A TMA load copies the box from
+``src`` at once (zeros outside it) into the swizzled layout and completes its bytes on the barrier;
+mbarriers are Python objects of the block, keyed by address, and a thread that waits on one polls
+it (``SimulatorDeadlockError`` after ``NUMBA_VLLM_SIM_HANG_TIMEOUT``); a named barrier is a
+rendezvous of threads 0 .. threads - 1.
 """
 
 import functools
@@ -107,11 +130,11 @@ def _wgmma_instruction(n):
 
 if simulator_enabled():
     import threading
+    import time
 
     import ml_dtypes
 
-    from numba_vllm.kernels.vector_load import load_u32x4
-    from numba_vllm.sim.blocks import ABSENT, WarpSyncError
+    from numba_vllm.sim.blocks import ABSENT, SimulatorDeadlockError, WarpSyncError, hang_timeout_s
 
     _RESULT_LOCK = threading.Lock()  # the first thread out of a round computes it, the others wait
 
@@ -143,8 +166,7 @@ if simulator_enabled():
         r = np.arange(rows)[:, None]
         k = np.arange(WGMMA_K)[None, :]
         address = start + (r // ATOM_ROWS) * stride + (r % ATOM_ROWS) * SWIZZLE_ROW_BYTES + 2 * k
-        address ^= ((address >> 7) & 7) << 4
-        bits = smem.view(np.uint8).view(np.uint16)[address // 2]
+        bits = smem.view(np.uint8).view(np.uint16)[_swizzled(address) // 2]
         return bits.view(ml_dtypes.bfloat16).astype(np.float32)
 
     # Accumulator coordinates: thread t (0..127), register i -> D row and column (the docstring's table).
@@ -215,24 +237,95 @@ if simulator_enabled():
         """Byte offset of ``array[index]`` in the array (simulator: offset 0 stands for an aligned address)."""
         return np.uint32(np.ravel_multi_index(index if isinstance(index, tuple) else (index,), array.shape) * array.itemsize)
 
-    def cp_async_16_zfill(dst, dst_index, src, src_index, src_bytes):
-        """16 bytes into ``dst[dst_index]`` on: ``src_bytes`` from ``src[src_index]`` on, then zeros (at once)."""
-        if dst.dtype != np.uint32:
-            raise TypeError(f"cp_async_16_zfill: expected a uint32 shared destination, got {dst.dtype}")
-        chunk = np.zeros(16, np.uint8)
-        if src_bytes:
-            chunk[:src_bytes] = np.array(load_u32x4(src, src_index), np.uint32).view(np.uint8)[:src_bytes]
-        *lead, col = dst_index if isinstance(dst_index, tuple) else (dst_index,)
-        for j, word in enumerate(chunk.view(np.uint32)):
-            dst[(*lead, col + j)] = word
+    def _swizzled(address):
+        """Where the 128-byte swizzle puts byte ``address`` (bits 4-6 ^= bits 7-9)."""
+        return address ^ (((address >> 7) & 7) << 4)
 
-    def cp_async_commit():
-        """cp.async.commit_group (simulator: copies land at once)."""
+    class _MBarrier:
+        """An mbarrier: arrivals still expected in this phase, bytes still expected, phases completed."""
+
+        def __init__(self, count):
+            self.count = count
+            self.pending = count
+            self.tx = 0
+            self.phase = 0
+
+        def update(self, arrivals, tx):
+            self.pending -= arrivals
+            self.tx += tx
+            if self.pending == 0 and self.tx == 0:
+                self.phase += 1
+                self.pending = self.count
+
+    _BARRIER_LOCK = threading.Lock()
+
+    def _mbarrier(address):
+        block = threading.current_thread().block
+        with _BARRIER_LOCK:
+            barriers = block.__dict__.setdefault("mbarriers", {})
+            if int(address) not in barriers:
+                raise WarpSyncError(f"mbarrier at shared address {int(address)} used before mbarrier_init")
+            return barriers[int(address)]
+
+    def mbarrier_init(address, count):
+        """mbarrier.init (simulator)."""
+        block = threading.current_thread().block
+        with _BARRIER_LOCK:
+            block.__dict__.setdefault("mbarriers", {})[int(address)] = _MBarrier(int(count))
+
+    def fence_mbarrier_init():
+        """fence.mbarrier_init (simulator: nothing to order)."""
+
+    def mbarrier_arrive(address):
+        """mbarrier.arrive (simulator)."""
+        barrier = _mbarrier(address)
+        with _BARRIER_LOCK:
+            barrier.update(1, 0)
+
+    def mbarrier_arrive_expect_tx(address, tx_bytes):
+        """mbarrier.arrive.expect_tx (simulator)."""
+        barrier = _mbarrier(address)
+        with _BARRIER_LOCK:
+            barrier.update(1, int(tx_bytes))
+
+    def mbarrier_wait(address, parity):
+        """Poll until the phase of parity ``parity`` of the mbarrier has completed (simulator)."""
+        barrier = _mbarrier(address)
+        deadline = time.monotonic() + hang_timeout_s
+        while barrier.phase % 2 == parity:  # that phase is still the one in progress
+            if time.monotonic() > deadline:
+                raise SimulatorDeadlockError(
+                    f"waited more than {hang_timeout_s:g} s on the mbarrier at shared address {int(address)} "
+                    f"(phase {barrier.phase}, {barrier.pending} arrivals and {barrier.tx} bytes outstanding)"
+                )
+            time.sleep(1e-4)
 
     @functools.cache
-    def cp_async_wait(pending):
-        """cp.async.wait_group (simulator: copies land at once)."""
-        return lambda: None
+    def tma_load_2d(rows):
+        """``load(smem, dst, tensor_map, src, col, row, barrier)``: the box src[row:, col:] (rows x 64,
+        zeros outside src) into the swizzled tile at ``dst``, its bytes completed on ``barrier`` (simulator)."""
+
+        def load(smem, dst, tensor_map, src, col, row, barrier):
+            box = np.zeros((rows, TILE_K), np.uint16)
+            r_end, c_end = min(row + rows, src.shape[0]), min(col + TILE_K, src.shape[1])
+            if r_end > row and c_end > col:
+                box[: r_end - row, : c_end - col] = src[row:r_end, col:c_end]
+            r = np.arange(rows)[:, None]
+            k = np.arange(TILE_K)[None, :]
+            smem.view(np.uint8).view(np.uint16)[_swizzled(int(dst) + r * SWIZZLE_ROW_BYTES + 2 * k) // 2] = box
+            barrier_ = _mbarrier(barrier)
+            with _BARRIER_LOCK:
+                barrier_.update(0, -rows * SWIZZLE_ROW_BYTES)
+
+        return load
+
+    def named_barrier(index, threads):
+        """bar.sync index, threads: a rendezvous of threads 0 .. threads - 1 (simulator)."""
+        thread = threading.current_thread()
+        thread.block.group_round(thread, f"bar.sync {index}", 0, int(threads), None)
+
+    def tensormap_acquire(tensor_map):
+        """fence.proxy.tensormap (simulator: the simulated TMA reads no tensor map)."""
 
 else:
     from llvmlite import ir
@@ -241,7 +334,7 @@ else:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    from numba_vllm.kernels.mma import _SHARED_ADDRSPACE, _global_address, _shared_address
+    from numba_vllm.kernels.mma import _SHARED_ADDRSPACE, _shared_address
     from numba_vllm.kernels.vector_load import _check_array_and_index, _element_pointer
 
     _I32 = ir.IntType(32)
@@ -422,55 +515,115 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def cp_async_16_zfill(typingctx, dst, dst_index, src, src_index, src_bytes):
-        """Start copying 16 bytes to ``dst[dst_index]`` (shared, uint32): the first ``src_bytes`` from
-        ``src[src_index]`` (global), the rest zeros."""
-        _check_array_and_index("cp_async_16_zfill", dst, dst_index, (types.uint32,))
-        _check_array_and_index("cp_async_16_zfill", src, src_index, (types.uint32, types.uint16))
-        if not isinstance(src_bytes, types.Integer):
-            raise TypingError(f"cp_async_16_zfill: src_bytes must be an integer, got {src_bytes}")
-        sig = types.void(dst, dst_index, src, src_index, src_bytes)
+    def _check_ints(name, args):
+        for i, arg in enumerate(args):
+            if not isinstance(arg, types.Integer):
+                raise TypingError(f"{name}: argument {i} must be an integer, got {arg}")
+
+    def _u32(context, builder, value, value_type):
+        return context.cast(builder, value, value_type, types.uint32)
+
+    def _u32_operands_codegen(text):
+        """Codegen emitting ``text`` with the integer arguments as 32-bit operands $0, $1, ..."""
 
         def codegen(context, builder, sig, args):
-            dst_address = _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
-            src_address = _global_address(context, builder, sig.args[2], args[2], sig.args[3], args[3])
-            size = context.cast(builder, args[4], sig.args[4], types.uint32)
-            _void_asm(
-                builder,
-                "cp.async.cg.shared.global [$0], [$1], 16, $2;",
-                (_I32, _I64, _I32),
-                (dst_address, src_address, size),
-                "r,l,r",
-            )
+            values = [_u32(context, builder, v, t) for v, t in zip(args, sig.args, strict=True)]
+            _void_asm(builder, text, [_I32] * len(values), values, ",".join(["r"] * len(values)))
+            return context.get_dummy_value()
+
+        return codegen
+
+    @intrinsic
+    def mbarrier_init(typingctx, barrier, count):
+        """``mbarrier.init``: the mbarrier at shared address ``barrier`` expects ``count`` arrivals a phase."""
+        _check_ints("mbarrier_init", (barrier, count))
+        return types.void(barrier, count), _u32_operands_codegen("mbarrier.init.shared::cta.b64 [$0], $1;")
+
+    @intrinsic
+    def mbarrier_arrive(typingctx, barrier):
+        """``mbarrier.arrive``: one arrival on the mbarrier at shared address ``barrier``."""
+        _check_ints("mbarrier_arrive", (barrier,))
+        return types.void(barrier), _u32_operands_codegen("mbarrier.arrive.shared::cta.b64 _, [$0];")
+
+    @intrinsic
+    def mbarrier_arrive_expect_tx(typingctx, barrier, tx_bytes):
+        """``mbarrier.arrive.expect_tx``: one arrival, and ``tx_bytes`` more bytes for the phase to wait for."""
+        _check_ints("mbarrier_arrive_expect_tx", (barrier, tx_bytes))
+        text = "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"
+        return types.void(barrier, tx_bytes), _u32_operands_codegen(text)
+
+    @intrinsic
+    def mbarrier_wait(typingctx, barrier, parity):
+        """Wait until the phase of parity ``parity`` of the mbarrier at ``barrier`` has completed."""
+        _check_ints("mbarrier_wait", (barrier, parity))
+        # try_wait suspends the thread for a while when the phase is not complete; loop until it is.
+        text = "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n@!p bra WAIT;\n}"
+        return types.void(barrier, parity), _u32_operands_codegen(text)
+
+    @intrinsic
+    def named_barrier(typingctx, index, threads):
+        """``bar.sync index, threads``: a barrier of the first ``threads`` threads of the block."""
+        _check_ints("named_barrier", (index, threads))
+        return types.void(index, threads), _u32_operands_codegen("bar.sync $0, $1;")
+
+    @intrinsic
+    def fence_mbarrier_init(typingctx):
+        """``fence.mbarrier_init``: the initialised mbarriers are visible to the other threads and the TMA."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _void_asm(builder, "fence.mbarrier_init.release.cluster;")
             return context.get_dummy_value()
 
         return sig, codegen
 
     @intrinsic
-    def cp_async_commit(typingctx):
-        """``cp.async.commit_group``: this thread's copies since the last commit form one group."""
-        sig = types.void()
+    def tensormap_acquire(typingctx, tensor_map):
+        """``fence.proxy.tensormap::generic.acquire.gpu``: the tensor map (a uint64 device array, 128
+        bytes) as written in global memory is what the TMA copies of this thread use."""
+        if not isinstance(tensor_map, types.Array) or tensor_map.dtype != types.uint64:
+            raise TypingError(f"tensormap_acquire: tensor_map must be a uint64 device array, got {tensor_map}")
+        sig = types.void(tensor_map)
 
         def codegen(context, builder, sig, args):
-            _void_asm(builder, "cp.async.commit_group;")
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            text = "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;"
+            _void_asm(builder, text, (_I64,), (builder.ptrtoint(data, _I64),), "l")
             return context.get_dummy_value()
 
         return sig, codegen
 
     @functools.cache
-    def cp_async_wait(pending):
-        """The intrinsic ``wait()``: ``cp.async.wait_group pending`` (all but the newest ``pending``
-        groups of this thread's copies have landed)."""
+    def tma_load_2d(rows):
+        """The intrinsic ``load(smem, dst, tensor_map, src, col, row, barrier)``: one 2-D TMA copy of a
+        box (rows x 64, the tensor map's) into shared address ``dst``, completed on ``barrier``."""
 
         @intrinsic
-        def wait(typingctx):
-            sig = types.void()
+        def load(typingctx, smem, dst, tensor_map, src, col, row, barrier):
+            _check_ints("tma_load_2d", (dst, col, row, barrier))
+            if not isinstance(tensor_map, types.Array) or tensor_map.dtype != types.uint64:
+                raise TypingError(f"tma_load_2d: tensor_map must be a uint64 device array, got {tensor_map}")
+            sig = types.void(smem, dst, tensor_map, src, col, row, barrier)
 
             def codegen(context, builder, sig, args):
-                _void_asm(builder, f"cp.async.wait_group {pending};")
+                map_data = context.make_array(sig.args[2])(context, builder, value=args[2]).data
+                operands = [
+                    _u32(context, builder, args[1], sig.args[1]),
+                    builder.ptrtoint(map_data, _I64),
+                    _u32(context, builder, args[4], sig.args[4]),
+                    _u32(context, builder, args[5], sig.args[5]),
+                    _u32(context, builder, args[6], sig.args[6]),
+                ]
+                _void_asm(
+                    builder,
+                    "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                    "[$0], [$1, {$2, $3}], [$4];",
+                    (_I32, _I64, _I32, _I32, _I32),
+                    operands,
+                    "r,l,r,r,r",
+                )
                 return context.get_dummy_value()
 
             return sig, codegen
 
-        return wait
+        return load
