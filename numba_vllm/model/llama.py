@@ -144,9 +144,10 @@ class DeviceModel:
         qkv2, attn2 = (a.reshape(t, a.shape[1] * a.shape[2]) for a in (qkv, attn))  # (T, heads*HD)
         gate_up, act = b["gate_up"][:t], b["act"][:t]  # (T, 2F), (T, F)
         attention_ws = b["attention_partials"]  # split-context scratch
+        gemm_ws = matmul.GemmWorkspace(b["gemm_partials"], b["gemm_x_bf16"])  # split-K parts, x as bf16
 
         def linear(x, w, out, **fusions):  # every product of the step: the chosen GEMM and its split scratch
-            matmul.linear(x, w, out, gemm=self.gemm, workspace=b["gemm_partials"], **fusions)
+            matmul.linear(x, w, out, gemm=self.gemm, workspace=gemm_ws, **fusions)
 
         embedding(s.token_ids, self.embed, x)
         report("embed", None, x)
@@ -208,8 +209,10 @@ def buffer_specs(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms
         "act": ((t, c.intermediate_size), f32),
         "last": ((max_num_seqs, c.hidden_size), f32),
         "logits": ((max_num_seqs, c.vocab_size), f32),
-        # split scratch: gemm_tc's K-split parts, decode attention's context-split states, sampler part winners
+        # split scratch: the GEMMs' K-split parts and x's bf16 copy (gemm_wgmma's TMA source), decode
+        # attention's context-split states, the samplers' part winners
         "gemm_partials": ((gemm_tc_workspace_floats(num_sms),), f32),
+        "gemm_x_bf16": ((t * max(c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim),), np.uint16),
         "attention_partials": ((attention_workspace_floats(c.num_attention_heads, c.num_key_value_heads, c.head_dim),), f32),
         "sample_values": ((SAMPLE_WORKSPACE_SLOTS,), f32),
         "sample_indices": ((SAMPLE_WORKSPACE_SLOTS,), np.int32),
