@@ -108,9 +108,11 @@ def engine_options(command):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
 @engine_options
 @click.option("--verbose", "-v", is_flag=True, help="Print every step's slots and free pages to stderr.")
+@click.option("--timeline", type=click.Path(dir_okay=False), default=None,
+              help="Also draw every step's slots and pages to this file: .html, or .png (needs the plot extra).")  # fmt: skip
 @_one_line_errors
 def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ignore_eos, chat, system, prompt_ids, prompt_file,
-        as_json, verbose, **engine_args):  # fmt: skip
+        as_json, verbose, timeline, **engine_args):  # fmt: skip
     """Generate answers to PROMPTS (default: a sample question), all batched together."""
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos
@@ -122,6 +124,10 @@ def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ig
     id_prompts = [_parse_ids(s) for s in prompt_ids]
     if not texts and not id_prompts:
         texts = [DEFAULT_QUESTION]
+    if timeline is not None:
+        from numba_vllm.viz.timeline import check_timeline_path
+
+        check_timeline_path(timeline)  # a missing matplotlib fails now, not after the run
     prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
     resolve_backend(backend)  # an unusable backend fails now, before the model loads
     t0 = time.perf_counter()
@@ -138,14 +144,22 @@ def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ig
         f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
         f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}"
     )
-    ok = _run_batch(engine, encoded, params, as_json)
+    recorder = None
+    if timeline is not None:
+        from numba_vllm.viz.timeline import Timeline
+
+        recorder = Timeline(f"numba-vllm run: {ckpt.source.name}, backend {engine.backend}")
+    ok = _run_batch(engine, encoded, params, as_json, recorder)
+    if recorder is not None and len(recorder):
+        _log(f"timeline: {recorder.write(timeline)}")
     if not ok:
         sys.exit(1)
 
 
-def _run_batch(engine, encoded: list[list[int]], params, as_json: bool) -> bool:
+def _run_batch(engine, encoded: list[list[int]], params, as_json: bool, timeline=None) -> bool:
     """Run every prompt through the engine at once; print outputs in prompt order, streaming the
-    earliest unfinished one. A prompt the engine rejects is reported alone; the rest still run."""
+    earliest unfinished one. A prompt the engine rejects is reported alone; the rest still run.
+    With a `Timeline`, each step is recorded in it."""
     outputs, errors = [], {}
     for i, ids in enumerate(encoded):
         try:
@@ -166,6 +180,8 @@ def _run_batch(engine, encoded: list[list[int]], params, as_json: bool) -> bool:
                 break
             for out in engine.step():
                 first_token_at.setdefault(int(out.request_id), time.perf_counter() - t0)
+            if timeline is not None:
+                timeline.record(engine)
             if not as_json and current < len(outputs) and outputs[current] is not None:
                 text = outputs[current].text
                 click.echo(text[shown:], nl=False)
