@@ -44,6 +44,7 @@ return {
   waitingText: document.getElementById('waiting').textContent,
   ttft: document.getElementById('c-ttft').textContent,
   tpsLines: all('#chart-tps polyline').length,
+  ttftMarks: all('#chart-ttft circle').length,
 };
 """
 
@@ -129,5 +130,8 @@ def test_slots_pages_and_queue_appear_and_clear(browser, server, tmp_path):
         return all(rid == "" for rid, _ in d["slots"]) and not any(d["owners"]) and "nobody waits" in d["waitingText"]
 
     dom = wait_for(browser, cleared, "slots, pages and queue to clear")
-    dom = wait_for(browser, lambda d: d["ttft"] != "-" and d["tpsLines"] > 0, "the TTFT figure and the throughput line")
+    def charted(d):
+        return d["ttft"] != "-" and d["tpsLines"] > 0 and d["ttftMarks"] > 0
+
+    dom = wait_for(browser, charted, "the TTFT figure and chart, and the throughput line")
     assert float(dom["ttft"]) > 0
