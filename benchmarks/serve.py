@@ -7,6 +7,12 @@ or let it start (and stop) the server itself, e.g. Llama 3.2 1B shapes with rand
     python benchmarks/serve.py -n 256 -c 64 --prompt-len 256 --output-len 128 --start-server \
         "--model tests/data/llama-3.2-1b-instruct --load-format dummy --backend cuda --max-num-seqs 64"
 
+Arrivals: by default a closed loop (C requests in flight, the next sent as one finishes); with
+`--request-rate R` requests arrive as a Poisson process of R per second (exponential gaps, seeded),
+at most C in flight, as traffic from many independent users does. `--goodput ttft=MS tpot=MS`
+counts the requests that met those service-level objectives (goodput: such requests, and their
+output tokens, per second).
+
 Each request is a /v1/completions call with a random token-id prompt (or --text, or --chat with a text
 message), `stream: true`, `ignore_eos: true` (every request generates exactly --output-len tokens) and
 `return_token_ids: true` (so tokens are counted even when several arrive in one event). Measured at
@@ -128,17 +134,32 @@ async def run_load(args, base_url: str, model: str) -> tuple[list[Result], float
                 raise SystemExit(f"warm-up request failed: {w.error}")
         bodies = [make_body(args, i, rng, model) for i in range(args.num_requests)]
         results: list[Result | None] = [None] * len(bodies)
-        next_index = iter(range(len(bodies)))
         started = 0
 
-        async def worker() -> None:
+        async def send(i: int) -> None:
             nonlocal started
-            for i in next_index:
-                started += 1
-                results[i] = await one_request(client, path, bodies[i], args.request_timeout)
+            started += 1
+            results[i] = await one_request(client, path, bodies[i], args.request_timeout)
 
         t0 = time.perf_counter()
-        tasks = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
+        if args.request_rate == float("inf"):  # closed loop: C workers, each sends the next as one finishes
+            next_index = iter(range(len(bodies)))
+
+            async def worker() -> None:
+                for i in next_index:
+                    await send(i)
+
+            tasks = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
+        else:  # open loop: Poisson arrivals, at most C in flight
+            arrivals = np.cumsum(np.random.default_rng(args.seed + 1).exponential(1 / args.request_rate, len(bodies)))
+            in_flight = asyncio.Semaphore(args.concurrency)
+
+            async def arrive(i: int) -> None:
+                await asyncio.sleep(max(0.0, t0 + arrivals[i] - time.perf_counter()))
+                async with in_flight:
+                    await send(i)
+
+            tasks = [asyncio.create_task(arrive(i)) for i in range(len(bodies))]
         done, pending = await asyncio.wait(tasks, timeout=args.max_time)
         for t in pending:
             t.cancel()
@@ -153,7 +174,8 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-def summarize(results: list[Result], wall: float, not_run: int) -> dict:
+def summarize(results: list[Result], wall: float, not_run: int, slo_ms: dict[str, float] | None = None) -> dict:
+    """Counts, throughput and latency percentiles; with `slo_ms` ({"ttft": ms, "tpot": ms}), goodput."""
     ok = [r for r in results if r.ok]
     ttft = [r.ttft for r in ok if r.ttft is not None]
     tpot = [r.tpot for r in ok if r.tpot is not None]
@@ -178,9 +200,31 @@ def summarize(results: list[Result], wall: float, not_run: int) -> dict:
             "p90": 1000 * pct(values, 90),
             "p99": 1000 * pct(values, 99),
         }
+    if slo_ms:
+        def meets(r: Result) -> bool:
+            return all(getattr(r, name) is not None and 1000 * getattr(r, name) <= ms for name, ms in slo_ms.items())
+
+        good = [r for r in ok if meets(r)]
+        summary["goodput"] = {
+            "slo_ms": slo_ms,
+            "requests": len(good),
+            "requests_per_s": len(good) / wall if wall > 0 else 0.0,
+            "output_tokens_per_s": sum(r.output_tokens for r in good) / wall if wall > 0 else 0.0,
+        }
     if errors:
         summary["first_errors"] = sorted(set(errors))[:5]
     return summary
+
+
+def parse_slos(specs: list[str]) -> dict[str, float]:
+    """`ttft=600 tpot=12` -> {"ttft": 600.0, "tpot": 12.0} (milliseconds)."""
+    slos = {}
+    for spec in specs:
+        name, sep, value = spec.partition("=")
+        if not sep or name not in ("ttft", "tpot", "e2e"):
+            raise ValueError(f"--goodput: {spec!r} is not ttft=MS, tpot=MS or e2e=MS")
+        slos[name] = float(value)
+    return slos
 
 
 def metrics(base_url: str) -> dict[str, float]:
@@ -243,6 +287,10 @@ def main() -> None:
     ap.add_argument("--text", default=None, help="a text prompt instead of random token ids (needs a tokenizer)")
     ap.add_argument("--chat", action="store_true", help="use /v1/chat/completions with --text as the user message")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="Poisson arrivals per second (default: closed loop of -c)"
+    )
+    ap.add_argument("--goodput", nargs="+", default=[], metavar="SLO", help="service-level objectives: ttft=MS tpot=MS e2e=MS")
     ap.add_argument("--warmup", type=int, default=2, help="requests run (one at a time) before timing")
     ap.add_argument(
         "--max-time", type=float, default=600.0, help="seconds for the timed run; then outstanding requests are cancelled"
@@ -261,6 +309,12 @@ def main() -> None:
         ap.error("--prompt-len takes L or MIN MAX with 1 <= MIN <= MAX")
     if args.num_requests < 1 or args.concurrency < 1 or args.output_len < 1:
         ap.error("--num-requests, --concurrency and --output-len must be >= 1")
+    if not args.request_rate > 0:
+        ap.error("--request-rate must be > 0")
+    try:
+        slos = parse_slos(args.goodput)
+    except ValueError as e:
+        ap.error(str(e))
 
     proc = None
     base_url = args.base_url.rstrip("/")
@@ -279,22 +333,28 @@ def main() -> None:
         if proc is not None:
             stop_server(proc)
 
-    summary = summarize(results, wall, not_run)
+    summary = summarize(results, wall, not_run, slos)
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("api_key",)} | {"model": model}
     for key in ("engine_steps_total", "num_preemptions_total"):
         name = "numba_vllm:" + key
         if name in before and name in after:
             summary[key.removesuffix("_total")] = after[name] - before[name]
+    arrivals = "closed loop" if args.request_rate == float("inf") else f"Poisson {args.request_rate:g}/s"
     print(
         f"{summary['requests_ok']} ok, {summary['requests_failed']} failed, {summary['requests_not_run']} not run "
         f"in {wall:.1f} s (concurrency {args.concurrency}, prompt {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
-        f"output {args.output_len} tokens)"
+        f"output {args.output_len} tokens, arrivals {arrivals})"
     )
     print(f"throughput: {summary['output_tokens_per_s']:.1f} output tokens/s, {summary['requests_per_s']:.2f} requests/s")
     print(f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for name in ("ttft", "tpot", "itl", "e2e"):
         s = summary[f"{name}_ms"]
         print(f"{name:<6}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}")
+    if "goodput" in summary:
+        g = summary["goodput"]
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo_ms"].items())
+        rates = f"{g['requests_per_s']:.2f} requests/s, {g['output_tokens_per_s']:.1f} output tokens/s"
+        print(f"goodput ({slo}): {g['requests']} requests, {rates}")
     if "engine_steps" in summary:
         print(f"server: {summary['engine_steps']:.0f} steps, {summary.get('num_preemptions', 0):.0f} preemptions")
     for e in summary.get("first_errors", []):

@@ -109,9 +109,11 @@ def engine_options(command):
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
 @engine_options
 @click.option("--verbose", "-v", is_flag=True, help="Print every step's slots and free pages to stderr.")
+@click.option("--timeline", type=click.Path(dir_okay=False), default=None,
+              help="Also draw every step's slots and pages to this file: .html, or .png (needs the plot extra).")  # fmt: skip
 @_one_line_errors
 def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ignore_eos, chat, system, prompt_ids, prompt_file,
-        as_json, verbose, **engine_args):  # fmt: skip
+        as_json, verbose, timeline, **engine_args):  # fmt: skip
     """Generate answers to PROMPTS (default: a sample question), all batched together."""
     params = SamplingParams(
         temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, ignore_eos=ignore_eos
@@ -123,6 +125,10 @@ def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ig
     id_prompts = [_parse_ids(s) for s in prompt_ids]
     if not texts and not id_prompts:
         texts = [DEFAULT_QUESTION]
+    if timeline is not None:
+        from numba_vllm.viz.timeline import check_timeline_path
+
+        check_timeline_path(timeline)  # a missing matplotlib fails now, not after the run
     prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
     resolve_backend(backend)  # an unusable backend fails now, before the model loads
     t0 = time.perf_counter()
@@ -139,14 +145,22 @@ def run(prompts, model, backend, max_tokens, temperature, top_p, top_k, seed, ig
         f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
         f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}"
     )
-    ok = _run_batch(engine, encoded, params, as_json)
+    recorder = None
+    if timeline is not None:
+        from numba_vllm.viz.timeline import Timeline
+
+        recorder = Timeline(f"numba-vllm run: {ckpt.source.name}, backend {engine.backend}")
+    ok = _run_batch(engine, encoded, params, as_json, recorder)
+    if recorder is not None and len(recorder):
+        _log(f"timeline: {recorder.write(timeline)}")
     if not ok:
         sys.exit(1)
 
 
-def _run_batch(engine, encoded: list[list[int]], params, as_json: bool) -> bool:
+def _run_batch(engine, encoded: list[list[int]], params, as_json: bool, timeline=None) -> bool:
     """Run every prompt through the engine at once; print outputs in prompt order, streaming the
-    earliest unfinished one. A prompt the engine rejects is reported alone; the rest still run."""
+    earliest unfinished one. A prompt the engine rejects is reported alone; the rest still run.
+    With a `Timeline`, each step is recorded in it."""
     outputs, errors = [], {}
     for i, ids in enumerate(encoded):
         try:
@@ -167,6 +181,8 @@ def _run_batch(engine, encoded: list[list[int]], params, as_json: bool) -> bool:
                 break
             for out in engine.step():
                 first_token_at.setdefault(int(out.request_id), time.perf_counter() - t0)
+            if timeline is not None:
+                timeline.record(engine)
             if not as_json and current < len(outputs) and outputs[current] is not None:
                 text = outputs[current].text
                 click.echo(text[shown:], nl=False)
@@ -383,10 +399,27 @@ def bench_options(command):
             default=None,
             help="Also write the result as JSON to this file.",
         ),
+        click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+                     help="Also draw the result to this image (.png, .svg, .pdf; needs the plot extra)."),  # fmt: skip
     ]
     for option in reversed(options):
         command = option(command)
     return command
+
+
+def _check_plot_path(plot_path) -> None:
+    """A --plot file matplotlib cannot write (or no matplotlib) fails now, before the benchmark runs."""
+    if plot_path is not None:
+        from numba_vllm.viz.mpl import check_image_path
+
+        check_image_path(plot_path)
+
+
+def _plot(result: dict, plot_path) -> None:
+    if plot_path is not None:
+        from numba_vllm.viz.bench_plots import plot_result
+
+        _log(f"[bench] plot: {plot_result(result, plot_path)}")
 
 
 def _bench_setup(backend: str, model, random_weights, compare_hf: bool, json_path):
@@ -439,8 +472,8 @@ def _parse_batch_sizes(s: str) -> list[int]:
               help="Device bandwidth (TB/s) for the batch-1 floor; 4.24 = H200 copy bandwidth.")  # fmt: skip
 @click.option("--hf-compile", is_flag=True, help="With --compare-hf: static cache + torch.compile for transformers (slow).")
 @_one_line_errors
-def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_sizes, prompt_len, output_len, warmup_runs,
-            peak_bandwidth_tbs, hf_compile, **engine_args):  # fmt: skip
+def latency(model, random_weights, backend, seed, compare_hf, json_path, plot_path, batch_sizes, prompt_len, output_len,
+            warmup_runs, peak_bandwidth_tbs, hf_compile, **engine_args):  # fmt: skip
     """Decode ms per token at each batch size and time to first token (greedy, EOS ignored)."""
     from numba_vllm.bench.common import EngineOptions, write_json
     from numba_vllm.bench.latency import format_latency, run_latency
@@ -448,6 +481,7 @@ def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_s
     sizes = _parse_batch_sizes(batch_sizes)
     if hf_compile and not compare_hf:
         raise click.UsageError("--hf-compile only applies with --compare-hf")
+    _check_plot_path(plot_path)
     ckpt, desc = _bench_setup(backend, model, random_weights, compare_hf, json_path)
     result = run_latency(
         ckpt, desc, EngineOptions(backend=backend, **engine_args), batch_sizes=sizes, prompt_len=prompt_len,
@@ -456,6 +490,7 @@ def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_s
     )  # fmt: skip
     click.echo(format_latency(result))
     write_json(json_path, result)
+    _plot(result, plot_path)
 
 
 @bench.command()
@@ -468,8 +503,8 @@ def latency(model, random_weights, backend, seed, compare_hf, json_path, batch_s
 @click.option("--scheduling", type=click.Choice(["both", "continuous", "static"]), default="both", show_default=True,
               help="Run the workload under continuous batching, static batching, or both side by side.")  # fmt: skip
 @_one_line_errors
-def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_requests, min_prompt_len, max_prompt_len,
-               min_output_len, max_output_len, scheduling, **engine_args):  # fmt: skip
+def throughput(model, random_weights, backend, seed, compare_hf, json_path, plot_path, num_requests, min_prompt_len,
+               max_prompt_len, min_output_len, max_output_len, scheduling, **engine_args):  # fmt: skip
     """Offline throughput: requests of mixed lengths submitted at once, continuous vs static batching."""
     from numba_vllm.bench.common import EngineOptions, write_json
     from numba_vllm.bench.throughput import format_throughput, run_throughput
@@ -478,6 +513,7 @@ def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_
         raise click.BadParameter(f"{min_prompt_len} > --max-prompt-len {max_prompt_len}", param_hint="--min-prompt-len")
     if min_output_len > max_output_len:
         raise click.BadParameter(f"{min_output_len} > --max-output-len {max_output_len}", param_hint="--min-output-len")
+    _check_plot_path(plot_path)
     ckpt, desc = _bench_setup(backend, model, random_weights, compare_hf, json_path)
     result = run_throughput(
         ckpt, desc, EngineOptions(backend=backend, **engine_args), num_requests=num_requests, seed=seed,
@@ -486,6 +522,7 @@ def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_
     )  # fmt: skip
     click.echo(format_throughput(result))
     write_json(json_path, result)
+    _plot(result, plot_path)
 
 
 @bench.command()
@@ -493,13 +530,32 @@ def throughput(model, random_weights, backend, seed, compare_hf, json_path, num_
 @click.option("--iters", type=click.IntRange(1), default=30, show_default=True, help="Timed launches per case (median).")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Also write the table as JSON here.")
 @click.option("--static", is_flag=True, help="No GPU: each kernel variant's registers, spills, shared memory, H200 occupancy.")
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), default=None,
+              help="Also draw a roofline and each kernel against its ceiling to this image (needs the plot extra).")  # fmt: skip
+@click.option("--from-json", "from_json", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="No GPU: print (and with --plot, draw) a table saved earlier with --json.")  # fmt: skip
 @_one_line_errors
-def kernels(only, iters, json_path, static):
+def kernels(only, iters, json_path, static, plot_path, from_json):
     """Per-kernel roofline table on the GPU: time, GB/s or TFLOP/s, share of the measured ceiling.
     With --static, the kernels' resources instead, on any machine (`make kernel-report`)."""
     from numba_vllm.bench.common import check_json_path, write_json
 
+    if static and (plot_path or from_json):
+        raise click.UsageError("--static reports resources, not timings: it takes neither --plot nor --from-json")
     check_json_path(json_path)
+    _check_plot_path(plot_path)
+    if from_json is not None:
+        from numba_vllm.bench.kernels import format_row
+
+        result = json.loads(Path(from_json).read_text(encoding="utf-8"))
+        if not isinstance(result, dict) or result.get("benchmark") != "kernels":
+            raise click.BadParameter(f"{from_json} is not a `bench kernels --json` result", param_hint="--from-json")
+        result["rows"] = [row for row in result["rows"] if not only or only in row["name"]]
+        click.echo(f"# {result['device']}; timing: {result['timing']} (from {from_json})")
+        for row in result["rows"]:
+            click.echo(format_row(row))
+        _plot(result, plot_path)
+        return
     if static:
         from numba_vllm.bench.kernel_report import run_static_report
 
@@ -509,6 +565,7 @@ def kernels(only, iters, json_path, static):
 
         require_gpu()
         result = run_kernels(only=only, iters=iters, emit=lambda line: click.echo(line))
+        _plot(result, plot_path)
     write_json(json_path, result)
 
 

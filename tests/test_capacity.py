@@ -44,7 +44,8 @@ def test_step_buffers_include_the_kernels_split_workspaces():
     gemm_split = 4 * 132 * 128 * 256  # SPLIT_BLOCKS_PER_SM x SMs x the largest tile (128x256)
     attention_split = 64 * 264 * 4 * (64 + 2)  # MAX_SPLITS x SMALL_GRID_BLOCKS x group x (HD + m and sum)
     sampler = 4096 * 2  # part winners: values and indices
-    want = 4 * (activations + gemm_split + attention_split + sampler)
+    x_bf16 = t * 8192  # the widest x a product reads (the MLP's 8192), as bf16 for gemm_wgmma's TMA
+    want = 4 * (activations + gemm_split + attention_split + sampler) + 2 * x_bf16
     assert buffer_bytes(LLAMA_1B, t, seqs, num_sms=132) == want
 
 

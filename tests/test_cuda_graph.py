@@ -9,10 +9,10 @@ import pytest
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
+from numba_vllm.engine.config import EngineConfig
 from numba_vllm.executor import kernel_runner
 from numba_vllm.executor.cuda_graph import DecodeGraphs, batch_buckets
 from numba_vllm.executor.inputs import MIN_TABLE_WIDTH
-from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.model import llama as model
 from numba_vllm.model.config import ModelConfig
 
@@ -67,12 +67,14 @@ def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny,
     path, want = tiny
     monkeypatch.setattr(kernel_runner, "GEMV_MAX_TOKENS", 1)
     prefill_rows = []  # the prefill attention grid's longest chunk, per call
+    kernel = EngineConfig().prefill_attention  # the engine's default prefill attention
+    prefill_attention = model.PREFILL_ATTENTIONS[kernel]
 
     def spy(*args):
         prefill_rows.append(args[-1])
         return prefill_attention(*args)
 
-    monkeypatch.setitem(model.PREFILL_ATTENTIONS, "cuda_cores", spy)
+    monkeypatch.setitem(model.PREFILL_ATTENTIONS, kernel, spy)
     sim = _sim_with_emulated_graphs(path, max_num_seqs=2, num_pages=8, max_num_batched_tokens=16)
     sim.engine.warm_up()
     assert prefill_rows == [16]  # one layer: the full-budget prefill ran its attention

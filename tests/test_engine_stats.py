@@ -10,7 +10,7 @@ from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 from numba_vllm import SamplingParams
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import LLMEngine
-from numba_vllm.engine.stats import EngineStats, RequestStats
+from numba_vllm.engine.stats import EngineStats, RequestStats, ScheduledStats, StepStats
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model.config import ModelConfig
 
@@ -99,3 +99,49 @@ def test_counts_alone_unless_requests_are_asked_for_and_a_snapshot_never_changes
     with pytest.raises(dataclasses.FrozenInstanceError):
         before.num_steps = 5
 
+
+
+def test_page_ids_only_when_asked_for(engine_factory):
+    engine = engine_factory()
+    engine.add_request("a", list(range(3, 20)), PARAMS)  # 17 tokens: 2 pages
+    engine.add_request("b", list(range(3, 33)), PARAMS)  # 30 tokens, 3 of them in step 0: 1 page
+    engine.add_request("c", [4, 5, 6], PARAMS)
+    engine.step()
+    assert all(r.page_ids is None for r in engine.stats(requests=True).running)
+    s = engine.stats(requests=True, pages=True)
+    # A fresh pool hands out 1, 2, 3, ... (page 0 is the null page).
+    assert [(r.request_id, r.page_ids) for r in s.running] == [("a", (1, 2)), ("b", (3,))]
+    assert [(r.request_id, r.page_ids) for r in s.waiting] == [("c", ())]
+
+
+def test_last_step_is_what_the_step_ran(engine_factory):
+    engine = engine_factory()
+    assert engine.last_step() is None
+    for request_id, prompt_len in (("a", 17), ("b", 30), ("c", 3)):
+        engine.add_request(request_id, list(range(3, 3 + prompt_len)), PARAMS)
+
+    # Step 0: a's whole prompt (17 tokens, pages 1-2, samples), then 3 of b's 30 (page 3): the 20-token budget.
+    engine.step()
+    assert engine.last_step() == StepStats(
+        step=0,
+        sequences=(ScheduledStats("a", 0, "prefill", 0, 17, True, (1, 2)), ScheduledStats("b", 1, "prefill", 0, 3, False, (3,))),
+        preempted_request_ids=(), num_free_pages=2, num_waiting=1,
+    )  # fmt: skip
+    assert engine.last_step().num_batched_tokens == 20
+
+    # Step 1: a decodes its first generated token; b prefills 19 more (22 computed: page 4 joins).
+    engine.step()
+    assert engine.last_step() == StepStats(
+        step=1,
+        sequences=(
+            ScheduledStats("a", 0, "decode", 17, 1, True, (1, 2)), ScheduledStats("b", 1, "prefill", 3, 19, False, (3, 4))
+        ),
+        preempted_request_ids=(), num_free_pages=1, num_waiting=1,
+    )  # fmt: skip
+
+    # Step 16 (the 17th): a needs a third page; b (pages 3-5) is preempted, and the freed stack hands a page 3.
+    for _ in range(2, 17):
+        engine.step()
+    last = engine.last_step()
+    assert last.step == 16 and last.preempted_request_ids == ("b",) and last.num_waiting == 2
+    assert last.sequences == (ScheduledStats("a", 0, "decode", 32, 1, True, (1, 2, 3)),)

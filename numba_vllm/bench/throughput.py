@@ -13,7 +13,8 @@ output tokens/s = generated tokens / wall time of the run, prefill included; tot
 prompt tokens too; steps and preemptions (requests that lost their pages and were recomputed); the
 median step; peak device memory in use (the driver's total - free, sampled every 10 steps: the KV
 cache is allocated up front, so this is mostly its size, set by --gpu-memory-utilization or
---num-pages).
+--num-pages). Each run also keeps every step's end time, generated tokens and duration (`per_step`),
+which `--plot` draws: static batching's steps thin out as a batch drains, continuous batching's stay full.
 """
 
 from __future__ import annotations
@@ -165,12 +166,15 @@ def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len:
             for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
         ]
         steps0, preempt0 = engine.num_steps, engine.num_preemptions
-        step_times = []
+        step_times, step_ends, step_tokens = [], [], []  # per step: seconds, end since t0, tokens generated
         t0 = time.perf_counter()
         while engine.has_unfinished_requests():
             s = time.perf_counter()
-            engine.step()
-            step_times.append(time.perf_counter() - s)
+            num_generated = len(engine.step())
+            e = time.perf_counter()
+            step_times.append(e - s)
+            step_ends.append(e - t0)
+            step_tokens.append(num_generated)
             if len(step_times) % 10 == 0:
                 memory.sample()
         synchronize(backend)
@@ -201,6 +205,11 @@ def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len:
         "p90_step_ms": ms_stats(step_times)["p90_ms"],
         "num_pages": num_pages,
         "peak_device_memory_GiB": memory.peak_gib,
+        "per_step": {  # for --plot: how full each step was, and how long it took
+            "end_s": [round(x, 4) for x in step_ends],
+            "generated": step_tokens,
+            "ms": [round(x * 1e3, 3) for x in step_times],
+        },
     }, backend
 
 

@@ -9,8 +9,10 @@ from numba_vllm.model.config import ConfigError
 
 BACKENDS = ("auto", "cuda", "sim", "numpy")
 SCHEDULING_MODES = ("continuous", "static")
-PREFILL_GEMMS = ("tensor_cores", "fp32")  # kernels/gemm_tc.py (bf16 mma.sync) or kernels/gemm.py (fp32 FMA, the readable one)
-PREFILL_ATTENTIONS = ("cuda_cores",)  # kernels/prefill_attention.py
+# auto: wgmma on compute capability 9.0, else tensor_cores; kernels/gemm_tc.py (bf16 mma.sync), kernels/gemm.py
+# (fp32 FMA, the readable one), kernels/gemm_wgmma.py (bf16 wgmma, sm_90a only)
+PREFILL_GEMMS = ("auto", "tensor_cores", "fp32", "wgmma")
+PREFILL_ATTENTIONS = ("cuda_cores", "tensor_cores")  # kernels/prefill_attention.py (readable) or prefill_attention_tc.py
 
 
 @dataclass(frozen=True)
@@ -26,8 +28,8 @@ class EngineConfig:
     verbose: bool = False  # print each step's slots and free pages
     enforce_eager: bool = False  # cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs
     scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
-    prefill_gemm: str = "tensor_cores"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
-    prefill_attention: str = "cuda_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
+    prefill_gemm: str = "auto"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
+    prefill_attention: str = "tensor_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:

@@ -19,8 +19,8 @@ from numba_vllm.engine.lengths import LengthPolicy
 from numba_vllm.engine.output import OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
-from numba_vllm.engine.scheduler import Scheduler
-from numba_vllm.engine.stats import EngineStats, collect_stats
+from numba_vllm.engine.scheduler import Scheduler, StepPlan
+from numba_vllm.engine.stats import EngineStats, StepStats, collect_stats, step_stats
 from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
@@ -47,6 +47,7 @@ class LLMEngine:
             ec.max_num_seqs, ec.max_num_batched_tokens, allocator, self.capacity.max_model_len, scheduling=ec.scheduling
         )
         self._builders: dict[str, OutputBuilder] = {}
+        self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0  # requests that lost their pages and recomputed, over the engine's life
@@ -103,6 +104,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one forward pass over the scheduled batch; return the outputs that got a token."""
         plan = self.scheduler.schedule()
+        self._last_plan = (self.num_steps, plan)
         if self.engine_config.verbose:
             print(f"step {self.num_steps}:", *plan.describe(), sep="\n", file=sys.stderr)
         sampled = self.runner.execute(plan) if not plan.is_empty else {}
@@ -121,11 +123,19 @@ class LLMEngine:
         return updated
 
     # ---- state ---------------------------------------------------------------------------------
-    def stats(self, requests: bool = False) -> EngineStats:
+    def last_step(self) -> StepStats | None:
+        """What the last step ran (each slot's request, prefill or decode, tokens, pages; who was
+        preempted), as plain values built on demand; None before the first step. For timelines."""
+        if self._last_plan is None:
+            return None
+        return step_stats(self._last_plan[1], self._last_plan[0])
+
+    def stats(self, requests: bool = False, pages: bool = False) -> EngineStats:
         """A snapshot of slots, pages and counters, for readers outside the engine (server metrics,
-        banners, benchmarks); with ``requests``, also each running and waiting request. Call it on
-        the thread that steps the engine; the snapshot itself may go to any thread."""
-        return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests)
+        banners, benchmarks); with ``requests``, also each running and waiting request, and with
+        ``pages`` as well, each one's page ids. Call it on the thread that steps the engine; the
+        snapshot itself may go to any thread."""
+        return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests, pages)
 
 
 class LLM:

@@ -40,6 +40,7 @@ from numba_vllm.kernels.embedding import embedding
 from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspace_floats
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
+from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
 from numba_vllm.kernels.sample import SAMPLE_WORKSPACE_SLOTS, PartWinners
@@ -50,7 +51,10 @@ from numba_vllm.model.rope_scaling import rope_inv_freq
 if TYPE_CHECKING:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-PREFILL_ATTENTIONS = {"cuda_cores": prefill_attention_cuda_cores}  # by EngineConfig.prefill_attention
+PREFILL_ATTENTIONS = {  # by EngineConfig.prefill_attention
+    "cuda_cores": prefill_attention_cuda_cores,
+    "tensor_cores": prefill_attention_tc,
+}
 
 
 @dataclass
@@ -77,7 +81,7 @@ class DeviceModel:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, np.ndarray], prefill_gemm: str = "tensor_cores",
-        prefill_attention: str = "cuda_cores",
+        prefill_attention: str = "tensor_cores",
     ):
         """Upload the weights. `prefill_gemm` and `prefill_attention` name the kernels of steps with more
         than a few tokens (`EngineConfig`'s fields of the same names; one of `PREFILL_GEMMS` and
@@ -140,9 +144,10 @@ class DeviceModel:
         qkv2, attn2 = (a.reshape(t, a.shape[1] * a.shape[2]) for a in (qkv, attn))  # (T, heads*HD)
         gate_up, act = b["gate_up"][:t], b["act"][:t]  # (T, 2F), (T, F)
         attention_ws = b["attention_partials"]  # split-context scratch
+        gemm_ws = matmul.GemmWorkspace(b["gemm_partials"], b["gemm_x_bf16"])  # split-K parts, x as bf16
 
         def linear(x, w, out, **fusions):  # every product of the step: the chosen GEMM and its split scratch
-            matmul.linear(x, w, out, gemm=self.gemm, workspace=b["gemm_partials"], **fusions)
+            matmul.linear(x, w, out, gemm=self.gemm, workspace=gemm_ws, **fusions)
 
         embedding(s.token_ids, self.embed, x)
         report("embed", None, x)
@@ -204,8 +209,10 @@ def buffer_specs(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms
         "act": ((t, c.intermediate_size), f32),
         "last": ((max_num_seqs, c.hidden_size), f32),
         "logits": ((max_num_seqs, c.vocab_size), f32),
-        # split scratch: gemm_tc's K-split parts, decode attention's context-split states, sampler part winners
+        # split scratch: the GEMMs' K-split parts and x's bf16 copy (gemm_wgmma's TMA source), decode
+        # attention's context-split states, the samplers' part winners
         "gemm_partials": ((gemm_tc_workspace_floats(num_sms),), f32),
+        "gemm_x_bf16": ((t * max(c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim),), np.uint16),
         "attention_partials": ((attention_workspace_floats(c.num_attention_heads, c.num_key_value_heads, c.head_dim),), f32),
         "sample_values": ((SAMPLE_WORKSPACE_SLOTS,), f32),
         "sample_indices": ((SAMPLE_WORKSPACE_SLOTS,), np.int32),

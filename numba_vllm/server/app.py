@@ -38,6 +38,7 @@ from starlette.requests import ClientDisconnect
 
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.server.dashboard import dashboard_routes
 from numba_vllm.server.engine_loop import EngineLoop
 from numba_vllm.server.metrics import CONTENT_TYPE
 from numba_vllm.server.protocol import (
@@ -155,6 +156,8 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.engine_loop.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(dashboard_routes(state))  # GET /dashboard, GET /v1/dashboard/state
 
     def model_card(name: str) -> dict:
         return {

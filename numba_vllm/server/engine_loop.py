@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.output import RequestOutput
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.server.dashboard import DashboardFeed
 from numba_vllm.server.metrics import ServerMetrics
 from numba_vllm.server.protocol import APIError
 
@@ -82,6 +83,7 @@ class EngineLoop:
     def __init__(self, engine: LLMEngine, model_name: str):
         self.engine = engine
         self.metrics = ServerMetrics(engine.stats(), model_name)
+        self.dashboard = DashboardFeed(self.metrics.engine_state.stats)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, object]] = []
@@ -223,8 +225,12 @@ class EngineLoop:
         self._outbox.append((live.sink, delta))
 
     def _snapshot(self) -> None:
-        """Publish the engine's state (requests, pages, steps) to the metrics."""
-        self.metrics.set_engine_stats(self.engine.stats())
+        """Publish the engine's state (requests, pages, steps) to the metrics and the dashboard; with
+        each request's slot and pages only while the dashboard is watched."""
+        detail = self.dashboard.wants_detail()
+        stats = self.engine.stats(requests=detail, pages=detail)
+        self.metrics.set_engine_stats(stats)
+        self.dashboard.publish(stats)
 
     def _flush(self) -> None:
         """Hand this round's news to the event loop(s) that wait for it, one callback per loop."""
