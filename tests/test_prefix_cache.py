@@ -9,13 +9,18 @@ import hashlib
 import numpy as np
 import pytest
 from test_scheduler import FakeModel, next_token, step, summary
+from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
+from numba_vllm import LLM
+from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator
+from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.prefix_cache import PrefixCache, page_hash, root_hash
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
-from numba_vllm.model.config import PAGE_SIZE
+from numba_vllm.loading.checkpoint import load_checkpoint
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 16) -> Request:
@@ -267,3 +272,102 @@ def test_static_batch_members_take_their_cached_prefix_when_the_batch_forms():
     assert summary(plan) == [("b", 0, 32, 11, True), ("c", 1, 16, 17, True)] and list(scheduler.waiting) == [d]
     assert (b.page_ids, c.page_ids) == ([1, 2, 4], [1, 5, 3]) and refs(allocator, [1, 2]) == [2, 1]
     assert scheduler.num_batches == 2
+
+
+# ---- the engine: the same greedy tokens with caching on and off -----------------------------------
+
+SHARED = list(range(3, 40))  # 37 tokens: 2 full pages, then 5 more
+ENGINE_PROMPTS = [
+    SHARED + [50],  # 38 tokens
+    SHARED + [51] * 12,  # 49: shares 2 pages with the first, then differs
+    SHARED + [52] * 27,  # 64: a multiple of the page size
+    SHARED + [50],  # the first again: every full page hits
+    SHARED + [52] * 27,  # the third again: 3 of its 4 pages hit, the last is recomputed
+]
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    cfg = tiny_config_dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # GQA 2
+    return write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+
+
+@pytest.fixture(scope="module")
+def uncached(tiny_dir):
+    """Each prompt alone on an engine without prefix caching: the tokens every other run must give."""
+    llm = LLM(str(tiny_dir), backend="numpy", enable_prefix_caching=False)
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in ENGINE_PROMPTS]
+    assert all(o.num_cached_tokens == 0 for o in outs) and llm.engine.stats().num_prefix_cache_queries == 0
+    assert not llm.engine.stats().prefix_caching
+    return [o.token_ids for o in outs]
+
+
+def test_one_at_a_time_each_prompt_reuses_the_pages_before_it(tiny_dir, uncached):
+    llm = LLM(str(tiny_dir), backend="numpy")
+    outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in ENGINE_PROMPTS]
+    assert [o.token_ids for o in outs] == uncached
+    # The first prompt finds nothing; the next three share SHARED's 2 full pages (the fourth is the
+    # first again, but its third page was never full: 38 + 5 computed tokens); the fifth finds 3 of
+    # the third's pages (its 4th is its last page: recomputed, for the last token's logits).
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32, 32, 48]
+    s = llm.engine.stats()
+    assert (s.num_prefix_cache_queries, s.num_prefix_cache_hits) == (sum(map(len, ENGINE_PROMPTS)), 32 * 3 + 48)
+
+
+@pytest.mark.parametrize("max_num_seqs, budget, num_pages", [(5, 2048, None), (3, 8, None), (5, 2048, 6)],
+                         ids=["batched", "chunked", "preempted"])  # fmt: skip
+def test_batched_chunked_and_preempted_runs_give_the_uncached_tokens(tiny_dir, uncached, max_num_seqs, budget, num_pages):
+    llm = LLM(str(tiny_dir), backend="numpy", max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, num_pages=num_pages)
+    engine = llm.engine
+    outputs = {}
+    pending = list(enumerate(ENGINE_PROMPTS))
+    while pending or engine.has_unfinished_requests():
+        if pending:  # one new request every step: later ones find what earlier ones computed
+            i, p = pending.pop(0)
+            outputs[i] = engine.add_request(f"r{i}", p, GREEDY)
+        engine.step()
+        engine.scheduler.check_invariants()
+    assert [outputs[i].token_ids for i in range(len(ENGINE_PROMPTS))] == uncached
+    assert engine.stats().num_prefix_cache_hits > 0
+    if num_pages is not None:
+        assert engine.num_preemptions > 0
+
+
+def test_verbose_steps_show_shared_pages(tiny_dir, capsys):
+    engine = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy", verbose=True))
+    engine.add_request("first", ENGINE_PROMPTS[0], GREEDY)
+    engine.step()
+    engine.add_request("second", ENGINE_PROMPTS[1], GREEDY)
+    engine.step()
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:3] == [
+        "step 0:",
+        "  slot   0  first        prefill    38 tok  pos 0..37  pages 3 (0 shared)",
+        f"  38 tokens, {engine.stats().num_pages - 3} free pages, 0 waiting, 0 cached pages",
+    ]
+    assert lines[3:] == [
+        "step 1:",
+        "  slot   0  first        decode      1 tok  pos 38..38  pages 3 (2 shared)",
+        "  slot   1  second       prefill    17 tok  pos 32..48  pages 4 (2 shared)",
+        f"  18 tokens, {engine.stats().num_pages - 5} free pages, 0 waiting, 2 cached pages",
+    ]
+
+
+def test_simulated_kernels_read_a_cached_prefix(tiny_dir):
+    """The cuda code path in the simulator gives the uncached NumPy tokens for a prompt whose every full
+    page hits (a 1-token prefill at position 32) and, in the same step, one with its own tail (a
+    9-token chunk at 32). Two steps in all, each of more than GEMV_MAX_TOKENS tokens: the simulator
+    is slow, and slowest on the gemv kernels."""
+    prompts = [SHARED[:33], SHARED[:33], SHARED[:32] + [60] * 9]
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    numpy = LLM(str(tiny_dir), backend="numpy", enable_prefix_caching=False)
+    want = [numpy.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    sim = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="sim", max_num_seqs=2, num_pages=16))
+    outs = [sim.add_request("first", prompts[0], params)]
+    sim.step()  # computes (and caches) the first two pages
+    outs += [sim.add_request(f"r{i}", p, params) for i, p in enumerate(prompts[1:])]
+    sim.step()
+    assert not sim.has_unfinished_requests() and sim.num_steps == 2
+    assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
+    assert [o.token_ids for o in outs] == want
