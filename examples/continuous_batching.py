@@ -4,6 +4,7 @@
     python examples/continuous_batching.py --tiny           # a tiny random Llama: no model needed, about a second
     python examples/continuous_batching.py --tiny --backend sim  # the same steps through the CUDA kernels, simulated: minutes
     python examples/continuous_batching.py --num-pages 20   # a bigger cache: no preemption
+    python examples/continuous_batching.py --tiny --prefix-caching  # prompts share their common first pages
 
 The engine is driven by hand: `LLMEngine.add_request` when a request arrives, `LLMEngine.step` once
 per forward pass. With `verbose`, each step prints the scheduler's plan (`StepPlan.describe`): one
@@ -25,7 +26,10 @@ The settings are small on purpose: 3 slots, a budget of 16 tokens per step and 8
   running request loses its pages and slot, goes back to the front of the queue with its generated
   tokens kept, and later prefills prompt + generated tokens again. Its output is unchanged.
 Every request ignores EOS, so each one runs to its `max_tokens` and the schedule is the same for any
-model.
+model. Prefix caching (on by default in the engine) is off here unless `--prefix-caching`: every
+prompt is the beginning of the same passage, so with it later requests take the earlier ones' full
+pages instead of prefilling them ("pages 3 (2 shared)"), and pages are no longer scarce enough for
+the preemption this example sets out to show.
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=3, help="batch slots")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16, help="token budget of one step")
     parser.add_argument("--num-pages", type=int, default=9, help="KV-cache pages of 16 tokens, the null page included")
+    parser.add_argument("--prefix-caching", action="store_true", help="let prompts share the pages of their common beginning")
     args = parser.parse_args(argv)
     if args.tiny and args.model:
         parser.error("--tiny and --model exclude each other")
@@ -115,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_pages=args.num_pages,
+        enable_prefix_caching=args.prefix_caching,
         verbose=True,  # engine.step() prints its StepPlan
     )
     engine = LLMEngine(checkpoint, engine_config)
