@@ -116,6 +116,8 @@ class PageAllocator:
             raise ValueError(f"num_pages must be a non-negative integer, got {num_pages!r}")
         if num_pages > len(self._free_page_ids):
             raise OutOfPagesError(f"asked for {num_pages} pages, {len(self._free_page_ids)} free of {self.num_usable_pages}")
+        if num_pages == 0:  # most decode steps of most sequences
+            return []
         lru = self.enable_caching
         page_ids = [self._free_page_ids.popitem(last=not lru)[0] for _ in range(num_pages)]
         for page_id in page_ids:

@@ -33,6 +33,7 @@ from numba_vllm.engine.request import Request
 from numba_vllm.model.config import PAGE_SIZE
 
 HASH_DOMAIN = b"numba-vllm prefix cache v1\0"  # changes if the hashing scheme ever does
+_PAGE_TOKENS = struct.Struct(f"<{PAGE_SIZE}q")  # a full page's token ids as little-endian int64
 
 
 def root_hash(cache_key: bytes) -> PageHash:
@@ -44,7 +45,7 @@ def page_hash(parent: PageHash, token_ids: Sequence[int]) -> PageHash:
     """The hash of a full page: its parent page's hash and its ``PAGE_SIZE`` token ids."""
     if len(token_ids) != PAGE_SIZE:
         raise ValueError(f"only full pages are hashed: got {len(token_ids)} tokens, not {PAGE_SIZE}")
-    return hashlib.sha256(parent + struct.pack(f"<{PAGE_SIZE}q", *token_ids)).digest()
+    return hashlib.sha256(parent + _PAGE_TOKENS.pack(*token_ids)).digest()
 
 
 class PrefixCache:

@@ -289,8 +289,8 @@ class Scheduler:
             request = seq.request
             assert request.num_computed_tokens == seq.start_position, f"request {request.request_id} moved during the step"
             request.num_computed_tokens += seq.num_new_tokens
-            if self.prefix_cache is not None:
-                self.prefix_cache.cache_full_pages(request, seq.start_position, request.num_computed_tokens)
+            if self.prefix_cache is not None and request.num_computed_tokens // PAGE_SIZE > seq.start_position // PAGE_SIZE:
+                self.prefix_cache.cache_full_pages(request, seq.start_position, request.num_computed_tokens)  # a page filled
             if seq.samples:
                 request.output_token_ids.append(int(sampled_token_ids[request.request_id]))
                 sampled_requests.append(request)
