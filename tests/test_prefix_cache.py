@@ -57,6 +57,9 @@ def test_page_hashes_chain_sha256_over_int64_token_ids():
 def test_prefix_cache_needs_a_caching_allocator():
     with pytest.raises(ValueError, match="without prefix caching"):
         PrefixCache(PageAllocator(8))
+    assert EngineConfig().enable_prefix_caching  # on by default
+    with pytest.raises(ValueError, match="enable_prefix_caching: 'yes' must be True or False"):
+        EngineConfig(enable_prefix_caching="yes")
 
 
 # ---- hits ------------------------------------------------------------------------------------------
