@@ -6,6 +6,7 @@
     python examples/continuous_batching.py --num-pages 20   # a bigger cache: no preemption
     python examples/continuous_batching.py --tiny --timeline steps.html    # the steps as a picture (or .png: matplotlib)
     python examples/continuous_batching.py --tiny --scheduling static --timeline static.png  # the same requests, static batching
+    python examples/continuous_batching.py --tiny --prefix-caching  # prompts share their common first pages
 
 The engine is driven by hand: `LLMEngine.add_request` when a request arrives, `LLMEngine.step` once
 per forward pass. With `verbose`, each step prints the scheduler's plan (`StepPlan.describe`): one
@@ -33,6 +34,11 @@ With `--timeline FILE` the same steps are also drawn (`numba_vllm.viz.timeline`)
 and a column per step, colored by request, hatched while prefilling; below, the pages each request
 holds and the queue's length. `--scheduling static` runs the same arrivals under static batching,
 for the picture beside it: slots freed by early finishers stay empty until the whole batch is done.
+
+model. Prefix caching (on by default in the engine) is off here unless `--prefix-caching`: every
+prompt is the beginning of the same passage, so with it later requests take the earlier ones' full
+pages instead of prefilling them ("pages 3 (2 shared)"), and pages are no longer scarce enough for
+the preemption this example sets out to show.
 """
 
 from __future__ import annotations
@@ -114,6 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-pages", type=int, default=9, help="KV-cache pages of 16 tokens, the null page included")
     parser.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
     parser.add_argument("--timeline", metavar="FILE", help="also draw the steps to FILE: .html, or .png (matplotlib)")
+    parser.add_argument("--prefix-caching", action="store_true", help="let prompts share the pages of their common beginning")
     args = parser.parse_args(argv)
     if args.tiny and args.model:
         parser.error("--tiny and --model exclude each other")
@@ -131,6 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_pages=args.num_pages,
         scheduling=args.scheduling,
+        enable_prefix_caching=args.prefix_caching,
         verbose=True,  # engine.step() prints its StepPlan
     )
     engine = LLMEngine(checkpoint, engine_config)

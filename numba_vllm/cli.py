@@ -52,8 +52,17 @@ def _one_line_errors(fn):
     return wrapper
 
 
+PREFIX_CACHING_OPTION = click.option(
+    "--enable-prefix-caching/--no-enable-prefix-caching",
+    default=True,
+    show_default=True,
+    help="Reuse the KV-cache pages of prompt prefixes already computed (automatic prefix caching).",
+)
+
+
 def engine_options(command):
-    """The engine settings `run` and `serve` share (passed on as `EngineConfig` fields)."""
+    """The engine settings `run` and `serve` share (passed on as `EngineConfig` fields; `bench` has
+    its own defaults for the sizes, and the same prefix-caching switch)."""
     options = [
         click.option("--max-num-seqs", type=int, default=64, show_default=True, help="Batch slots: requests running at once."),
         click.option("--max-num-batched-tokens", type=int, default=2048, show_default=True, help="Tokens per step."),
@@ -74,6 +83,7 @@ def engine_options(command):
         click.option(
             "--enforce-eager", is_flag=True, help="cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs."
         ),
+        PREFIX_CACHING_OPTION,
     ]
     for option in reversed(options):
         command = option(command)
@@ -108,7 +118,7 @@ def engine_options(command):
 @click.option("--prompt-file", type=click.Path(dir_okay=False), default=None, help="Read prompts from a file, one per line.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object per prompt instead of streaming text.")
 @engine_options
-@click.option("--verbose", "-v", is_flag=True, help="Print every step's slots and free pages to stderr.")
+@click.option("--verbose", "-v", is_flag=True, help="Print every step's slots, their shared pages and the free pages to stderr.")
 @click.option("--timeline", type=click.Path(dir_okay=False), default=None,
               help="Also draw every step's slots and pages to this file: .html, or .png (needs the plot extra).")  # fmt: skip
 @_one_line_errors
@@ -195,9 +205,11 @@ def _run_batch(engine, encoded: list[list[int]], params, as_json: bool, timeline
     total = time.perf_counter() - t0
     done = [o for o in outputs if o is not None]
     num_generated = sum(len(o.token_ids) for o in done)
+    num_cached = sum(o.num_cached_tokens for o in done)
     ttft = min(first_token_at.values(), default=0.0)
     _log(
-        f"[{len(done)} prompts, {sum(len(o.prompt_token_ids) for o in done)} prompt tokens, {num_generated} generated, "
+        f"[{len(done)} prompts, {sum(len(o.prompt_token_ids) for o in done)} prompt tokens ({num_cached} cached), "
+        f"{num_generated} generated, "
         f"first token {ttft * 1000:.0f} ms, {num_generated / total if total > 0 else 0:.1f} tokens/s, {engine.num_steps} steps]"
     )
     return not errors
@@ -210,7 +222,7 @@ def _finish_one(outputs, errors, current: int, shown: int, as_json: bool) -> tup
         if out is None:
             obj = {"error": errors[current]}
         else:
-            obj = {k: getattr(out, k) for k in ("prompt_token_ids", "token_ids", "text", "finish_reason")}
+            obj = {k: getattr(out, k) for k in ("prompt_token_ids", "token_ids", "text", "finish_reason", "num_cached_tokens")}
         click.echo(json.dumps(obj))
     elif out is not None:
         click.echo(out.text[shown:])
@@ -384,6 +396,7 @@ def bench_options(command):
             help="GPU memory share for the KV cache.",
         ),
         click.option("--enforce-eager", is_flag=True, help="cuda: no CUDA graphs for decode steps."),
+        PREFIX_CACHING_OPTION,
         click.option(
             "--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the workload's lengths and token ids."
         ),
@@ -502,10 +515,16 @@ def latency(model, random_weights, backend, seed, compare_hf, json_path, plot_pa
 @click.option("--max-output-len", type=click.IntRange(1), default=1024, show_default=True)
 @click.option("--scheduling", type=click.Choice(["both", "continuous", "static"]), default="both", show_default=True,
               help="Run the workload under continuous batching, static batching, or both side by side.")  # fmt: skip
+@click.option("--shared-prefix-len", type=click.IntRange(0), default=0, show_default=True,
+              help="Every prompt starts with the same N tokens (then its own, of the prompt lengths above); "
+              "implies --compare-prefix-caching.")  # fmt: skip
+@click.option("--compare-prefix-caching", is_flag=True, help="Run each scheduling mode with prefix caching on and off.")
 @_one_line_errors
 def throughput(model, random_weights, backend, seed, compare_hf, json_path, plot_path, num_requests, min_prompt_len,
-               max_prompt_len, min_output_len, max_output_len, scheduling, **engine_args):  # fmt: skip
-    """Offline throughput: requests of mixed lengths submitted at once, continuous vs static batching."""
+               max_prompt_len, min_output_len, max_output_len, scheduling, shared_prefix_len, compare_prefix_caching,
+               **engine_args):  # fmt: skip
+    """Offline throughput: requests of mixed lengths submitted at once, continuous vs static batching
+    (and prefix caching on vs off)."""
     from numba_vllm.bench.common import EngineOptions, write_json
     from numba_vllm.bench.throughput import format_throughput, run_throughput
 
@@ -514,11 +533,15 @@ def throughput(model, random_weights, backend, seed, compare_hf, json_path, plot
     if min_output_len > max_output_len:
         raise click.BadParameter(f"{min_output_len} > --max-output-len {max_output_len}", param_hint="--min-output-len")
     _check_plot_path(plot_path)
+    if (compare_prefix_caching or shared_prefix_len) and not engine_args["enable_prefix_caching"]:
+        raise click.UsageError("--no-enable-prefix-caching: --shared-prefix-len and --compare-prefix-caching run with "
+                               "prefix caching on and off side by side")  # fmt: skip
     ckpt, desc = _bench_setup(backend, model, random_weights, compare_hf, json_path)
     result = run_throughput(
         ckpt, desc, EngineOptions(backend=backend, **engine_args), num_requests=num_requests, seed=seed,
         prompt_range=(min_prompt_len, max_prompt_len), output_range=(min_output_len, max_output_len),
-        scheduling=scheduling, compare_hf=compare_hf, log=_log,
+        scheduling=scheduling, shared_prefix_len=shared_prefix_len, compare_prefix_caching=compare_prefix_caching,
+        compare_hf=compare_hf, log=_log,
     )  # fmt: skip
     click.echo(format_throughput(result))
     write_json(json_path, result)

@@ -99,3 +99,19 @@ def test_scheduling_option(tiny_dir):
     assert static.stdout == continuous.stdout and len(static.stdout.splitlines()) == 2
     r = run(*args, "--scheduling", "dynamic")
     assert r.exit_code == 2 and "'dynamic' is not one of 'continuous', 'static'" in r.output
+
+
+def test_prefix_caching_option_and_verbose_shared_pages(tiny_dir):
+    prompt = ",".join(str(t) for t in range(3, 43))  # 40 tokens: 2 full pages
+    args = ["--model", str(tiny_dir), "--prompt-ids", prompt, "--prompt-ids", prompt, "--max-tokens", "3", "--ignore-eos",
+            "--json", "--max-num-batched-tokens", "20", "-v"]  # fmt: skip
+    cached, uncached = run(*args), run(*args, "--no-enable-prefix-caching")
+    assert cached.exit_code == 0 and uncached.exit_code == 0, cached.output + uncached.output
+    on = [json.loads(line) for line in cached.stdout.splitlines()]
+    off = [json.loads(line) for line in uncached.stdout.splitlines()]
+    assert [o["token_ids"] for o in on] == [o["token_ids"] for o in off]
+    # The first prompt takes the 20-token budget for two steps; the second, admitted in the third,
+    # finds the first's 2 full pages, which both block tables then hold.
+    assert [o["num_cached_tokens"] for o in on] == [0, 32] and [o["num_cached_tokens"] for o in off] == [0, 0]
+    assert "prefill     8 tok  pos 32..39  pages 3 (2 shared)" in cached.stderr and "cached pages" in cached.stderr
+    assert "shared" not in uncached.stderr and "(32 cached)" in cached.stderr

@@ -1,6 +1,6 @@
 """`LLMEngine.stats()` on the numpy backend, step by step, against counts worked out by hand from the
-scheduling rules (PAGE_SIZE 16): admission under the token budget, chunked prefill, page growth and
-a preemption."""
+scheduling rules (PAGE_SIZE 16): admission under the token budget, chunked prefill, page growth,
+a preemption, and the prefix cache (the prompts below all start 3, 4, 5, ..., so they share pages)."""
 
 import dataclasses
 
@@ -38,9 +38,10 @@ def test_a_fresh_engine(engine_factory):
     s = engine_factory().stats(requests=True)
     assert s == EngineStats(
         num_running=0, num_waiting=0, num_free_slots=2, num_pages=5, num_pages_used=0, num_pages_free=5,
-        num_preemptions=0, num_steps=0, max_model_len=80, running=(), waiting=(),
+        num_preemptions=0, num_steps=0, max_model_len=80, prefix_caching=True, num_cached_pages=0,
+        num_prefix_cache_queries=0, num_prefix_cache_hits=0, running=(), waiting=(),
     )  # fmt: skip
-    assert s.kv_cache_usage == 0.0
+    assert s.kv_cache_usage == 0.0 and s.prefix_cache_hit_rate == 0.0
 
 
 def test_stats_step_by_step_through_chunked_prefill_and_a_preemption(engine_factory):
@@ -52,11 +53,13 @@ def test_stats_step_by_step_through_chunked_prefill_and_a_preemption(engine_fact
     assert s.running == () and s.waiting == (waiting("a", 17), waiting("b", 30), waiting("c", 3))
 
     # Step 1: a's 17-token prompt (2 pages) and 3 of b's 30 (1 page) fill the 20-token budget; no slot for c.
+    # Both were looked up (17 + 30 tokens), nothing was cached yet; then a's full first page is.
     engine.step()
     s = engine.stats(requests=True)
     assert s == EngineStats(
         num_running=2, num_waiting=1, num_free_slots=0, num_pages=5, num_pages_used=3, num_pages_free=2,
-        num_preemptions=0, num_steps=1, max_model_len=80,
+        num_preemptions=0, num_steps=1, max_model_len=80, prefix_caching=True, num_cached_pages=1,
+        num_prefix_cache_queries=47, num_prefix_cache_hits=0,
         running=(RequestStats("a", "decode", 0, 17, 1, 17, 2, 0), RequestStats("b", "prefill", 1, 30, 0, 3, 1, 0)),
         waiting=(waiting("c", 3),),
     )  # fmt: skip
@@ -72,15 +75,27 @@ def test_stats_step_by_step_through_chunked_prefill_and_a_preemption(engine_fact
     # Step n >= 3: a has 16 + n tokens computed, b 27 + n. b takes the last page at step 6 (33 tokens);
     # at step 17 a needs a third page, none is free, and b (the newest) is preempted: its 3 pages go
     # back, a takes one, b waits at the head of the queue with its 14 tokens (steps 3..16) kept.
+    # Cached pages: a's first (step 1) and second (32 tokens, step 16), and b's second (step 5); b's
+    # first page holds the same 16 tokens as a's, so it stayed an uncached copy.
     for _ in range(3, 17):
         engine.step()
     s = engine.stats(requests=True)
     assert s == EngineStats(
         num_running=1, num_waiting=2, num_free_slots=1, num_pages=5, num_pages_used=3, num_pages_free=2,
-        num_preemptions=1, num_steps=17, max_model_len=80,
+        num_preemptions=1, num_steps=17, max_model_len=80, prefix_caching=True, num_cached_pages=3,
+        num_prefix_cache_queries=47, num_prefix_cache_hits=0,
         running=(RequestStats("a", "decode", 0, 17, 17, 33, 3, 0),),
         waiting=(waiting("b", 30, output=14, preemptions=1), waiting("c", 3)),
     )  # fmt: skip
+
+    # Step 18: b comes back with 44 known tokens and finds 2 cached pages: a's first (now shared by
+    # both) and its own second, which a's new page did not evict (b's tail page was freed first).
+    engine.step()
+    s = engine.stats(requests=True)
+    assert (s.num_prefix_cache_queries, s.num_prefix_cache_hits) == (47 + 44, 32)
+    # So it prefilled only its last 12 tokens (on a third page), all in this step, and sampled.
+    assert s.running[1] == RequestStats("b", "decode", 1, 30, 15, 44, 3, 1)
+    assert s.num_pages_used == 5 and s.prefix_cache_hit_rate == pytest.approx(32 / 91)
 
     while engine.has_unfinished_requests():
         engine.step()

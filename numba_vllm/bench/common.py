@@ -100,6 +100,7 @@ class EngineOptions:
     num_pages: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # cuda: no CUDA graphs for decode steps (where the engine has them)
+    enable_prefix_caching: bool = True  # reuse cached prompt-prefix pages (where the engine has them)
 
     def engine_config(self, max_model_len: int, scheduling: str | None = None) -> EngineConfig:
         kwargs = dict(
@@ -122,6 +123,8 @@ class EngineOptions:
             kwargs["enforce_eager"] = self.enforce_eager
         elif self.enforce_eager:
             raise BenchError("--enforce-eager needs EngineConfig.enforce_eager, which this engine does not have")
+        if engine_config_has("enable_prefix_caching"):
+            kwargs["enable_prefix_caching"] = self.enable_prefix_caching
         return EngineConfig(**kwargs)
 
     def to_dict(self) -> dict:

@@ -1,5 +1,5 @@
 """How the engine runs a model: `EngineConfig` (backend, batch slots, token budget, KV-cache size,
-kernel choices), validated once. No GPU import."""
+prefix caching, kernel choices), validated once. No GPU import."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ class EngineConfig:
     scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
     prefill_gemm: str = "auto"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
     prefill_attention: str = "tensor_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
+    enable_prefix_caching: bool = True  # reuse the K/V pages of prompts' shared prefixes (engine/prefix_cache.py)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -47,5 +48,7 @@ class EngineConfig:
             raise ConfigError(f"max_model_len: {self.max_model_len!r} must be an integer >= 2")
         if self.num_pages is not None and (not isinstance(self.num_pages, int) or self.num_pages < 2):
             raise ConfigError(f"num_pages: {self.num_pages!r} must be an integer >= 2 (page 0 is reserved)")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching: {self.enable_prefix_caching!r} must be True or False")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"gpu_memory_utilization: {self.gpu_memory_utilization!r} must be in (0, 1]")

@@ -42,10 +42,11 @@ class LLMEngine:
         # Capacity (KV pages, max_model_len, step size) is decided once, as the runner is built.
         self.runner, self.capacity = create_runner(checkpoint, ec, self.backend)
         self.lengths = LengthPolicy(self.capacity.max_model_len, self.config.vocab_size)
-        allocator = PageAllocator(self.capacity.num_pages)
+        allocator = PageAllocator(self.capacity.num_pages, enable_caching=ec.enable_prefix_caching)
         self.scheduler = Scheduler(
-            ec.max_num_seqs, ec.max_num_batched_tokens, allocator, self.capacity.max_model_len, scheduling=ec.scheduling
-        )
+            ec.max_num_seqs, ec.max_num_batched_tokens, allocator, self.capacity.max_model_len, scheduling=ec.scheduling,
+            cache_key=prefix_cache_key(checkpoint),
+        )  # fmt: skip
         self._builders: dict[str, OutputBuilder] = {}
         self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
@@ -106,15 +107,16 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         self._last_plan = (self.num_steps, plan)
         if self.engine_config.verbose:
-            print(f"step {self.num_steps}:", *plan.describe(), sep="\n", file=sys.stderr)
+            print(f"step {self.num_steps}:", *plan.describe(self.scheduler.allocator), sep="\n", file=sys.stderr)
         sampled = self.runner.execute(plan) if not plan.is_empty else {}
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_request_ids)
         updated = []
         for request in self.scheduler.update(plan, sampled):
             builder = self._builders[request.request_id]
-            builder.add(request.output_token_ids[-1])
             output = builder.output
+            output.num_cached_tokens = request.num_cached_tokens
+            builder.add(request.output_token_ids[-1])
             if output.finished:
                 self.scheduler.finish(request, _STATUS_OF_REASON[output.finish_reason])
                 self.runner.release(request.request_id)
@@ -136,6 +138,12 @@ class LLMEngine:
         ``pages`` as well, each one's page ids. Call it on the thread that steps the engine; the
         snapshot itself may go to any thread."""
         return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests, pages)
+
+
+def prefix_cache_key(checkpoint: Checkpoint) -> bytes:
+    """What the K/V of a token prefix depends on besides the tokens: the model (its source and its
+    config). Folded into every prefix-cache page hash."""
+    return f"{checkpoint.source}\0{checkpoint.config!r}".encode()
 
 
 class LLM:

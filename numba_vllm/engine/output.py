@@ -29,6 +29,7 @@ class RequestOutput:
     text: str = ""
     finish_reason: str | None = None  # "stop" (stop token or string), "length", or "abort"
     prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set with the first token)
 
     @property
     def finished(self) -> bool:

@@ -9,7 +9,9 @@ Token bookkeeping, for a request with prompt ``p`` and generated tokens ``o``:
 - ``all_token_ids = p + o`` are the known tokens, ``num_tokens`` of them;
 - the first ``num_computed_tokens`` of them have their K/V in the cache (in the pages ``page_ids``);
 - while running, ``num_computed_tokens < num_tokens``: at least the last known token (the prompt's
-  last, or the last sampled one) still has to go through the model, and doing so samples the next.
+  last, or the last sampled one) still has to go through the model, and doing so samples the next;
+- with prefix caching, the first ``num_computed_tokens`` can come from pages another request
+  computed: ``page_hashes`` names its full pages, so admission can find them (`prefix_cache.py`).
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class Request:
     page_ids: list[int] = field(default_factory=list)  # block table: page ids in token order
     slot: int | None = None  # batch slot while RUNNING, else None
     num_preemptions: int = 0  # times this request lost its pages and had to recompute
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its first full pages (prefix_cache.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:

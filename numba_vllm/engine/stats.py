@@ -44,7 +44,9 @@ class RequestStats:
 @dataclass(frozen=True)
 class EngineStats:
     """A snapshot of the engine between two steps. Pages are usable ones (the null page is never
-    counted); `num_preemptions` and `num_steps` count over the engine's life."""
+    counted); `num_preemptions`, `num_steps` and the prefix-cache queries and hits count over the
+    engine's life. A page several requests share counts once in `num_pages_used`; a free page that
+    still holds a cached prefix counts in `num_pages_free` (allocating it evicts the prefix)."""
 
     num_running: int  # requests in batch slots
     num_waiting: int  # requests queued for a slot (new or preempted)
@@ -55,6 +57,10 @@ class EngineStats:
     num_preemptions: int  # requests that lost their pages and recomputed
     num_steps: int  # forward passes run (`LLMEngine.step` calls)
     max_model_len: int  # the longest a request may grow (prompt + output)
+    prefix_caching: bool  # whether requests reuse cached prefix pages (EngineConfig.enable_prefix_caching)
+    num_cached_pages: int  # pages holding a reusable prefix, held or free (0 without prefix caching)
+    num_prefix_cache_queries: int  # known tokens of admitted requests looked up in the prefix cache
+    num_prefix_cache_hits: int  # of those, tokens found cached (their K/V reused, not recomputed)
     running: tuple[RequestStats, ...] | None = None  # by slot; None unless asked for
     waiting: tuple[RequestStats, ...] | None = None  # in queue order (the next admitted first); None unless asked for
 
@@ -63,6 +69,11 @@ class EngineStats:
         """Fraction of the usable pages held by requests, 0..1."""
         return self.num_pages_used / self.num_pages
 
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        """Fraction of looked-up tokens found in the prefix cache, 0..1 (0 before any lookup)."""
+        return self.num_prefix_cache_hits / self.num_prefix_cache_queries if self.num_prefix_cache_queries else 0.0
+
 
 def collect_stats(
     scheduler: Scheduler, num_steps: int, num_preemptions: int, requests: bool = False, pages: bool = False
@@ -70,6 +81,7 @@ def collect_stats(
     """The scheduler's state as an `EngineStats`; per-request detail only if ``requests``, and each
     running request's page ids too if ``pages`` (a waiting request holds none: its tuple is empty)."""
     allocator = scheduler.allocator
+    cache = scheduler.prefix_cache
     running = waiting = None
     if requests:
         running = tuple(_request_stats(r, pages) for r in sorted(scheduler.running, key=lambda r: r.slot))
@@ -84,6 +96,10 @@ def collect_stats(
         num_preemptions=num_preemptions,
         num_steps=num_steps,
         max_model_len=scheduler.max_model_len,
+        prefix_caching=cache is not None,
+        num_cached_pages=allocator.num_cached_pages,
+        num_prefix_cache_queries=cache.num_queries if cache is not None else 0,
+        num_prefix_cache_hits=cache.num_hits if cache is not None else 0,
         running=running,
         waiting=waiting,
     )

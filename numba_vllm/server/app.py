@@ -268,7 +268,7 @@ async def _generate(
         submission.close()
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    texts, token_ids, reasons = result
+    texts, token_ids, reasons, cached_tokens = result
     choices = []
     for i in range(len(prompts)):
         if chat:
@@ -284,7 +284,7 @@ async def _generate(
             choice.update(prompt_token_ids=prompts[i], token_ids=token_ids[i])
         choices.append(choice)
     body = envelope(base_id, "chat.completion" if chat else "text_completion", model)
-    body.update(choices=choices, usage=usage(sum(map(len, prompts)), sum(map(len, token_ids))))
+    body.update(choices=choices, usage=usage(sum(map(len, prompts)), sum(map(len, token_ids)), cached_tokens))
     return JSONResponse(body)
 
 

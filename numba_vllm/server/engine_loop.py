@@ -55,6 +55,7 @@ class Delta:
     token_ids: list[int]
     finish_reason: str | None  # "stop", "length", "abort"; None while it runs
     error: APIError | None = None  # the engine failed: the request is over
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (known once a token is out)
 
     @property
     def final(self) -> bool:
@@ -218,7 +219,8 @@ class EngineLoop:
         if out.finished:
             m.finished.labels(out.finish_reason).inc()
             m.e2e.observe(now - live.arrival)
-        delta = Delta(live.sink.index, out.text[live.sent_text :], list(new_tokens), out.finish_reason)
+        delta = Delta(live.sink.index, out.text[live.sent_text :], list(new_tokens), out.finish_reason,
+                      num_cached_tokens=out.num_cached_tokens)  # fmt: skip
         live.sent_text, live.sent_tokens = len(out.text), len(out.token_ids)
         if out.finished:
             del self._live[request_id]

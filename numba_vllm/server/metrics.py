@@ -2,7 +2,8 @@
 
 Each server has its own `CollectorRegistry`, never the library's process-wide default, so two
 servers (or tests) in one process do not clash. Two kinds of series:
-- engine state (requests running and waiting, KV-cache pages, steps, preemptions): after every step
+- engine state (requests running and waiting, KV-cache pages, steps, preemptions, prefix-cache
+  queries and hits, in tokens as vLLM counts them): after every step
   the engine thread stores a fresh `EngineStats`, and `EngineStateCollector` turns the latest one
   into gauges and counters when `/metrics` is read. The snapshot is frozen and replaced whole, so
   the event loop reads one consistent state without a lock;
@@ -74,6 +75,7 @@ class EngineStateCollector:
             ("kv_cache_pages_free", "KV-cache pages free.", s.num_pages_free),
             ("kv_cache_pages_total", "Usable KV-cache pages (16 tokens each).", s.num_pages),
             ("kv_cache_usage_perc", "Fraction of KV-cache pages in use (0..1).", s.kv_cache_usage),
+            ("kv_cache_pages_cached", "KV-cache pages holding a reusable prefix (in use or free).", s.num_cached_pages),
         ]
         for name, help, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, help, value)
@@ -81,6 +83,14 @@ class EngineStateCollector:
             PREFIX + "num_preemptions", "Requests that lost their pages and were recomputed.", s.num_preemptions
         )
         yield CounterMetricFamily(PREFIX + "engine_steps", "Engine steps (forward passes).", s.num_steps)
+        yield CounterMetricFamily(
+            PREFIX + "prefix_cache_queries", "Prefix cache queries, in tokens (known tokens of admitted requests).",
+            s.num_prefix_cache_queries,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            PREFIX + "prefix_cache_hits", "Prefix cache hits, in tokens (their K/V reused, not recomputed).",
+            s.num_prefix_cache_hits,
+        )  # fmt: skip
 
 
 class ServerMetrics:

@@ -255,11 +255,14 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 # ---- response bodies ------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache (as
+    OpenAI and vLLM report them, in `prompt_tokens_details`)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -82,12 +82,13 @@ def _merge(batch: list[Delta]) -> list[Delta]:
     for d in batch:
         m = merged.get(d.index)
         if m is None:
-            merged[d.index] = Delta(d.index, d.text, list(d.token_ids), d.finish_reason, d.error)
+            merged[d.index] = Delta(d.index, d.text, list(d.token_ids), d.finish_reason, d.error, d.num_cached_tokens)
         else:
             m.text += d.text
             m.token_ids += d.token_ids
             m.finish_reason = d.finish_reason or m.finish_reason
             m.error = d.error or m.error
+            m.num_cached_tokens = max(m.num_cached_tokens, d.num_cached_tokens)
     return [merged[i] for i in sorted(merged)]
 
 
@@ -137,9 +138,10 @@ async def unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def collect(submission: Submission) -> tuple[list[str], list[list[int]], list[str | None]]:
+async def collect(submission: Submission) -> tuple[list[str], list[list[int]], list[str | None], int]:
+    """Every choice's text, token ids and finish reason, and the prompt tokens the prefix cache supplied."""
     n = len(submission.request_ids)
-    texts, token_ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+    texts, token_ids, reasons, cached = [""] * n, [[] for _ in range(n)], [None] * n, [0] * n
     async for batch in submission.batches():
         for d in batch:
             if d.error is not None:
@@ -147,12 +149,14 @@ async def collect(submission: Submission) -> tuple[list[str], list[list[int]], l
             texts[d.index] += d.text
             token_ids[d.index] += d.token_ids
             reasons[d.index] = d.finish_reason
-    return texts, token_ids, reasons
+            cached[d.index] = max(cached[d.index], d.num_cached_tokens)
+    return texts, token_ids, reasons, sum(cached)
 
 
 async def stream_completion(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool):
     created = int(time.time())
     completion_tokens = 0
+    cached = [0] * len(sub.prompts)
     started = set()
     async for batch in sub.batches():
         for d in _merge(batch):
@@ -161,6 +165,7 @@ async def stream_completion(sub: Submission, base_id: str, model: str, with_ids:
                 yield sse("[DONE]")
                 return
             completion_tokens += len(d.token_ids)
+            cached[d.index] = max(cached[d.index], d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             choice = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
@@ -174,7 +179,7 @@ async def stream_completion(sub: Submission, base_id: str, model: str, with_ids:
             yield sse(chunk)
     if include_usage:
         chunk = envelope(base_id, "text_completion", model, created)
-        chunk.update(choices=[], usage=usage(sum(map(len, sub.prompts)), completion_tokens))
+        chunk.update(choices=[], usage=usage(sum(map(len, sub.prompts)), completion_tokens, sum(cached)))
         yield sse(chunk)
     yield sse("[DONE]")
 
@@ -190,6 +195,7 @@ async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool,
     first = {"prompt_token_ids": sub.prompts[0]} if with_ids else {}
     yield chunk({"role": "assistant", "content": ""}, **first)
     completion_tokens = 0
+    cached = 0
     async for batch in sub.batches():
         for d in _merge(batch):
             if d.error is not None:
@@ -197,12 +203,13 @@ async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool,
                 yield sse("[DONE]")
                 return
             completion_tokens += len(d.token_ids)
+            cached = max(cached, d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             extra = {"token_ids": d.token_ids} if with_ids else {}
             yield chunk({"content": d.text} if d.text or not d.finish_reason else {}, d.finish_reason, **extra)
     if include_usage:
         c = envelope(base_id, "chat.completion.chunk", model, created)
-        c.update(choices=[], usage=usage(len(sub.prompts[0]), completion_tokens))
+        c.update(choices=[], usage=usage(len(sub.prompts[0]), completion_tokens, cached))
         yield sse(c)
     yield sse("[DONE]")
