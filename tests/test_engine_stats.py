@@ -154,9 +154,10 @@ def test_last_step_is_what_the_step_ran(engine_factory):
         preempted_request_ids=(), num_free_pages=1, num_waiting=1,
     )  # fmt: skip
 
-    # Step 16 (the 17th): a needs a third page; b (pages 3-5) is preempted, and the freed stack hands a page 3.
+    # Step 16 (the 17th): a needs a third page; b (pages 3-5) is preempted. Its pages join the prefix
+    # cache's LRU queue last page first, so a gets page 5 (b's first pages stay findable longest).
     for _ in range(2, 17):
         engine.step()
     last = engine.last_step()
     assert last.step == 16 and last.preempted_request_ids == ("b",) and last.num_waiting == 2
-    assert last.sequences == (ScheduledStats("a", 0, "decode", 32, 1, True, (1, 2, 3)),)
+    assert last.sequences == (ScheduledStats("a", 0, "decode", 32, 1, True, (1, 2, 5)),)
