@@ -270,6 +270,15 @@ class Scheduler:
                 sampled_requests.append(request)
         return sampled_requests
 
+    def discard(self, plan: StepPlan) -> None:
+        """Forget ``plan``: its step did not run (the runner raised). Nothing advanced, so every
+        request stays as `schedule` left it, still consistent: a request keeps the pages allocated
+        for the step (within its known tokens) and computes the same tokens when next scheduled.
+        Preempted requests stay preempted. The engine then finishes the requests it gives up on."""
+        if plan is not self._plan_in_flight:
+            raise ValueError("discard() needs the plan returned by the last schedule()")
+        self._plan_in_flight = None
+
     # ---- helpers -------------------------------------------------------------------------------
     def _form_batch(self) -> None:
         """Static scheduling, with nothing running (so every page is free): admit the head of the

@@ -56,6 +56,7 @@ class EngineStats:
     max_model_len: int  # the longest a request may grow (prompt + output)
     running: tuple[RequestStats, ...] | None = None  # by slot; None unless asked for
     waiting: tuple[RequestStats, ...] | None = None  # in queue order (the next admitted first); None unless asked for
+    num_failed_steps: int = 0  # steps whose runner raised (their requests finished with "error")
 
     @property
     def kv_cache_usage(self) -> float:
@@ -63,7 +64,9 @@ class EngineStats:
         return self.num_pages_used / self.num_pages
 
 
-def collect_stats(scheduler: Scheduler, num_steps: int, num_preemptions: int, requests: bool = False) -> EngineStats:
+def collect_stats(
+    scheduler: Scheduler, num_steps: int, num_preemptions: int, requests: bool = False, num_failed_steps: int = 0
+) -> EngineStats:
     """The scheduler's state as an `EngineStats`; per-request detail only if ``requests``."""
     allocator = scheduler.allocator
     running = waiting = None
@@ -82,6 +85,7 @@ def collect_stats(scheduler: Scheduler, num_steps: int, num_preemptions: int, re
         max_model_len=scheduler.max_model_len,
         running=running,
         waiting=waiting,
+        num_failed_steps=num_failed_steps,
     )
 
 
