@@ -87,6 +87,25 @@ def test_abort_frees_pages(tiny_dir):
     assert not engine.has_unfinished_requests()
 
 
+# ---- head-of-line blocking on the CPU backends -------------------------------------------------
+
+
+def test_a_short_request_interleaves_with_a_long_prefill_on_numpy(tmp_path):
+    cfg = tiny_config_dict(max_position_embeddings=4096)
+    engine = LLMEngine(
+        load_checkpoint(write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))),
+        EngineConfig(backend="numpy"),  # the defaults: the CPU backends' small step budget
+    )
+    long = engine.add_request("long", [3] * 3000, GREEDY)
+    engine.step()
+    short = engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1))
+    while not short.finished:
+        engine.step()
+    (running,) = engine.stats(requests=True).running
+    assert running.request_id == "long" and not long.token_ids
+    assert running.num_computed_tokens <= 2 * 128  # the short one waited for one 128-token chunk, not for 3000 tokens
+
+
 # ---- a step that fails -------------------------------------------------------------------------
 
 

@@ -48,9 +48,11 @@ class LLMEngine:
         self.runner, self.capacity = create_runner(checkpoint, ec, self.backend)
         self.lengths = LengthPolicy(self.capacity.max_model_len, self.config.vocab_size)
         allocator = PageAllocator(self.capacity.num_pages)
+        cap = self.capacity
         self.scheduler = Scheduler(
-            ec.max_num_seqs, ec.max_num_batched_tokens, allocator, self.capacity.max_model_len, scheduling=ec.scheduling
-        )
+            ec.max_num_seqs, cap.max_num_batched_tokens, allocator, cap.max_model_len, scheduling=ec.scheduling,
+            long_prefill_token_threshold=cap.long_prefill_token_threshold,
+        )  # fmt: skip
         self._builders: dict[str, OutputBuilder] = {}
         self._arrivals = itertools.count()
         self.num_steps = 0

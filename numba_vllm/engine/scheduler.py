@@ -2,7 +2,9 @@
 
 State: ``max_num_seqs`` batch slots, the ``running`` requests (in admission order) each holding a
 slot and pages, and a FIFO ``waiting`` queue. Policy, each step, under one token budget
-(``max_num_batched_tokens``) shared by prefill and decode, as in vLLM v1:
+(``max_num_batched_tokens``) shared by prefill and decode, as in vLLM v1, of which one request's
+prompt chunk takes at most ``long_prefill_token_threshold`` tokens (vLLM's name; by default the
+whole budget, less on the CPU backends, so that requests arriving during a long prefill join it):
 
 1. Running requests first, oldest admitted first: each gets its next tokens, one for decode or
    the next chunk of a prompt still being prefilled. Serving them first means admitting a new
@@ -117,6 +119,7 @@ class Scheduler:
         allocator: PageAllocator,
         max_model_len: int,
         scheduling: str = "continuous",
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len}
         for name, value in limits.items():
@@ -127,6 +130,8 @@ class Scheduler:
         self.scheduling = scheduling  # "continuous" or "static" (see the module docstring)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget of one step
+        # the largest prompt chunk of one request in a step (None: the whole budget)
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         if max_model_len > allocator.num_usable_pages * PAGE_SIZE:
             raise ValueError(
                 f"max_model_len={max_model_len} does not fit the {allocator.num_usable_pages} pages of the cache: a request "
@@ -202,7 +207,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = min(num_left, token_budget, self.long_prefill_token_threshold)
             num_new_pages = pages_for_tokens(request.num_computed_tokens + num_new_tokens) - len(request.page_ids)
             while not self.allocator.can_allocate(num_new_pages) and request.status is RequestStatus.RUNNING:
                 victim = self.running[-1]  # the newest; possibly the request itself
@@ -218,7 +224,7 @@ class Scheduler:
         #    Static scheduling admits only whole batches, above.
         while not static and not preempted and self.waiting and self._free_slots and token_budget > 0:
             request = self.waiting[0]
-            num_new_tokens = min(request.num_tokens, token_budget)  # a waiting request has nothing computed
+            num_new_tokens = min(request.num_tokens, token_budget, self.long_prefill_token_threshold)  # nothing computed yet
             if not self.allocator.can_allocate(pages_for_tokens(num_new_tokens)):
                 break  # strict FIFO: later requests do not overtake the head
             self.waiting.popleft()
