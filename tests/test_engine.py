@@ -106,6 +106,29 @@ def test_a_short_request_interleaves_with_a_long_prefill_on_numpy(tmp_path):
     assert running.num_computed_tokens <= 2 * 128  # the short one waited for one 128-token chunk, not for 3000 tokens
 
 
+def test_numpy_steps_run_on_one_blas_thread_and_leave_the_setting_alone(tiny_dir):
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    engine = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy"))
+    seen = []
+    forward = engine.runner.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(blas_threads())
+        return forward(*args, **kwargs)
+
+    engine.runner.model.forward = spy
+    with threadpool_limits(limits=2, user_api="blas"):  # the process's own setting, whatever it is
+        engine.add_request("a", [1, 2, 3], GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert blas_threads() == {2}
+    assert seen and all(s == {1} for s in seen)
+
+
 # ---- a step that fails -------------------------------------------------------------------------
 
 
