@@ -71,6 +71,8 @@ def document_errors(app: FastAPI) -> None:
         ):
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(body.pop("$defs", {}))
+            names = app.state.numba_vllm.model_names  # `model` is one of the served names (404 otherwise)
+            body["properties"]["model"] = {"anyOf": [{"enum": names}, {"type": "null"}], "default": None}
             components[model.__name__] = body
             answer = {
                 "type": "object",
