@@ -18,7 +18,9 @@ NCU_FILTER ?= --launch-count 12
 # runs at, as the benchmarks do. NCU_CLOCKS=--clock-control base for steadier comparisons.
 NCU_CLOCKS ?= --clock-control none
 
-.PHONY: help setup run test test-gpu profile profile-nsys profile-ncu lint clean
+FUZZ_EXAMPLES ?= 500
+
+.PHONY: help setup run test test-gpu fuzz profile profile-nsys profile-ncu lint clean
 .PHONY: browser-deps test-browser
 
 help:  ## list the targets
@@ -53,6 +55,9 @@ test-browser: setup browser-deps  ## the dashboard in headless Chromium (part of
 
 test-gpu:  ## the GPU-marked tests on a real NVIDIA GPU
 	NUMBA_VLLM_TEST_GPU=1 $(GPU_PY) -m pytest -q -m gpu
+
+fuzz: setup  ## fuzz the server against its OpenAPI schema (schemathesis; FUZZ_EXAMPLES cases per operation and mode)
+	NUMBA_VLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VPY) -m pytest -q -s tests/test_fuzz.py
 
 profile: profile-nsys profile-ncu  ## nsys + ncu on a short decode (cuda, random Llama 3.2 1B, line info) into profiles/
 	@echo "reports: $(PROFILE_DIR)/decode.nsys-rep (open in nsys-ui), $(PROFILE_DIR)/decode.ncu-rep (ncu-ui); docs/profiling.md"

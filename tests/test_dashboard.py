@@ -38,7 +38,8 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture
 def server(tiny_dir):
     llm = LLM(  # caching off: the page accounting below assumes no page is shared
-        str(tiny_dir), backend="numpy", max_num_seqs=NUM_SLOTS, num_pages=NUM_PAGES, max_model_len=512, enable_prefix_caching=False
+        str(tiny_dir), backend="numpy", max_num_seqs=NUM_SLOTS, num_pages=NUM_PAGES, max_model_len=512,
+        enable_prefix_caching=False,
     )
     s = DashboardServer(llm.engine, KEY)
     yield s

@@ -24,7 +24,6 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
@@ -33,7 +32,7 @@ from numba_vllm.cli import main  # noqa: E402
 from numba_vllm.engine.stats import EngineStats  # noqa: E402
 from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path  # noqa: E402
 from numba_vllm.model.config import ModelConfig  # noqa: E402
-from numba_vllm.server import Server, create_app  # noqa: E402
+from numba_vllm.server import Server, create_app, server_config  # noqa: E402
 from numba_vllm.server.metrics import ServerMetrics, parse_metrics  # noqa: E402
 
 TINY_NAME = "tiny"
@@ -44,10 +43,10 @@ M = "numba_vllm:"
 class ServerThread:
     """uvicorn + the app in a thread of this process, on an OS-chosen loopback port."""
 
-    def __init__(self, engine, names, **app_args):
-        config = uvicorn.Config(create_app(engine, names, **app_args), host="127.0.0.1", port=0, log_level="warning")
+    def __init__(self, engine, names, sock=None, **app_args):
+        config = server_config(create_app(engine, names, **app_args), "127.0.0.1", 0, log_level="warning")
         self.server = Server(config, shutdown_timeout=5)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock] if sock else None}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -142,6 +141,7 @@ def test_metrics_text_from_engine_stats_and_events_in_a_registry_per_server():
         "kv_cache_pages_cached": 6, "prefix_cache_queries_total": 500, "prefix_cache_hits_total": 320,
         "prompt_tokens_total": 7, "generation_tokens_total": 0, 'request_success_total{finished_reason="stop"}': 0,
         'request_success_total{finished_reason="length"}': 1, 'request_success_total{finished_reason="abort"}': 0,
+        'request_success_total{finished_reason="error"}': 0, "engine_failed_steps_total": 0,
     }  # fmt: skip
     ttft = M + "time_to_first_token_seconds"
     assert [m[f'{ttft}_bucket{{le="{le}"}}'] for le in ("0.001", "0.005", "0.04", "2.5", "5.0", "+Inf")] == [0, 1, 2, 2, 3, 3]
@@ -320,7 +320,7 @@ def test_bad_input_gets_a_4xx_and_does_not_disturb_a_running_request(tiny, ref):
             for _ in range(40):
                 yield b" " * 65536
 
-        r = http.post("/v1/completions", content=chunked())
+        r = http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     client = tiny.client()
     with pytest.raises(openai.NotFoundError) as e:

@@ -21,7 +21,8 @@ class EngineConfig:
 
     backend: str = "auto"  # cuda (kernels on the GPU), sim (the kernels in the simulator), numpy, auto
     max_num_seqs: int = 64  # batch slots: requests running at once
-    max_num_batched_tokens: int = 2048  # tokens per step (prefill chunks + decodes)
+    max_num_batched_tokens: int | None = None  # tokens per step (prefill chunks + decodes); None: the backend's default
+    long_prefill_token_threshold: int | None = None  # most prompt tokens one request prefills per step; None: the backend's
     max_model_len: int | None = None  # prompt + output cap; None: the model's, capped by the cache
     num_pages: int | None = None  # KV-cache pages (PAGE_SIZE tokens each, page 0 reserved); None: sized
     gpu_memory_utilization: float = 0.9  # fraction of free GPU memory the KV cache may take (cuda)
@@ -40,8 +41,10 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold"):
             value = getattr(self, name)
+            if value is None and name != "max_num_seqs":
+                continue  # decided per backend (executor/capacity.py)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}: {value!r} must be a positive integer")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):

@@ -29,6 +29,11 @@ WARM_UP_GRAPH_TOKENS = 4096  # `warm_up` records decode graphs for sequences up 
 _STATUS_OF_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
 
 
+class StepFailedError(RuntimeError):
+    """`LLM.generate` / `LLM.chat`: a step failed, and with it a request of the call (the engine
+    itself stays usable; `LLMEngine.step` explains)."""
+
+
 class LLMEngine:
     """Continuous (or, for comparison, static) batching over batch slots and a waiting queue, with
     one of three runners."""
@@ -43,15 +48,18 @@ class LLMEngine:
         self.runner, self.capacity = create_runner(checkpoint, ec, self.backend)
         self.lengths = LengthPolicy(self.capacity.max_model_len, self.config.vocab_size)
         allocator = PageAllocator(self.capacity.num_pages, enable_caching=ec.enable_prefix_caching)
+        cap = self.capacity
         self.scheduler = Scheduler(
-            ec.max_num_seqs, ec.max_num_batched_tokens, allocator, self.capacity.max_model_len, scheduling=ec.scheduling,
-            cache_key=prefix_cache_key(checkpoint),
+            ec.max_num_seqs, cap.max_num_batched_tokens, allocator, cap.max_model_len, scheduling=ec.scheduling,
+            long_prefill_token_threshold=cap.long_prefill_token_threshold, cache_key=prefix_cache_key(checkpoint),
         )  # fmt: skip
         self._builders: dict[str, OutputBuilder] = {}
         self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0  # requests that lost their pages and recomputed, over the engine's life
+        self.num_failed_steps = 0  # steps whose runner raised (their requests failed), over the engine's life
+        self.last_step_error: Exception | None = None  # what the last failed step raised
 
     @property
     def max_model_len(self) -> int:
@@ -103,12 +111,30 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one forward pass over the scheduled batch; return the outputs that got a token."""
+        """Run one forward pass over the scheduled batch; return the outputs that got a token, and
+        those that failed.
+
+        A step whose runner raises fails the requests it scheduled, and only those: each ends with
+        finish_reason "error" and `RequestOutput.error` saying why (the exception is kept in
+        `last_step_error`), its pages and slot freed; requests that were waiting or preempted are
+        untouched, and the scheduler is ready for the next step. Retrying the same batch could fail
+        the same way forever, so the engine gives those requests up. A KeyboardInterrupt during the
+        forward pass fails nobody: the step is dropped as if it never ran, and the interrupt goes on.
+        """
         plan = self.scheduler.schedule()
         self._last_plan = (self.num_steps, plan)
         if self.engine_config.verbose:
             print(f"step {self.num_steps}:", *plan.describe(self.scheduler.allocator), sep="\n", file=sys.stderr)
-        sampled = self.runner.execute(plan) if not plan.is_empty else {}
+        try:
+            sampled = self.runner.execute(plan) if not plan.is_empty else {}
+        except BaseException as e:
+            self.scheduler.discard(plan)
+            if not isinstance(e, Exception):
+                raise
+            self.num_failed_steps += 1
+            self.last_step_error = e
+            message = f"the engine step failed: {type(e).__name__}: {e}"
+            return [self._fail(seq.request, message) for seq in plan.sequences]
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_request_ids)
         updated = []
@@ -124,6 +150,14 @@ class LLMEngine:
             updated.append(output)
         return updated
 
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """End a request whose step failed (FINISHED_ERROR): pages and slot freed, output marked."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self.runner.release(request.request_id)
+        builder = self._builders.pop(request.request_id)
+        builder.fail(message)
+        return builder.output
+
     # ---- state ---------------------------------------------------------------------------------
     def last_step(self) -> StepStats | None:
         """What the last step ran (each slot's request, prefill or decode, tokens, pages; who was
@@ -137,7 +171,7 @@ class LLMEngine:
         banners, benchmarks); with ``requests``, also each running and waiting request, and with
         ``pages`` as well, each one's page ids. Call it on the thread that steps the engine; the
         snapshot itself may go to any thread."""
-        return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests, pages)
+        return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests, pages, self.num_failed_steps)
 
 
 def prefix_cache_key(checkpoint: Checkpoint) -> bytes:
@@ -200,7 +234,10 @@ class LLM:
         input_tokens = output_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
-                updated = self.engine.step()  # each got exactly one new token
+                updated = self.engine.step()  # each got exactly one new token, or failed
+                failed = next((o for o in updated if o.finish_reason == "error"), None)
+                if failed is not None:
+                    raise StepFailedError(f"request {failed.request_id}: {failed.error}") from self.engine.last_step_error
                 if bar is not None:
                     input_tokens += sum(len(o.prompt_token_ids) for o in updated if len(o.token_ids) == 1)
                     output_tokens += len(updated)

@@ -31,6 +31,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # hit an EOS id, a stop token or a stop string
     FINISHED_LENGTH = "finished_length"  # hit max_tokens or the model length
     FINISHED_ABORTED = "finished_aborted"  # aborted by the caller
+    FINISHED_ERROR = "finished_error"  # its step failed (the runner raised); the engine went on without it
 
     @property
     def is_finished(self) -> bool:
@@ -38,7 +39,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style reason ("stop", "length", "abort"), or None while not finished."""
+        """The OpenAI-style reason ("stop", "length", "abort"; "error" for a failed step), or None while not finished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -46,6 +47,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -119,5 +121,5 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style reason: "stop", "length" or "abort" once finished; None before."""
+        """The OpenAI-style reason: "stop", "length", "abort" or "error" once finished; None before."""
         return self.status.finish_reason

@@ -2,7 +2,9 @@
 
 State: ``max_num_seqs`` batch slots, the ``running`` requests (in admission order) each holding a
 slot and pages, and a FIFO ``waiting`` queue. Policy, each step, under one token budget
-(``max_num_batched_tokens``) shared by prefill and decode, as in vLLM v1:
+(``max_num_batched_tokens``) shared by prefill and decode, as in vLLM v1, of which one request's
+prompt chunk takes at most ``long_prefill_token_threshold`` tokens (vLLM's name; by default the
+whole budget, less on the CPU backends, so that requests arriving during a long prefill join it):
 
 1. Running requests first, oldest admitted first: each gets its next tokens, one for decode or
    the next chunk of a prompt still being prefilled. Serving them first means admitting a new
@@ -134,6 +136,7 @@ class Scheduler:
         max_model_len: int,
         scheduling: str = "continuous",
         cache_key: bytes = b"",
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
         """With an allocator built with ``enable_caching``, prefix caching is on; ``cache_key`` names
         what else the K/V depends on (the model), folded into every page hash."""
@@ -146,6 +149,8 @@ class Scheduler:
         self.scheduling = scheduling  # "continuous" or "static" (see the module docstring)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget of one step
+        # the largest prompt chunk of one request in a step (None: the whole budget)
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         if max_model_len > allocator.num_usable_pages * PAGE_SIZE:
             raise ValueError(
                 f"max_model_len={max_model_len} does not fit the {allocator.num_usable_pages} pages of the cache: a request "
@@ -222,7 +227,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = min(num_left, token_budget, self.long_prefill_token_threshold)
             num_new_pages = pages_for_tokens(request.num_computed_tokens + num_new_tokens) - len(request.page_ids)
             while not self.allocator.can_allocate(num_new_pages) and request.status is RequestStatus.RUNNING:
                 victim = self.running[-1]  # the newest; possibly the request itself
@@ -240,7 +246,7 @@ class Scheduler:
             request = self.waiting[0]
             cached_page_ids = self._find_cached(request)
             num_cached_tokens = len(cached_page_ids) * PAGE_SIZE
-            num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget)
+            num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget, self.long_prefill_token_threshold)
             num_new_pages = pages_for_tokens(num_cached_tokens + num_new_tokens) - len(cached_page_ids)
             # Cached pages that are free leave the free pages when shared: they count against them too.
             if not self.allocator.can_allocate(num_new_pages + self.allocator.num_free_among(cached_page_ids)):
@@ -295,6 +301,15 @@ class Scheduler:
                 request.output_token_ids.append(int(sampled_token_ids[request.request_id]))
                 sampled_requests.append(request)
         return sampled_requests
+
+    def discard(self, plan: StepPlan) -> None:
+        """Forget ``plan``: its step did not run (the runner raised). Nothing advanced, so every
+        request stays as `schedule` left it, still consistent: a request keeps the pages allocated
+        for the step (within its known tokens) and computes the same tokens when next scheduled.
+        Preempted requests stay preempted. The engine then finishes the requests it gives up on."""
+        if plan is not self._plan_in_flight:
+            raise ValueError("discard() needs the plan returned by the last schedule()")
+        self._plan_in_flight = None
 
     # ---- helpers -------------------------------------------------------------------------------
     def _form_batch(self) -> None:

@@ -63,6 +63,7 @@ class EngineStats:
     num_prefix_cache_hits: int  # of those, tokens found cached (their K/V reused, not recomputed)
     running: tuple[RequestStats, ...] | None = None  # by slot; None unless asked for
     waiting: tuple[RequestStats, ...] | None = None  # in queue order (the next admitted first); None unless asked for
+    num_failed_steps: int = 0  # steps whose runner raised (their requests finished with "error")
 
     @property
     def kv_cache_usage(self) -> float:
@@ -76,7 +77,8 @@ class EngineStats:
 
 
 def collect_stats(
-    scheduler: Scheduler, num_steps: int, num_preemptions: int, requests: bool = False, pages: bool = False
+    scheduler: Scheduler, num_steps: int, num_preemptions: int, requests: bool = False, pages: bool = False,
+    num_failed_steps: int = 0,
 ) -> EngineStats:
     """The scheduler's state as an `EngineStats`; per-request detail only if ``requests``, and each
     running request's page ids too if ``pages`` (a waiting request holds none: its tuple is empty)."""
@@ -102,6 +104,7 @@ def collect_stats(
         num_prefix_cache_hits=cache.num_hits if cache is not None else 0,
         running=running,
         waiting=waiting,
+        num_failed_steps=num_failed_steps,
     )
 
 

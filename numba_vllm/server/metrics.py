@@ -39,7 +39,7 @@ CONTENT_TYPE = CONTENT_TYPE_PLAIN_0_0_4  # "text/plain; version=0.0.4; charset=u
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
-FINISH_REASONS = ("stop", "length", "abort")
+FINISH_REASONS = ("stop", "length", "abort", "error")  # error: the engine failed the request (a 500)
 
 # numba_vllm: series -> the vllm: names it is also published under. vLLM calls the time between
 # consecutive tokens both `time_per_output_token_seconds` (older) and `inter_token_latency_seconds`.
@@ -91,6 +91,9 @@ class EngineStateCollector:
             PREFIX + "prefix_cache_hits", "Prefix cache hits, in tokens (their K/V reused, not recomputed).",
             s.num_prefix_cache_hits,
         )  # fmt: skip
+        yield CounterMetricFamily(
+            PREFIX + "engine_failed_steps", "Engine steps that failed (their requests got a 500).", s.num_failed_steps
+        )
 
 
 class ServerMetrics:
