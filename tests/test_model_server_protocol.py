@@ -20,7 +20,8 @@ MODEL = "org/model-1B"
 def _stats(**kw) -> EngineStats:
     values = dict(
         num_running=3, num_waiting=2, num_free_slots=5, num_pages=40, num_pages_used=10, num_pages_free=30,
-        num_preemptions=4, num_steps=99, max_model_len=640,
+        num_preemptions=4, num_steps=99, max_model_len=640, prefix_caching=True, num_cached_pages=12,
+        num_prefix_cache_queries=300, num_prefix_cache_hits=96,
     )  # fmt: skip
     values.update(kw)
     return EngineStats(**values)

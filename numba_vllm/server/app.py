@@ -194,7 +194,7 @@ def create_app(
 
     @app.post("/tokenize")
     async def tokenize_prompt(request: Request) -> dict:  # vLLM's; prefix-aware routers call it
-        return await tokenize(engine, await _read_body(request, state.max_request_bytes), state.resolve_model)
+        return await tokenize(engine, await _read_body(request, state.limits), state.resolve_model)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

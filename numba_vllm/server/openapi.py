@@ -14,6 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from numba_vllm.server.protocol import ChatCompletionRequest, CompletionRequest
+from numba_vllm.server.tokenize import TokenizeRequest
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -46,6 +47,7 @@ ERRORS = {
 }
 GENERATION_ERRORS = ("400", "401", "404", "405", "408", "413", "415", "500", "503")
 READ_ERRORS = ("400", "401", "404", "405")
+TOKENIZE_ERRORS = ("400", "404", "405", "408", "413")  # not under /v1: no API key, any content type
 
 _STREAM = {"text/event-stream": {"schema": {"type": "string"}}}
 
@@ -89,6 +91,24 @@ def document_errors(app: FastAPI) -> None:
                         "content": {"application/json": {"schema": answer}, **_STREAM}},
                 **_errors(GENERATION_ERRORS),
             }  # fmt: skip
+        body = TokenizeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components["TokenizeRequest"] = body
+        tokens = {"type": "array", "items": {"type": "integer"}}
+        answer = {
+            "type": "object",
+            "required": ["count", "max_model_len", "tokens", "token_strs"],
+            "properties": {"count": {"type": "integer"}, "max_model_len": {"type": "integer"}, "tokens": tokens},
+        }
+        operation = paths["/tokenize"]["post"]
+        operation["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TokenizeRequest"}}},
+        }
+        operation["responses"] = {
+            "200": {"description": "The ids generation would run", "content": {"application/json": {"schema": answer}}},
+            **_errors(TOKENIZE_ERRORS),
+        }  # fmt: skip
         for path in ("/v1/models", "/v1/models/{model}"):
             paths[path]["get"]["responses"].update(_errors(READ_ERRORS))
             paths[path]["get"]["responses"].pop("422", None)  # FastAPI's validation error: answered as 400 here
