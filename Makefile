@@ -18,7 +18,10 @@ NCU_FILTER ?= --launch-count 12
 # runs at, as the benchmarks do. NCU_CLOCKS=--clock-control base for steadier comparisons.
 NCU_CLOCKS ?= --clock-control none
 
-.PHONY: help setup run test test-gpu profile profile-nsys profile-ncu lint clean
+FUZZ_EXAMPLES ?= 500
+
+.PHONY: help setup run test test-gpu fuzz profile profile-nsys profile-ncu lint clean
+.PHONY: browser-deps test-browser
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -38,8 +41,23 @@ run: setup  ## run the default model on a sample question (pass more with ARGS="
 test: setup  ## the CPU suite: kernels under the Numba CUDA simulator, engine on NumPy
 	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu"
 
+# The dashboard's browser test drives Debian's Chromium. `browser-deps` installs it where it is missing and
+# apt-get can (as root); elsewhere the test is skipped, with the reason.
+browser-deps:  ## Debian's chromium and chromium-driver for the browser test (apt-get, as root), unless present
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then chromium --version 2>/dev/null; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q \
+			chromium chromium-driver fonts-dejavu-core || echo "chromium did not install: the browser test will be skipped"; \
+	else echo "no chromium, and no root apt-get to install it: the browser test will be skipped"; fi
+
+test-browser: setup browser-deps  ## the dashboard in headless Chromium (part of `make test` too)
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m browser
+
 test-gpu:  ## the GPU-marked tests on a real NVIDIA GPU
 	NUMBA_VLLM_TEST_GPU=1 $(GPU_PY) -m pytest -q -m gpu
+
+fuzz: setup  ## fuzz the server against its OpenAPI schema (schemathesis; FUZZ_EXAMPLES cases per operation and mode)
+	NUMBA_VLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VPY) -m pytest -q -s tests/test_fuzz.py
 
 profile: profile-nsys profile-ncu  ## nsys + ncu on a short decode (cuda, random Llama 3.2 1B, line info) into profiles/
 	@echo "reports: $(PROFILE_DIR)/decode.nsys-rep (open in nsys-ui), $(PROFILE_DIR)/decode.ncu-rep (ncu-ui); docs/profiling.md"

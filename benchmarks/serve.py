@@ -13,12 +13,22 @@ at most C in flight, as traffic from many independent users does. `--goodput ttf
 counts the requests that met those service-level objectives (goodput: such requests, and their
 output tokens, per second).
 
+Shared prefixes (prefix caching): every prompt starts with the same --shared-prefix-len random tokens,
+then its own --prompt-len ones. With --start-server the server is started twice, as given and with
+--no-enable-prefix-caching, and the two runs are printed side by side with their ratios:
+
+    python benchmarks/serve.py -n 256 -c 256 --shared-prefix-len 1024 --prompt-len 64 --output-len 128 \
+        --vocab-size 10000 --start-server \
+        "--model tests/data/llama-3.2-1b-instruct --load-format dummy --backend cuda --max-num-seqs 256"
+
 Each request is a /v1/completions call with a random token-id prompt (or --text, or --chat with a text
 message), `stream: true`, `ignore_eos: true` (every request generates exactly --output-len tokens) and
 `return_token_ids: true` (so tokens are counted even when several arrive in one event). Measured at
 the client: time to first token (TTFT), time per output token after the first (TPOT, per request),
 inter-token latency (ITL, per event, divided among the tokens it carries), end-to-end latency, and
-throughput over the timed run. Warm-up requests run first (on a GPU the first step compiles kernels).
+throughput over the timed run; from the server's /metrics, its steps, preemptions and prefix-cache
+hit rate over the run. Warm-up requests run first (on a GPU the first step compiles kernels); they
+never carry the shared prefix, so the timed run's first requests compute it.
 Everything is bounded: --num-requests, --max-time for the whole run (outstanding requests are then
 cancelled, which aborts them on the server) and --request-timeout for each request.
 """
@@ -58,7 +68,8 @@ class Result:
         return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
-def make_body(args, seed: int, rng: np.random.Generator, model: str) -> dict:
+def make_body(args, seed: int, rng: np.random.Generator, model: str, prefix: list[int]) -> dict:
+    """One request; a token-id prompt is `prefix` followed by its own random ids."""
     body = {"model": model, "max_tokens": args.output_len, "temperature": args.temperature, "stream": True}
     body.update(ignore_eos=True, return_token_ids=True, seed=seed)
     if args.chat:
@@ -68,7 +79,7 @@ def make_body(args, seed: int, rng: np.random.Generator, model: str) -> dict:
     else:
         lo, hi = args.prompt_len
         n = int(rng.integers(lo, hi + 1))
-        body["prompt"] = rng.integers(args.min_token_id, args.vocab_size, n).tolist()
+        body["prompt"] = prefix + rng.integers(args.min_token_id, args.vocab_size, n).tolist()
     return body
 
 
@@ -129,10 +140,11 @@ async def run_load(args, base_url: str, model: str) -> tuple[list[Result], float
     rng = np.random.default_rng(args.seed)
     async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=None) as client:
         for i in range(args.warmup):
-            w = await one_request(client, path, make_body(args, 1_000_000 + i, rng, model), args.request_timeout)
+            w = await one_request(client, path, make_body(args, 1_000_000 + i, rng, model, []), args.request_timeout)
             if not w.ok:
                 raise SystemExit(f"warm-up request failed: {w.error}")
-        bodies = [make_body(args, i, rng, model) for i in range(args.num_requests)]
+        prefix = rng.integers(args.min_token_id, args.vocab_size, args.shared_prefix_len).tolist()
+        bodies = [make_body(args, i, rng, model, prefix) for i in range(args.num_requests)]
         results: list[Result | None] = [None] * len(bodies)
         started = 0
 
@@ -168,6 +180,10 @@ async def run_load(args, base_url: str, model: str) -> tuple[list[Result], float
     finished = [r for r in results if r is not None]
     cancelled = [Result(error=f"cancelled at --max-time {args.max_time:.0f} s") for _ in range(started - len(finished))]
     return finished + cancelled, wall, len(bodies) - started
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
 
 
 def pct(values: list[float], q: float) -> float:
@@ -273,6 +289,65 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def measure(args, server_args: str | None) -> dict:
+    """One timed run against args.base_url, or against `numba-vllm serve server_args` started for it."""
+    proc = None
+    base_url = args.base_url.rstrip("/")
+    if server_args is not None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        proc, base_url = start_server(server_args, port, args.server_start_timeout)
+    try:
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = args.model or httpx.get(base_url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+        before = metrics(base_url)
+        results, wall, not_run = asyncio.run(run_load(args, base_url, model))
+        after = metrics(base_url)
+    finally:
+        if proc is not None:
+            stop_server(proc)
+
+    summary = summarize(results, wall, not_run, args.slos)
+    summary["config"] = {k: v for k, v in vars(args).items() if k not in ("api_key", "slos")} | {"model": model}
+    if server_args is not None:
+        summary["config"]["start_server"] = server_args
+    for key in ("engine_steps_total", "num_preemptions_total", "prefix_cache_queries_total", "prefix_cache_hits_total"):
+        name = "numba_vllm:" + key
+        if name in before and name in after:
+            summary[key.removesuffix("_total")] = after[name] - before[name]
+    if summary.get("prefix_cache_queries"):
+        summary["prefix_cache_hit_rate"] = summary["prefix_cache_hits"] / summary["prefix_cache_queries"]
+    return summary
+
+
+def report(args, summary: dict, title: str | None = None) -> None:
+    if title:
+        print(f"== {title}")
+    shared = f"{args.shared_prefix_len} shared + " if args.shared_prefix_len else ""
+    arrivals = "closed loop" if args.request_rate == float("inf") else f"Poisson {args.request_rate:g}/s"
+    print(
+        f"{summary['requests_ok']} ok, {summary['requests_failed']} failed, {summary['requests_not_run']} not run "
+        f"in {summary['wall_s']:.1f} s (concurrency {args.concurrency}, prompt {shared}{args.prompt_len[0]}-"
+        f"{args.prompt_len[1]} tokens, output {args.output_len} tokens, arrivals {arrivals})"
+    )
+    print(f"throughput: {summary['output_tokens_per_s']:.1f} output tokens/s, {summary['requests_per_s']:.2f} requests/s")
+    print(f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for name in ("ttft", "tpot", "itl", "e2e"):
+        s = summary[f"{name}_ms"]
+        print(f"{name:<6}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}")
+    if "goodput" in summary:
+        g = summary["goodput"]
+        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo_ms"].items())
+        rates = f"{g['requests_per_s']:.2f} requests/s, {g['output_tokens_per_s']:.1f} output tokens/s"
+        print(f"goodput ({slo}): {g['requests']} requests, {rates}")
+    if "engine_steps" in summary:
+        hit_rate = f", prefix-cache hit rate {summary['prefix_cache_hit_rate']:.2f}" if "prefix_cache_hit_rate" in summary else ""
+        print(f"server: {summary['engine_steps']:.0f} steps, {summary.get('num_preemptions', 0):.0f} preemptions{hit_rate}")
+    for e in summary.get("first_errors", []):
+        print("error:", e, file=sys.stderr)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-url", default="http://127.0.0.1:8000")
@@ -281,6 +356,9 @@ def main() -> None:
     ap.add_argument("-n", "--num-requests", type=int, default=64)
     ap.add_argument("-c", "--concurrency", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, nargs="+", default=[128], help="L, or MIN MAX (uniform) token-id prompt lengths")
+    ap.add_argument("--shared-prefix-len", type=int, default=0,
+                    help="every token-id prompt starts with the same N tokens, before its own --prompt-len; with "
+                    "--start-server, run with prefix caching on and off side by side")  # fmt: skip
     ap.add_argument("--output-len", type=int, default=128, help="tokens generated per request (EOS ignored)")
     ap.add_argument("--vocab-size", type=int, default=128, help="random prompt ids are below this (the tiny test model has 128)")
     ap.add_argument("--min-token-id", type=int, default=3)
@@ -312,57 +390,37 @@ def main() -> None:
     if not args.request_rate > 0:
         ap.error("--request-rate must be > 0")
     try:
-        slos = parse_slos(args.goodput)
+        args.slos = parse_slos(args.goodput)
     except ValueError as e:
         ap.error(str(e))
+    if args.shared_prefix_len < 0 or (args.shared_prefix_len and (args.text or args.chat)):
+        ap.error("--shared-prefix-len takes N >= 0, for token-id prompts (not --text or --chat)")
 
-    proc = None
-    base_url = args.base_url.rstrip("/")
-    if args.start_server is not None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        proc, base_url = start_server(args.start_server, port, args.server_start_timeout)
-    try:
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model = args.model or httpx.get(base_url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
-        before = metrics(base_url)
-        results, wall, not_run = asyncio.run(run_load(args, base_url, model))
-        after = metrics(base_url)
-    finally:
-        if proc is not None:
-            stop_server(proc)
-
-    summary = summarize(results, wall, not_run, slos)
-    summary["config"] = {k: v for k, v in vars(args).items() if k not in ("api_key",)} | {"model": model}
-    for key in ("engine_steps_total", "num_preemptions_total"):
-        name = "numba_vllm:" + key
-        if name in before and name in after:
-            summary[key.removesuffix("_total")] = after[name] - before[name]
-    arrivals = "closed loop" if args.request_rate == float("inf") else f"Poisson {args.request_rate:g}/s"
-    print(
-        f"{summary['requests_ok']} ok, {summary['requests_failed']} failed, {summary['requests_not_run']} not run "
-        f"in {wall:.1f} s (concurrency {args.concurrency}, prompt {args.prompt_len[0]}-{args.prompt_len[1]} tokens, "
-        f"output {args.output_len} tokens, arrivals {arrivals})"
-    )
-    print(f"throughput: {summary['output_tokens_per_s']:.1f} output tokens/s, {summary['requests_per_s']:.2f} requests/s")
-    print(f"{'ms':<6}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
-    for name in ("ttft", "tpot", "itl", "e2e"):
-        s = summary[f"{name}_ms"]
-        print(f"{name:<6}{s['mean']:>10.1f}{s['p50']:>10.1f}{s['p90']:>10.1f}{s['p99']:>10.1f}")
-    if "goodput" in summary:
-        g = summary["goodput"]
-        slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo_ms"].items())
-        rates = f"{g['requests_per_s']:.2f} requests/s, {g['output_tokens_per_s']:.1f} output tokens/s"
-        print(f"goodput ({slo}): {g['requests']} requests, {rates}")
-    if "engine_steps" in summary:
-        print(f"server: {summary['engine_steps']:.0f} steps, {summary.get('num_preemptions', 0):.0f} preemptions")
-    for e in summary.get("first_errors", []):
-        print("error:", e, file=sys.stderr)
+    compare = args.shared_prefix_len > 0 and args.start_server is not None
+    if not compare:
+        summary = measure(args, args.start_server)
+        report(args, summary)
+        ok = summary["requests_failed"] == 0 and summary["requests_not_run"] == 0
+    else:
+        runs = {
+            "caching on": measure(args, args.start_server),
+            "caching off": measure(args, args.start_server + " --no-enable-prefix-caching"),
+        }
+        for title, run in runs.items():
+            report(args, run, f"prefix {title}")
+        on, off = runs["caching on"], runs["caching off"]
+        r = {
+            "output_tokens_per_s": ratio(on["output_tokens_per_s"], off["output_tokens_per_s"]),
+            "ttft_p50_lower": ratio(off["ttft_ms"]["p50"], on["ttft_ms"]["p50"]),
+        }
+        summary = {**runs, "caching_on_vs_off": r}
+        print(f"== prefix caching on / off: output tokens/s {r['output_tokens_per_s']:.2f}x, "
+              f"TTFT p50 {r['ttft_p50_lower']:.2f}x lower")  # fmt: skip
+        ok = all(run["requests_failed"] == 0 and run["requests_not_run"] == 0 for run in runs.values())
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=2)
-    sys.exit(0 if summary["requests_failed"] == 0 and not_run == 0 else 1)
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
     python examples/continuous_batching.py --tiny           # a tiny random Llama: no model needed, about a second
     python examples/continuous_batching.py --tiny --backend sim  # the same steps through the CUDA kernels, simulated: minutes
     python examples/continuous_batching.py --num-pages 20   # a bigger cache: no preemption
+    python examples/continuous_batching.py --tiny --timeline steps.html    # the steps as a picture (or .png: matplotlib)
+    python examples/continuous_batching.py --tiny --scheduling static --timeline static.png  # the same requests, static batching
+    python examples/continuous_batching.py --tiny --prefix-caching  # prompts share their common first pages
 
 The engine is driven by hand: `LLMEngine.add_request` when a request arrives, `LLMEngine.step` once
 per forward pass. With `verbose`, each step prints the scheduler's plan (`StepPlan.describe`): one
@@ -26,6 +29,16 @@ The settings are small on purpose: 3 slots, a budget of 16 tokens per step and 8
   tokens kept, and later prefills prompt + generated tokens again. Its output is unchanged.
 Every request ignores EOS, so each one runs to its `max_tokens` and the schedule is the same for any
 model.
+
+With `--timeline FILE` the same steps are also drawn (`numba_vllm.viz.timeline`): a row per slot
+and a column per step, colored by request, hatched while prefilling; below, the pages each request
+holds and the queue's length. `--scheduling static` runs the same arrivals under static batching,
+for the picture beside it: slots freed by early finishers stay empty until the whole batch is done.
+
+model. Prefix caching (on by default in the engine) is off here unless `--prefix-caching`: every
+prompt is the beginning of the same passage, so with it later requests take the earlier ones' full
+pages instead of prefilling them ("pages 3 (2 shared)"), and pages are no longer scarce enough for
+the preemption this example sets out to show.
 """
 
 from __future__ import annotations
@@ -44,6 +57,7 @@ from numba_vllm.engine.config import EngineConfig
 from numba_vllm.executor.backend import prepare_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
 from numba_vllm.model.config import PAGE_SIZE
+from numba_vllm.viz.timeline import Timeline, check_timeline_path
 
 # (step it arrives at, request id, prompt tokens, max new tokens)
 ARRIVALS = [
@@ -104,9 +118,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=3, help="batch slots")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16, help="token budget of one step")
     parser.add_argument("--num-pages", type=int, default=9, help="KV-cache pages of 16 tokens, the null page included")
+    parser.add_argument("--scheduling", default="continuous", choices=["continuous", "static"])
+    parser.add_argument("--timeline", metavar="FILE", help="also draw the steps to FILE: .html, or .png (matplotlib)")
+    parser.add_argument("--prefix-caching", action="store_true", help="let prompts share the pages of their common beginning")
     args = parser.parse_args(argv)
     if args.tiny and args.model:
         parser.error("--tiny and --model exclude each other")
+    if args.timeline:
+        try:
+            check_timeline_path(args.timeline)
+        except ValueError as e:
+            parser.error(str(e))
 
     prepare_backend(args.backend)  # `sim` turns the simulator on before numba.cuda is first imported
     checkpoint = tiny_checkpoint() if args.tiny else load_checkpoint(args.model)
@@ -115,11 +137,16 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         num_pages=args.num_pages,
+        scheduling=args.scheduling,
+        enable_prefix_caching=args.prefix_caching,
         verbose=True,  # engine.step() prints its StepPlan
+        async_scheduling=False,  # serial steps: each step() returns its own tokens, right after its plan
     )
     engine = LLMEngine(checkpoint, engine_config)
     num_usable_pages = engine.stats().num_pages
     model_name = "a tiny random Llama" if args.tiny else checkpoint.source.name
+    timeline = Timeline(f"{args.scheduling} batching: {model_name}, {args.max_num_seqs} slots, "
+                        f"{args.max_num_batched_tokens} tokens per step, {num_usable_pages} pages")  # fmt: skip
     print(f"{model_name}, backend {engine.backend}: {args.max_num_seqs} slots, "
           f"{args.max_num_batched_tokens} tokens per step, {num_usable_pages} pages of {PAGE_SIZE} tokens "
           f"(KV room for {num_usable_pages * PAGE_SIZE} tokens)")  # fmt: skip
@@ -145,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
                 if out.finished:
                     print(f"- {out.request_id} finished ({out.finish_reason}) with {len(out.token_ids)} new tokens: "
                           "its pages and slot are free for the next step")  # fmt: skip
+            timeline.record(engine)
             stats = engine.stats(requests=True)
             # A preempted request is still queued when the step that preempted it ends: no preemption is missed.
             preemptions.update((r.request_id, r.num_preemptions) for r in stats.running + stats.waiting)
@@ -156,6 +184,8 @@ def main(argv: list[str] | None = None) -> None:
         shown = repr(out.text) if checkpoint.tokenizer is not None else f"ids {out.token_ids}"
         print(f"{request_id}: {len(out.prompt_token_ids)} prompt + {len(out.token_ids)} new tokens, "
               f"finish_reason={out.finish_reason}, preemptions={preemptions.get(request_id, 0)}: {shown}")  # fmt: skip
+    if args.timeline:
+        print(f"timeline: {timeline.write(args.timeline)}")
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
     python examples/step_through_kernel.py --kernel rmsnorm                    # pdb at thread 0 of block 0
     python examples/step_through_kernel.py --kernel rmsnorm --block 1 --thread 37
     python examples/step_through_kernel.py --kernel decode_attention --block 1,0 --thread 9
-    python examples/step_through_kernel.py --kernel model                      # one token: RMSNorm, then attention
+    python examples/step_through_kernel.py --kernel model                      # one token: the fused RMSNorm, attention
     python examples/step_through_kernel.py --kernel rmsnorm --no-pdb           # print what the thread sees
 
 ``rmsnorm`` runs ``rms_norm`` on 2 rows of 300 columns (grid 2, blocks of 96 threads = 3 warps).
@@ -11,8 +11,10 @@
 of 2 query heads each, head dim 64 (grid (kv head, sequence) = (2, 2), blocks of 8 warps).
 ``model`` builds a tiny random Llama (2 layers, hidden 64, 4 heads, 2 kv heads, head dim 16), prefills a
 1-token prompt on the ``sim`` backend, then follows the next token through the decode step's forward:
-it stops in the first RMSNorm (block 0: a decode step has one row) and then in layer 0's paged decode
-attention (``--block`` is (kv head, sequence 0)).
+it stops in the first RMSNorm, which decode runs fused into the q/k/v product (``gemv_t1_norm_kernel``:
+each lane sums the squares of the x values it loads, then the sums are reduced with the dot
+products; block 0 holds the first rows), and then in layer 0's paged decode attention (``--block``
+is (kv head, sequence 0)).
 
 With ``--no-pdb`` the stops print the thread's variables next to the same numbers computed with NumPy.
 The guide is docs/stepping_through_kernels.md.
@@ -37,10 +39,11 @@ from numba_vllm.engine.sampling import SamplingParams  # noqa: E402
 from numba_vllm.kernels import reductions  # noqa: E402
 from numba_vllm.kernels._launch import KernelError  # noqa: E402
 from numba_vllm.kernels.decode_attention import decode_attention, decode_attention_kernel_for  # noqa: E402
+from numba_vllm.kernels.gemv import gemv_kernel_for  # noqa: E402
 from numba_vllm.kernels.rmsnorm import rms_norm, rms_norm_kernel  # noqa: E402
 from numba_vllm.loading.bf16 import to_bf16, upload_bf16  # noqa: E402
 from numba_vllm.loading.checkpoint import Checkpoint  # noqa: E402
-from numba_vllm.model.config import PAGE_SIZE, ModelConfig
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig  # noqa: E402
 from numba_vllm.sim.stepping import break_in  # noqa: E402
 
 EPS = 1e-5
@@ -56,6 +59,8 @@ ATTN_SHUFFLE_ROUND = "offset *= 2"
 ATTN_END_OF_STEP = "si += num_warps"
 ATTN_MERGE = "o = cuda.threadIdx.x"  # after the syncthreads: shared memory holds every lane's partial
 ATTN_OUTPUT = "o += threads"  # after this thread wrote its first output element
+GEMV_NORM_SUM_SQ = "total = warp_sum(sum_sq[t])"  # the lane's sum of x^2 over its chunks, before the reduction
+GEMV_NORM_SCALE = "total *= scale"  # a storing thread: the row's sum of x^2 and the norm's scale
 
 COMMANDS = """\
 pdb commands (this thread only; the other threads of the block wait for it at their next barrier/shuffle):
@@ -73,6 +78,14 @@ try here:
   p scratch[:cuda.blockDim.x // 32]         shared memory: one partial sum per warp
   or: s (into block_sum), n down to `x = warp_sum(x)`, s (into warp_sum), then n, n, p offset, x:
       after each shfl_xor_sync round x is the sum over twice as many lanes"""
+
+CHEAT_GEMV_NORM = COMMANDS + """
+try here (the RMSNorm fused into the q/k/v product: gemv_t1_norm_kernel):
+  p lane, warp, part, warps_per_group    which K chunks this lane read: chunk part * 32 + lane, then every 32 * warps_per_group
+  p sum_sq[t], t                         this lane's sum of x^2 over its chunks (token t)
+  p acc[:, t]                            its partial dot products with the 4 weight rows of its group
+  n  p total                             after warp_sum: the warp's sum of x^2
+  c                                      to the storing thread: p sq, scale (the row's sum of x^2, 1/rms)"""
 
 CHEAT_ATTN_SHUFFLE = COMMANDS + """
 try here (the first score of this lane's first step):
@@ -367,6 +380,56 @@ class AttentionPrinter:
               f"NumPy {want:.8g}")  # fmt: skip
 
 
+# ---- the RMSNorm fused into gemv -----------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def gemv_norm_stops(block, thread, no_pdb):
+    """Arm the stops of the RMSNorm fused into gemv (first launch only): pdb before the lane's sum of
+    x^2 is reduced and where a storing thread applies the norm's scale, or printing callbacks there."""
+    kernel = gemv_kernel_for(1, normalize=True)  # every variant shares one code object
+    with contextlib.ExitStack() as stack:
+        if not no_pdb:
+            stops = [
+                stack.enter_context(break_in(kernel, line, block=block, thread=thread, max_hits=1, intro=CHEAT_GEMV_NORM))
+                for line in (GEMV_NORM_SUM_SQ, GEMV_NORM_SCALE)
+            ]
+        else:
+            printer = GemvNormPrinter()
+            stops = [
+                stack.enter_context(break_in(kernel, line, block=block, thread=thread, on_hit=on_hit, max_hits=1))
+                for line, on_hit in ((GEMV_NORM_SUM_SQ, printer.sum_sq), (GEMV_NORM_SCALE, printer.scale))
+            ]
+        yield stops
+
+
+class GemvNormPrinter:
+    """What one thread of gemv_t1_norm_kernel sees of the fused RMSNorm, next to NumPy."""
+
+    def sum_sq(self, frame):
+        f = frame.f_locals
+        token = min(f["token0"] + f["t"], f["num_tokens"] - 1)
+        row = f["x"][token].copy_to_host()  # (K,) the token's activations, read through the kernel's argument
+        chunks = list(range(f["part"] * 32 + f["lane"], f["k_dim"] // 8, 32 * f["warps_per_group"]))
+        mine = np.concatenate([row[c * 8 : c * 8 + 8] for c in chunks]) if chunks else np.zeros(0, np.float32)
+        print(f"\n[gemv_t1_norm_kernel line {frame.f_lineno}] thread {_cuda(frame).threadIdx.x} = warp {f['warp']} "
+              f"lane {f['lane']}, token {token}: {GEMV_NORM_SUM_SQ}")  # fmt: skip
+        print(f"  K = {f['k_dim']}: this lane read chunks {chunks} (8 x values each) and weighted them by the norm weight")
+        print(f"  sum_sq[t] = {f['sum_sq'][f['t']]:.8g}   NumPy sum of the squares of those x: "
+              f"{(mine.astype(np.float64) ** 2).sum():.8g}")  # fmt: skip
+
+    def scale(self, frame):
+        f = frame.f_locals
+        token = f["token0"] + f["t"]
+        row = f["x"][token].copy_to_host().astype(np.float64)
+        want_sq = (row**2).sum()
+        print(f"  [line {frame.f_lineno}] thread {_cuda(frame).threadIdx.x} stores a dot product: the group's warps "
+              f"reduced, sq = {f['sq']:.8g}   NumPy sum of the row's squares: {want_sq:.8g}")  # fmt: skip
+        inv_rms = 1 / np.sqrt(want_sq / len(row) + float(f["eps"]))
+        print(f"    scale = 1/sqrt(sq / K + eps) = {f['scale']:.8g}   NumPy 1/rms: {inv_rms:.8g}; "
+              "the stored value is the dot product times it")  # fmt: skip
+
+
 def _cuda(frame):
     """The simulator's fake ``cuda`` module that the kernel sees during the launch: its ``threadIdx``,
     ``blockIdx`` and ``blockDim`` answer for the calling (simulated) thread."""
@@ -411,17 +474,19 @@ def tiny_random_llama(seed=0):
 
 
 def run_model(block, thread, no_pdb):
-    engine = LLMEngine(tiny_random_llama(), EngineConfig(backend="sim", max_num_seqs=1, num_pages=8, max_model_len=64))
+    # Serial steps (no overlapped scheduling): each step() runs its forward pass and returns its token.
+    config = EngineConfig(backend="sim", max_num_seqs=1, num_pages=8, max_model_len=64, async_scheduling=False)
+    engine = LLMEngine(tiny_random_llama(), config)
     prompt = [1]  # one token: the simulator runs the prefill's matrix products slowly
     output = engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=2))
     engine.step()  # prefill: the prompt through every layer (prefill attention); no stops armed
     token = output.token_ids[-1]
     print(f"tiny random Llama on the sim backend: prompt {prompt} prefilled, it predicted token {token}.")
-    print(f"Now the decode step: token {token} at position {len(prompt)} goes through embedding -> RMSNorm -> "
-          f"q/k/v -> RoPE -> cache write -> decode attention -> ...; stopping thread {thread}: block 0 of RMSNorm "
-          f"(the step's only row), block {block} of decode attention (kv head, sequence)")  # fmt: skip
+    print(f"Now the decode step: token {token} at position {len(prompt)} goes through embedding -> RMSNorm fused "
+          f"into the q/k/v product (gemv) -> RoPE -> cache write -> decode attention -> ...; stopping thread {thread}: "
+          f"block 0 of the gemv (its first rows), block {block} of decode attention (kv head, sequence)")  # fmt: skip
     with contextlib.ExitStack() as stack:
-        stops = stack.enter_context(rmsnorm_stops((0,), thread, no_pdb, max_hits=1))
+        stops = stack.enter_context(gemv_norm_stops((0,), thread, no_pdb))
         stops += stack.enter_context(attention_stops(block, thread, no_pdb))
         engine.step()  # the decode step's forward pass; each stop fires once (layer 0)
     report_unreached(stops)

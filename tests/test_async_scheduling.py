@@ -54,10 +54,15 @@ class FakeDevice:
         self.uncollected: list[FakeStep] = []
         self.launched: list[FakeStep] = []
         self.queue: queue.Queue = queue.Queue()
+        self.interrupt_next_collect = False
+        self.abandoned: list[FakeStep] = []  # launched, never collected (dropped after an interrupt)
         if mode == "thread":
             threading.Thread(target=self._work, daemon=True).start()
 
     def launch(self, plan, previous=None):
+        if previous is None:  # the engine waits for nothing launched before: it dropped what it did not collect
+            self.abandoned += self.uncollected
+            self.uncollected = []
         assert len(self.uncollected) < 2, "more than two steps outstanding"
         assert previous is None or previous is self.launched[-1], "fed from a step other than the one just before"
         assert previous is None or previous.feeds_next, "fed from a step whose tokens the host samples"
@@ -70,6 +75,9 @@ class FakeDevice:
         return step
 
     def collect(self, step):
+        if self.interrupt_next_collect:
+            self.interrupt_next_collect = False
+            raise KeyboardInterrupt
         assert step is self.uncollected[0], "collected out of launch order"
         if self.mode == "lazy":
             while not step.done.is_set():
@@ -242,3 +250,29 @@ def test_held_requests_get_no_tokens_and_an_all_held_step_is_empty():
     assert plan.is_empty and not plan.preempted_request_ids and len(sched.running) == 2  # no stall error
     sched.update(plan, {})
     sched.check_invariants()
+
+
+def test_async_scheduling_is_a_bool():
+    with pytest.raises(ValueError, match="async_scheduling: 'yes' must be True or False"):
+        EngineConfig(async_scheduling="yes")
+
+
+def test_an_interrupt_while_collecting_keeps_the_step_in_flight_and_loses_no_token(tiny_dir):
+    """Ctrl-C while the engine waits for a step's tokens: the step stays in flight and is collected
+    by the next call, the step launched after it is dropped (and recomputed), nobody fails."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    arrivals = [(f"r{i}", p, params) for i, p in enumerate(PROMPTS[:4])]
+    serial, (engine,) = engines(tiny_dir, modes=("lazy",), max_num_seqs=4, max_num_batched_tokens=16)
+    want = {rid: o.token_ids for rid, o in run(serial, arrivals).items()}
+    outputs = {rid: engine.add_request(rid, p, sp) for rid, p, sp in arrivals}
+    for _ in range(3):
+        engine.step()
+    engine.runner.interrupt_next_collect = True
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.scheduler.check_invariants()
+    while engine.has_unfinished_requests():
+        engine.step()
+        engine.scheduler.check_invariants()
+    assert {rid: o.token_ids for rid, o in outputs.items()} == want
+    assert len(engine.runner.abandoned) == 1 and engine.num_failed_steps == 0 and _all_pages_back(engine)

@@ -45,14 +45,14 @@ class PagedCache:
     """K/V of several sequences in a bf16 page pool with shuffled page ids, plus the same K/V
     contiguous in float32 (after bf16 rounding) for the reference."""
 
-    def __init__(self, rng, seq_lens, num_kv_heads, head_dim, spare_pages=2):
+    def __init__(self, rng, seq_lens, num_kv_heads, head_dim, spare_pages=2, unwritten=np.nan):
         self.seq_lens = list(seq_lens)
         pages = [-(-n // PAGE_SIZE) for n in self.seq_lens]
         self.num_pages = 1 + sum(pages) + spare_pages  # page 0 is the null page
         page_ids = rng.permutation(np.arange(1, self.num_pages)).astype(np.int32)
         shape = (self.num_pages, PAGE_SIZE, num_kv_heads, head_dim)
-        self.k_pool = np.full(shape, np.nan, np.float32)  # NaN wherever no token lives
-        self.v_pool = np.full(shape, np.nan, np.float32)
+        self.k_pool = np.full(shape, unwritten, np.float32)  # NaN (or `unwritten`) wherever no token lives
+        self.v_pool = np.full(shape, unwritten, np.float32)
         self.block_tables = np.zeros((len(self.seq_lens), max(pages) + 1), np.int32)  # padded with 0
         self.k, self.v = [], []  # per sequence (n, KVH, HD) float32, bf16-exact
         used = 0
@@ -91,14 +91,14 @@ def reference_attention(q, k, v, positions, scale):
 # ---- decode --------------------------------------------------------------------------------------
 
 
-def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, context_lens=None, extra_columns=0):
+def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, context_lens=None, extra_columns=0, unwritten=np.nan):
     """Decode one query per sequence over a cache of `seq_lens` tokens, attending to the first
     `context_lens` of them (default all): the same block tables with shorter contexts; the tables
     get `extra_columns` more (unused) pages. Returns the output (B, H, HD) on the host."""
     num_heads = group * num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     context_lens = seq_lens if context_lens is None else context_lens
-    cache = PagedCache(rng, seq_lens, num_kv_heads, head_dim)
+    cache = PagedCache(rng, seq_lens, num_kv_heads, head_dim, unwritten=unwritten)
     cache.block_tables = np.pad(cache.block_tables, ((0, 0), (0, extra_columns)))
     # Table entries past each context name no page at all: a kernel that looks one up fails.
     past = np.arange(cache.block_tables.shape[1]) >= -(-np.array(context_lens)[:, None] // PAGE_SIZE)
@@ -122,6 +122,13 @@ def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, conte
 )
 def test_decode(group, num_kv_heads, head_dim):
     check_decode(np.random.default_rng(1), EDGE_LENGTHS, group, num_kv_heads, head_dim)
+
+
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # process-wide: a warning in a simulated thread fails its launch
+def test_decode_masks_unwritten_slots_before_any_arithmetic():
+    """The cache slots past each context hold inf here (unwritten memory may hold any bits; q . inf
+    sums +inf and -inf to NaN): the kernel must not compute with them, not even a score it then masks."""
+    check_decode(np.random.default_rng(2), [1, 17], 2, 1, 16, unwritten=np.inf)
 
 
 @pytest.mark.parametrize("large_grid", [False, True])

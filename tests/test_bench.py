@@ -81,6 +81,74 @@ def test_throughput_smoke_on_numpy_both_schedulers(config_dir, tmp_path):
     )
 
 
+@pytest.fixture(scope="module")
+def long_config_dir(tmp_path_factory):
+    """The tiny model with room for the prefix-caching target's 1024 + 64 + 128 tokens."""
+    path = tmp_path_factory.mktemp("tiny_long_config")
+    (path / "config.json").write_text(json.dumps(tiny_config_dict(max_position_embeddings=2048)))
+    return path
+
+
+# The H200 targets' command lines (docs/benchmarks.md), cut down only in requests and output tokens.
+SHARED_PREFIX_TARGET = ["--scheduling", "continuous", "--num-requests", "256", "--shared-prefix-len", "1024",
+                        "--min-prompt-len", "64", "--max-prompt-len", "64", "--min-output-len", "128", "--max-output-len", "128"]
+NO_SHARING_TARGET = ["--scheduling", "continuous", "--compare-prefix-caching"]
+
+
+def smoke(args: list[str], **replace: str) -> list[str]:
+    """`args` with the values of some options replaced (`num_requests="4"` sets --num-requests 4)."""
+    args = list(args)
+    for name, value in replace.items():
+        args[args.index("--" + name.replace("_", "-")) + 1] = value
+    return args
+
+
+def test_shared_prefix_target_smoke_on_numpy(long_config_dir, tmp_path):
+    out = tmp_path / "prefix.json"
+    args = smoke(SHARED_PREFIX_TARGET, num_requests="3", min_output_len="3", max_output_len="3")
+    r = bench("throughput", "--random-weights", str(long_config_dir), "--backend", "numpy", *args, "--json", str(out))
+    assert r.exit_code == 0, r.output
+    assert "prefix caching on / off: output tokens/s" in r.stdout and "TTFT p50 ms" in r.stdout
+    res = json.loads(out.read_text())
+    assert res["workload"]["shared_prefix_len"] == 1024 and res["workload"]["prompt_tokens"] == 3 * (1024 + 64)
+    assert set(res["runs"]) == {"continuous, caching on", "continuous, caching off"}
+    on, off = res["runs"]["continuous, caching on"], res["runs"]["continuous, caching off"]
+    assert (on["prefix_caching"], off["prefix_caching"]) == (True, False)
+    assert on["output_tokens"] == off["output_tokens"] == 3 * 3
+    # The 2048-token budget admits the first prompt (1088 tokens) and 960 of the second in step 1;
+    # the third, admitted later, finds the prefix's 64 pages cached.
+    assert on["cached_prompt_tokens"] == 1024 and off["cached_prompt_tokens"] == 0
+    assert on["prefix_cache_hit_rate"] == pytest.approx(1024 / (3 * 1088)) and off["prefix_cache_hit_rate"] == 0
+    assert 0 < on["ttft_p50_ms"] <= on["ttft_p90_ms"] and 0 < off["ttft_p50_ms"] <= off["ttft_p90_ms"]
+    ratios = res["caching_on_vs_off"]["continuous"]
+    assert ratios["output_tokens_per_s"] == pytest.approx(on["output_tokens_per_s"] / off["output_tokens_per_s"])
+    assert ratios["ttft_p50_lower"] == pytest.approx(off["ttft_p50_ms"] / on["ttft_p50_ms"])
+
+
+def test_no_sharing_target_smoke_on_numpy(config_dir, tmp_path):
+    out = tmp_path / "plain.json"
+    args = [*NO_SHARING_TARGET, "--num-requests", "5", "--min-prompt-len", "3", "--max-prompt-len", "40",
+            "--min-output-len", "2", "--max-output-len", "6"]  # fmt: skip
+    r = bench("throughput", "--random-weights", str(config_dir), "--backend", "numpy", *args, "--json", str(out))
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert res["workload"]["shared_prefix_len"] == 0
+    on, off = res["runs"]["continuous, caching on"], res["runs"]["continuous, caching off"]
+    assert on["output_tokens"] == off["output_tokens"] and on["steps"] == off["steps"]
+    assert on["cached_prompt_tokens"] == 0  # random prompts share no full page
+
+
+def test_one_run_follows_the_prefix_caching_switch(config_dir, tmp_path):
+    out = tmp_path / "off.json"
+    r = bench("throughput", "--random-weights", str(config_dir), "--backend", "numpy", "--num-requests", "2",
+              "--min-prompt-len", "4", "--max-prompt-len", "6", "--min-output-len", "2", "--max-output-len", "3",
+              "--scheduling", "continuous", "--no-enable-prefix-caching", "--json", str(out))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    assert list(res["runs"]) == ["continuous"] and res["runs"]["continuous"]["prefix_caching"] is False
+    assert res["engine"]["enable_prefix_caching"] is False and "caching_on_vs_off" not in res
+
+
 def test_throughput_one_scheduling_mode(config_dir):
     r = bench("throughput", "--random-weights", str(config_dir), "--backend", "numpy", "--num-requests", "3",
               "--min-prompt-len", "4", "--max-prompt-len", "6", "--min-output-len", "2", "--max-output-len", "3",
@@ -97,6 +165,9 @@ def test_workload_is_seeded_and_in_range():
     assert all(100 <= len(p) <= 1024 for p in a.prompts) and all(100 <= n <= 1024 for n in a.output_lens)
     assert all(0 <= t < 10000 for p in a.prompts for t in p)
     assert all(0 <= t < 50 for p in offline_workload(5, 0, (10, 20), (1, 2), vocab_size=50).prompts for t in p)
+    shared = offline_workload(50, 0, (100, 1024), (100, 1024), vocab_size=128256, shared_prefix_len=1024)
+    assert shared.output_lens == a.output_lens and shared.shared_prefix_len == 1024
+    assert all(p[:1024] == shared.prompts[0][:1024] and p[1024:] == own for p, own in zip(shared.prompts, a.prompts, strict=True))
 
 
 def test_compare_hf_without_transformers_is_a_clear_error(config_dir, monkeypatch):
@@ -122,6 +193,11 @@ def test_compare_hf_without_transformers_is_a_clear_error(config_dir, monkeypatc
         (["throughput"], "need 2049 positions; the model has max_position_embeddings 256"),
         (["throughput", "--json", "/no/such/dir/out.json"], "no such directory"),
         (["throughput", "--scheduling", "dynamic"], "'dynamic' is not one of"),
+        (["throughput", "--shared-prefix-len", "16", "--no-enable-prefix-caching"], "run with prefix caching on and off"),
+        (["throughput", "--shared-prefix-len", "-1"], "-1 is not in the range x>=0"),
+        (["throughput", "--shared-prefix-len", "200", "--min-prompt-len", "10", "--max-prompt-len", "60", "--min-output-len", "5",
+          "--max-output-len", "10"],
+         "need 271 positions; the model has max_position_embeddings 256"),
         (["latency", "--backend", "cuda"], "backend 'cuda'"),
     ],
 )
@@ -188,3 +264,26 @@ def test_profile_decode_script_runs_its_two_passes_on_numpy(config_dir):
     assert r.returncode == 0, r.stderr
     for name in ("warmup", "run"):
         assert f"{name}: prefill of 2 x 8 tokens" in r.stdout and "decode 2 steps of batch 2" in r.stdout, r.stdout
+
+
+def test_serve_benchmark_shared_prefix_target_smoke_on_numpy(long_config_dir, tmp_path):
+    """benchmarks/serve.py with the target's prefix and prompt lengths, a tiny model on numpy: it starts
+    the server twice, with prefix caching and without, and reports both runs and their ratios."""
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    out = tmp_path / "serve.json"
+    server = f"--model {long_config_dir} --load-format dummy --backend numpy --max-num-seqs 4"
+    args = ["-n", "3", "-c", "3", "--shared-prefix-len", "1024", "--prompt-len", "64", "--output-len", "3", "--warmup", "1",
+            "--start-server", server, "--json", str(out)]  # fmt: skip
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "serve.py"), *args], capture_output=True, text=True,
+                       timeout=600, cwd=REPO)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "== prefix caching on / off: output tokens/s" in r.stdout
+    res = json.loads(out.read_text())
+    on, off = res["caching on"], res["caching off"]
+    assert on["requests_ok"] == off["requests_ok"] == 3 and on["output_tokens"] == off["output_tokens"] == 9
+    assert on["config"]["start_server"] == server and off["config"]["start_server"] == server + " --no-enable-prefix-caching"
+    # Server counters cover the warm-up request too (64 tokens, no shared prefix).
+    assert on["prefix_cache_queries"] == 3 * 1088 + 64 and on["prefix_cache_hits"] > 0 and off["prefix_cache_queries"] == 0
+    assert "prefix_cache_hit_rate" not in off
+    assert res["caching_on_vs_off"]["ttft_p50_lower"] == pytest.approx(off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"])

@@ -16,6 +16,7 @@ from numba_vllm.executor.capacity import (
     num_pages_for_memory,
     page_bytes,
     plan_capacity,
+    step_budget,
 )
 from numba_vllm.model.config import ConfigError, ModelConfig
 from numba_vllm.model.llama import buffer_bytes
@@ -44,14 +45,15 @@ def test_step_buffers_include_the_kernels_split_workspaces():
     gemm_split = 4 * 132 * 128 * 256  # SPLIT_BLOCKS_PER_SM x SMs x the largest tile (128x256)
     attention_split = 64 * 264 * 4 * (64 + 2)  # MAX_SPLITS x SMALL_GRID_BLOCKS x group x (HD + m and sum)
     sampler = 4096 * 2  # part winners: values and indices
-    want = 4 * (activations + gemm_split + attention_split + sampler)
+    x_bf16 = t * 8192  # the widest x a product reads (the MLP's 8192), as bf16 for gemm_wgmma's TMA
+    want = 4 * (activations + gemm_split + attention_split + sampler) + 2 * x_bf16
     assert buffer_bytes(LLAMA_1B, t, seqs, num_sms=132) == want
 
 
 def test_gpu_cache_takes_what_the_weights_and_step_buffers_leave():
     ec = EngineConfig(gpu_memory_utilization=0.9)
-    assert max_step_tokens(ec) == 2048 + 64
-    step = buffer_bytes(LLAMA_1B, max_step_tokens(ec), ec.max_num_seqs, num_sms=132)
+    assert max_step_tokens(ec, "cuda") == 2048 + 64
+    step = buffer_bytes(LLAMA_1B, max_step_tokens(ec, "cuda"), ec.max_num_seqs, num_sms=132)
     cap = plan_capacity(LLAMA_1B, ec, "cuda", free_bytes=100 * GIB, buffer_bytes=step)
     assert cap.num_pages == int((100 * GIB - step) * 0.9 // 524288)
     assert cap.buffer_bytes == step
@@ -69,6 +71,19 @@ def test_cpu_backends_hold_a_few_full_length_sequences():
     assert cap.num_pages == 1 + HOST_CACHE_SEQUENCES * DEFAULT_MAX_MODEL_LEN_CPU // 16
     cap = plan_capacity(LLAMA_1B, EngineConfig(max_model_len=100), "sim")
     assert (cap.max_model_len, cap.num_pages) == (100, 1 + 4 * 7)
+
+
+def test_step_budget_is_small_on_the_cpu_backends_unless_set():
+    for backend in ("numpy", "sim"):
+        cap = plan_capacity(LLAMA_1B, EngineConfig(), backend)
+        assert (cap.max_num_batched_tokens, cap.long_prefill_token_threshold) == (256, 128)
+        assert cap.max_step_tokens == 256 + 64
+    cap = plan_capacity(LLAMA_1B, EngineConfig(num_pages=1000), "cuda")
+    assert (cap.max_num_batched_tokens, cap.long_prefill_token_threshold) == (2048, 2048)
+    cap = plan_capacity(LLAMA_1B, EngineConfig(max_num_batched_tokens=512), "numpy")
+    assert (cap.max_num_batched_tokens, cap.long_prefill_token_threshold) == (512, 512)
+    ec = EngineConfig(max_num_batched_tokens=100, long_prefill_token_threshold=300, num_pages=1000)
+    assert step_budget(ec, "cuda") == (100, 100)  # a chunk never exceeds the budget
 
 
 def test_explicit_limits_that_cannot_hold_are_refused():

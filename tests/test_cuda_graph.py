@@ -16,7 +16,6 @@ from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.executor.cuda_graph import DecodeGraphs
 from numba_vllm.executor.inputs import MIN_TABLE_WIDTH, batch_buckets
 from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
-from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model import llama as model
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
@@ -111,12 +110,14 @@ def test_warm_up_runs_every_bucket_on_the_null_page_and_changes_no_output(tiny, 
     decode graph) write only the null page: the requests that follow still give NumPy's tokens."""
     path, want = tiny
     prefill_rows = []  # the prefill attention grid's longest chunk, per call
+    kernel = EngineConfig().prefill_attention  # the engine's default prefill attention
+    prefill_attention = model.PREFILL_ATTENTIONS[kernel]
 
     def spy(*args):
         prefill_rows.append(args[-1])
         return prefill_attention(*args)
 
-    monkeypatch.setitem(model.PREFILL_ATTENTIONS, "cuda_cores", spy)
+    monkeypatch.setitem(model.PREFILL_ATTENTIONS, kernel, spy)
     sim = _sim_with_emulated_graphs(path, max_num_seqs=2, num_pages=8, max_num_batched_tokens=16)
     sim.engine.warm_up()
     runner = sim.engine.runner

@@ -10,7 +10,7 @@ from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.engine.config import EngineConfig
-from numba_vllm.engine.llm_engine import LLMEngine
+from numba_vllm.engine.llm_engine import LLMEngine, StepFailedError
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model.config import ModelConfig
 
@@ -85,6 +85,114 @@ def test_abort_frees_pages(tiny_dir):
     engine.abort_request("a")
     assert out.finish_reason == "abort" and engine.stats().num_pages_free == 19
     assert not engine.has_unfinished_requests()
+
+
+# ---- head-of-line blocking on the CPU backends -------------------------------------------------
+
+
+def test_a_short_request_interleaves_with_a_long_prefill_on_numpy(tmp_path):
+    cfg = tiny_config_dict(max_position_embeddings=4096)
+    engine = LLMEngine(
+        load_checkpoint(write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))),
+        EngineConfig(backend="numpy"),  # the defaults: the CPU backends' small step budget
+    )
+    long = engine.add_request("long", [3] * 3000, GREEDY)
+    engine.step()
+    short = engine.add_request("short", [5, 6, 7], SamplingParams(temperature=0, max_tokens=1))
+    while not short.finished:
+        engine.step()
+    (running,) = engine.stats(requests=True).running
+    assert running.request_id == "long" and not long.token_ids
+    # The short one waited for one 128-token chunk, not for 3000 tokens (a third chunk was launched
+    # while its token came back: overlapped scheduling).
+    assert running.num_computed_tokens <= 3 * 128
+
+
+def test_numpy_steps_run_on_one_blas_thread_and_leave_the_setting_alone(tiny_dir):
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    def blas_threads():
+        return {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+
+    engine = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy"))
+    seen = []
+    forward = engine.runner.model.forward
+
+    def spy(*args, **kwargs):
+        seen.append(blas_threads())
+        return forward(*args, **kwargs)
+
+    engine.runner.model.forward = spy
+    with threadpool_limits(limits=2, user_api="blas"):  # the process's own setting, whatever it is
+        engine.add_request("a", [1, 2, 3], GREEDY)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert blas_threads() == {2}
+    assert seen and all(s == {1} for s in seen)
+
+
+# ---- a step that fails -------------------------------------------------------------------------
+
+
+def test_a_failed_step_fails_only_its_requests_and_the_engine_goes_on(tiny_dir, alone):
+    engine = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy", max_num_seqs=2))
+    outputs = [engine.add_request(f"r{i}", p, GREEDY) for i, p in enumerate(PAGE_EDGE_PROMPTS[:3])]  # r2 waits
+    engine.step()  # r0 and r1 prefilled: they hold pages and slots
+    launch = engine.runner.launch
+
+    def failing(plan, previous=None):
+        raise FloatingPointError("NaN in the sampler")
+
+    engine.runner.launch = failing
+    failed = engine.step()
+    assert [o.request_id for o in failed] == ["r0", "r1"]
+    assert all(o.finish_reason == "error" and "FloatingPointError: NaN in the sampler" in o.error for o in failed)
+    engine.scheduler.check_invariants()
+    stats = engine.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_pages_used, stats.num_failed_steps) == (0, 1, 0, 1)
+
+    engine.runner.launch = launch  # the next steps run r2, then a new request, as on a fresh engine
+    while engine.has_unfinished_requests():
+        engine.step()
+    late = engine.add_request("late", PAGE_EDGE_PROMPTS[3], GREEDY)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert outputs[2].token_ids == alone[2] and late.token_ids == alone[3]
+    assert engine.stats().num_pages_used == 0
+
+
+def test_an_interrupted_step_fails_nobody(tiny_dir, alone):
+    engine = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="numpy"))
+    out = engine.add_request("a", PAGE_EDGE_PROMPTS[4], GREEDY)
+    engine.step()
+    launch = engine.runner.launch
+
+    def interrupted(plan, previous=None):
+        raise KeyboardInterrupt
+
+    engine.runner.launch = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    engine.runner.launch = launch
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert out.token_ids == alone[4] and engine.stats().num_failed_steps == 0
+
+
+def test_llm_generate_raises_for_a_failed_step_and_stays_usable(tiny_dir, alone):
+    llm = LLM(str(tiny_dir), backend="numpy")
+    launch = llm.engine.runner.launch
+    llm.engine.runner.launch = lambda plan, previous=None: 1 / 0
+    with pytest.raises(StepFailedError, match="ZeroDivisionError"):
+        llm.generate(PAGE_EDGE_PROMPTS[:2], GREEDY, use_tqdm=False)
+    llm.engine.runner.launch = launch
+    assert [o.token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:2], GREEDY, use_tqdm=False)] == alone[:2]
+
+
+def test_a_tiny_temperature_is_greedy(tiny_dir, alone):
+    llm = LLM(str(tiny_dir), backend="numpy")
+    params = SamplingParams(temperature=1e-310, max_tokens=6, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:2], params, use_tqdm=False)] == alone[:2]
 
 
 def test_simulated_chunk_steps_that_sample_nothing(tiny_dir, alone):

@@ -1,5 +1,6 @@
-"""The engine on a real GPU (cuda backend): a tiny GQA model step by step against the reference,
-SmolLM2's greedy answers as on NumPy, batch invariance.
+"""The engine on a real GPU (cuda backend): a tiny GQA model step by step against the reference (also
+reading cached prefixes), SmolLM2's greedy answers as on NumPy (with and without prefix caching),
+batch invariance.
 
 Tolerance: weights and the KV cache are bf16 on the GPU, float32 in the NumPy reference, so logits
 differ by ~1e-2 relative; a greedy choice can flip only where the top two logits are that close.
@@ -42,10 +43,33 @@ def test_tiny_model_on_cuda_follows_the_reference(tmp_path, heads, kv_heads, hea
     gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
     logits = _record_sampled_logits(gpu.engine.runner)
     outs = gpu.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    _assert_follows_the_reference(load_checkpoint(path), PAGE_EDGE_PROMPTS, outs, logits)
 
-    ckpt = load_checkpoint(path)
+
+def test_prefix_cache_on_cuda_follows_the_reference(tmp_path):
+    """Prompts sharing a 48-token prefix, with prefix caching: two run one after the other, then three
+    together; all but the first reuse the 3 cached pages, so their prefill chunks start at position 48
+    (the last, a repeat of the first, prefills only its last token). Every sampled step's logits still
+    match the float32 reference over the whole sequence, as in the test above."""
+    cfg = tiny_config_dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                           intermediate_size=512, vocab_size=512, max_position_embeddings=512)  # fmt: skip
+    path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
+    logits = _record_sampled_logits(gpu.engine.runner)
+    shared = list(range(2, 50))  # 48 tokens: 3 full pages
+    prompts = [shared + [60 + i] * n for i, n in enumerate((1, 15, 16, 17))] + [shared + [60]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = [gpu.generate([p], params)[0] for p in prompts[:2]] + gpu.generate(prompts[2:], params)
+    assert [o.num_cached_tokens for o in outs] == [0, 48, 48, 48, 48]
+    _assert_follows_the_reference(load_checkpoint(path), prompts, outs, logits)
+
+
+def _assert_follows_the_reference(ckpt, prompts, outs, logits) -> None:
+    """Teacher-forced along the GPU's own tokens: each sampled step's logits (recorded by
+    `_record_sampled_logits`) are within LOGIT_RTOL of the reference's, and the greedy pick is the
+    reference's argmax up to that tolerance."""
     reference = ReferenceModel(ckpt.config, ckpt.weights)
-    for prompt, out in zip(PAGE_EDGE_PROMPTS, outs, strict=True):
+    for prompt, out in zip(prompts, outs, strict=True):
         seq = prompt + out.token_ids
         want = reference.forward(np.asarray(seq), 0, KVCache(ckpt.config, len(seq)), all_logits=True)[len(prompt) - 1 : -1]
         got = np.stack(logits[out.request_id])  # (8, V): one row per sampled token
@@ -111,6 +135,22 @@ def test_smollm2_on_cuda_gives_the_reference_first_20_greedy_tokens(llm):
     outs = llm.chat([_conv(c) for c in REF["prompts"]], SamplingParams(temperature=0, max_tokens=FIRST))
     for out, case in zip(outs, REF["prompts"], strict=True):
         assert out.prompt_token_ids == case["prompt_ids"]
+        assert out.token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.text)
+
+
+@needs_smollm2
+def test_smollm2_on_cuda_gives_the_reference_tokens_from_cached_prefixes(llm):
+    """The chat template's header (and by now every whole prompt) is cached: the conversations
+    prefill only their uncached tails and still give the reference's first 20 greedy tokens."""
+    llm.chat([_conv(REF["prompts"][0])], SamplingParams(temperature=0, max_tokens=2))  # caches the header at least
+    outs = llm.chat([_conv(c) for c in REF["prompts"]], SamplingParams(temperature=0, max_tokens=FIRST))
+    assert all(o.num_cached_tokens > 0 for o in outs)
+    for out, case in zip(outs, REF["prompts"], strict=True):
+        assert out.token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.text)
+    uncached = LLM(backend="cuda", max_num_seqs=8, enable_prefix_caching=False)
+    outs = uncached.chat([_conv(c) for c in REF["prompts"]], SamplingParams(temperature=0, max_tokens=FIRST))
+    assert all(o.num_cached_tokens == 0 for o in outs) and uncached.engine.stats().num_prefix_cache_hits == 0
+    for out, case in zip(outs, REF["prompts"], strict=True):
         assert out.token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.text)
 
 

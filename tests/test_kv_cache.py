@@ -98,3 +98,117 @@ def test_no_page_handed_out_twice_under_random_allocate_and_free():
 
 def test_pages_for_tokens():
     assert [pages_for_tokens(n) for n in (0, 1, 15, 16, 17, 31, 32, 33, 100)] == [0, 1, 1, 1, 2, 2, 2, 3, 7]
+
+
+# ---- with prefix caching: reference counts, the hash index, LRU eviction ------------------------
+
+H = [bytes([i]) * 32 for i in range(10)]  # stand-ins for page hashes
+
+
+def test_caching_pool_hands_out_least_recently_freed_first_and_a_table_tail_before_its_head():
+    allocator = PageAllocator(8, enable_caching=True)
+    assert allocator.allocate(3) == [1, 2, 3]  # a fresh pool: 1, 2, 3, ... as without caching
+    assert allocator.allocate(2) == [4, 5]
+    allocator.free([1, 2, 3])  # freed tail first: 3, 2, 1 join the queue after the never-used 6, 7
+    allocator.free([4])
+    assert allocator.allocate(3) == [6, 7, 3]
+    assert allocator.allocate(3) == [2, 1, 4]
+    assert allocator.num_free_pages == 0
+    allocator.check_invariants()
+
+
+def test_shared_pages_are_counted_and_freed_by_their_last_holder():
+    allocator = PageAllocator(6, enable_caching=True)
+    a = allocator.allocate(2)  # [1, 2]
+    assert allocator.cache(1, H[1]) and allocator.cache(2, H[2])
+    assert allocator.lookup(H[1]) == 1 and allocator.lookup(H[3]) is None and allocator.num_cached_pages == 2
+    allocator.share([1, 2])  # a second block table
+    allocator.share([1])  # a third
+    assert [allocator.ref_count(p) for p in range(6)] == [0, 3, 2, 0, 0, 0]
+    assert allocator.num_allocated_pages == 2 and allocator.num_free_pages == 3
+    allocator.free(a)
+    allocator.free([1, 2])
+    assert [allocator.ref_count(p) for p in (1, 2)] == [1, 0] and allocator.num_free_pages == 4
+    allocator.check_invariants()
+    allocator.free([1])
+    assert allocator.num_free_pages == 5 and allocator.num_allocated_pages == 0
+    with pytest.raises(PageFreeError, match="page 1"):
+        allocator.free([1])  # its last holder already freed it
+    assert allocator.num_cached_pages == 2  # free pages keep their contents and hashes
+    allocator.check_invariants()
+
+
+def test_sharing_a_free_cached_page_takes_it_out_of_the_queue():
+    allocator = PageAllocator(5, enable_caching=True)
+    allocator.allocate(2)  # [1, 2]
+    allocator.cache(1, H[1])
+    allocator.free([1, 2])  # queue: 3, 4, 2, 1
+    assert allocator.num_free_among([1, 2, 3]) == 3
+    allocator.share([1])
+    assert allocator.ref_count(1) == 1 and allocator.num_free_pages == 3 and allocator.num_free_among([1, 2]) == 1
+    assert allocator.allocate(3) == [3, 4, 2]  # page 1 is held again: never handed out
+    with pytest.raises(OutOfPagesError):
+        allocator.allocate(1)
+    allocator.check_invariants()
+
+
+def test_allocating_a_cached_free_page_evicts_its_hash():
+    allocator = PageAllocator(4, enable_caching=True)
+    allocator.allocate(3)
+    for page_id in (1, 2, 3):
+        allocator.cache(page_id, H[page_id])
+    allocator.free([3])
+    allocator.free([1, 2])  # queue: 3, 2, 1
+    assert allocator.allocate(2) == [3, 2]  # least recently freed first
+    assert allocator.lookup(H[3]) is None and allocator.lookup(H[2]) is None and allocator.lookup(H[1]) == 1
+    assert not allocator.is_cached(3) and allocator.is_cached(1) and allocator.num_cached_pages == 1
+    assert allocator.cache(3, H[3])  # its new contents can be cached again
+    allocator.check_invariants()
+
+
+def test_cache_rules():
+    allocator = PageAllocator(6, enable_caching=True)
+    allocator.allocate(2)  # [1, 2]
+    assert allocator.cache(1, H[1])
+    assert allocator.cache(1, H[1])  # again: nothing changes
+    assert not allocator.cache(2, H[1])  # the prefix is already in page 1: page 2 stays an uncached copy
+    assert not allocator.is_cached(2) and allocator.lookup(H[1]) == 1
+    with pytest.raises(ValueError, match="not held"):
+        allocator.cache(3, H[3])
+    with pytest.raises(ValueError, match="holds no cached prefix"):
+        allocator.share([2])
+    with pytest.raises(ValueError, match="prefix caching is off"):
+        PageAllocator(6).cache(1, H[1])
+    allocator.check_invariants()
+
+
+def test_no_page_handed_out_twice_and_exact_counts_under_random_sharing():
+    rng = np.random.default_rng(1)
+    allocator = PageAllocator(33, enable_caching=True)
+    holders: list[list[int]] = []  # block tables; a table may share cached pages of others
+    next_hash = iter(range(10**6))
+    for _ in range(3000):
+        r = rng.random()
+        if holders and (r < 0.4 or not allocator.can_allocate(1)):
+            allocator.free(holders.pop(int(rng.integers(len(holders)))))
+        elif r < 0.6:  # a hit: share up to 3 cached pages, held or free
+            cached = [p for p in range(1, 33) if allocator.is_cached(p)]
+            take = sorted(set(rng.choice(cached, min(3, len(cached))).tolist())) if cached else []
+            free_before = allocator.num_free_pages
+            allocator.share(take)
+            assert allocator.num_free_pages == free_before - sum(1 for p in take if sum(h.count(p) for h in holders) == 0)
+            holders.append(take)
+        else:
+            n = int(rng.integers(0, 6))
+            if allocator.can_allocate(n):
+                table = allocator.allocate(n)
+                assert not any(p in h for h in holders for p in table), "a held page was handed out"
+                for page_id in table:
+                    if rng.random() < 0.5:
+                        allocator.cache(page_id, next(next_hash).to_bytes(32, "little"))
+                holders.append(table)
+        counts = {p: sum(h.count(p) for h in holders) for p in range(1, 33)}
+        assert all(allocator.ref_count(p) == counts[p] for p in counts)
+        assert allocator.allocated_page_ids == {p for p, c in counts.items() if c}
+        assert allocator.num_free_pages == sum(1 for c in counts.values() if c == 0)
+        allocator.check_invariants()

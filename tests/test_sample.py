@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from numba_vllm.engine.sampling import MIN_TEMPERATURE
 from numba_vllm.kernels import sample as sample_module
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.sample import argmax, gumbel_noise, sample_gumbel
@@ -98,6 +99,16 @@ def _tie_rows(vocab_size):
 def test_ties_go_to_the_lowest_index_and_nan_wins(pick, vocab_size):
     rows = _tie_rows(vocab_size)
     np.testing.assert_array_equal(pick(rows), np.argmax(rows, axis=1))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered")  # 3e38 / 1e-5 is inf in float32, as on the GPU
+def test_the_smallest_sampling_temperature_with_extreme_logits_picks_the_maximum():
+    """At MIN_TEMPERATURE (below it SamplingParams makes a request greedy) logits of any finite size
+    divide to values the Gumbel noise (|G| <= 16.7) cannot reorder, and never to NaN."""
+    logits = np.array([[5.0, 0.0, 3e38, -3e38, 1e-30], [0.0, -2.0, 1.0, 0.5, -1e38]], np.float32)
+    rows = len(logits)
+    tokens = _sample(logits, np.full(rows, MIN_TEMPERATURE), np.arange(rows), np.zeros(rows))
+    assert tokens.tolist() == [2, 2]
 
 
 @pytest.mark.parametrize("pick", GREEDY)

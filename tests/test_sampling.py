@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from numba_vllm.engine.sampling import SamplingParams, sample, sampling_probs
+from numba_vllm.engine.sampling import MIN_TEMPERATURE, SamplingParams, sample, sampling_probs
 
 
 @pytest.mark.parametrize(
@@ -32,6 +32,22 @@ def test_defaults_and_normalisation():
     p = SamplingParams(stop="###", top_k=-1)
     assert p.stop == ["###"] and p.top_k == 0 and p.temperature == 1.0 and p.max_tokens == 16
     assert SamplingParams(temperature=0).greedy
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-40, 9.9e-6])
+def test_temperatures_below_the_epsilon_are_greedy(temperature):
+    p = SamplingParams(temperature=temperature)
+    assert p.greedy and p.temperature == 0.0
+    logits = np.array([0.0, 1.0, 3e38, -3e38, 2.0], np.float32)
+    assert sample(logits, p, np.random.default_rng(0)) == 2
+
+
+@pytest.mark.parametrize("temperature", [MIN_TEMPERATURE, 1e-3, 1e5])
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.5)])
+def test_finite_logits_never_give_nan_probabilities(temperature, top_k, top_p):
+    logits = np.array([0.0, 3.4e38, -3.4e38, 1e-30, 3.3e38, -1.0], np.float32)
+    probs = sampling_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
+    assert np.isfinite(probs).all() and probs.sum() == pytest.approx(1.0) and probs.argmax() == 1
 
 
 def test_greedy_is_argmax():

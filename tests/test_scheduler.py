@@ -1,4 +1,6 @@
 """Scheduler policy, exact on the CPU: FIFO admission, slots, chunked prefill, preemption, abort.
+These run with prefix caching off (`PageAllocator`'s default); tests/test_prefix_cache.py has the
+same policy with it on, and the randomized simulation here runs both ways.
 
 A fake model stands in for the runner: the token it "samples" depends only on the request's known
 tokens, so a request must produce the same tokens whatever else runs and however often it is
@@ -8,7 +10,7 @@ preempted; and a fake cache checks that every token a sequence attends to is sti
 import numpy as np
 import pytest
 
-from numba_vllm.engine.kv_cache import NULL_PAGE_ID, PageAllocator
+from numba_vllm.engine.kv_cache import NULL_PAGE_ID, PageAllocator, pages_for_tokens
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler, SchedulerStalledError, StepPlan
@@ -28,26 +30,45 @@ def next_token(token_ids: list[int]) -> int:
     return (sum(t * (i + 1) for i, t in enumerate(token_ids)) * 7919 + len(token_ids)) % 1000
 
 
-class FakeModel:
-    """Runs a plan: writes (request id, position, token) at each kv index, checks every attended
-    token is still in place, and samples `next_token` where the plan samples."""
+def prefix_keys(token_ids: list[int]) -> list[int]:
+    """Entry i names token_ids[: i + 1], the tokens the K/V at position i depends on (a chained
+    Python hash: an independent stand-in for the engine's SHA-256 page hashes)."""
+    keys, key = [], 0
+    for token in token_ids:
+        key = hash((key, token))
+        keys.append(key)
+    return keys
 
-    def __init__(self, num_pages: int) -> None:
-        self.cache: list[tuple[str, int, int] | None] = [None] * (num_pages * PAGE_SIZE)
+
+class FakeModel:
+    """Runs a plan: writes (position, prefix key) at each kv index as the K/V of that prefix, checks
+    that every attended position still holds its own prefix's K/V (whoever wrote it: with prefix
+    caching another request may have), and samples `next_token` where the plan samples. Given the
+    allocator, it also checks that no write lands in a page another block table holds or the
+    prefix cache lists: such a page may be read by someone else."""
+
+    def __init__(self, num_pages: int, allocator: PageAllocator | None = None) -> None:
+        self.cache: list[tuple[int, int] | None] = [None] * (num_pages * PAGE_SIZE)
+        self.allocator = allocator
 
     def run(self, plan: StepPlan) -> dict[str, int]:
         sampled = {}
         for seq in plan.sequences:
             request = seq.request
+            known = request.all_token_ids[: seq.context_len]
+            keys = prefix_keys(known)
             indices = kv_indices(seq.page_ids, positions(seq))  # where the runner writes the new tokens' K/V
             assert len(indices) == seq.num_new_tokens
             for pos, token, index in zip(positions(seq), seq.token_ids, indices, strict=True):
-                assert index // PAGE_SIZE != NULL_PAGE_ID
-                self.cache[index] = (request.request_id, int(pos), token)
-            known = request.all_token_ids[: seq.context_len]
+                page_id = index // PAGE_SIZE
+                assert page_id != NULL_PAGE_ID and token == known[pos]
+                if self.allocator is not None:
+                    assert self.allocator.ref_count(page_id) == 1, f"write into page {page_id}, which others hold"
+                    assert not self.allocator.is_cached(page_id), f"write into page {page_id}, which the prefix cache lists"
+                self.cache[index] = (int(pos), keys[pos])
             for pos in range(seq.context_len):  # attention reads the whole context through the block table
                 page_id = seq.page_ids[pos // PAGE_SIZE]
-                assert self.cache[page_id * PAGE_SIZE + pos % PAGE_SIZE] == (request.request_id, pos, known[pos])
+                assert self.cache[page_id * PAGE_SIZE + pos % PAGE_SIZE] == (pos, keys[pos]), (request.request_id, pos)
             if seq.samples:
                 sampled[request.request_id] = next_token(known)
         return sampled
@@ -304,17 +325,23 @@ def engine_stops(output: list[int], num_tokens: int, max_tokens: int, max_model_
     return output[-1] % 50 == 0 or len(output) >= max_tokens or num_tokens >= max_model_len
 
 
+@pytest.mark.parametrize("caching", [False, True], ids=["no-cache", "prefix-cache"])
 @pytest.mark.parametrize("scheduling", ["continuous", "static"])
 @pytest.mark.parametrize(
     "seed, num_pages, max_num_seqs, budget, max_model_len",
     [(0, 12, 4, 24, 100), (1, 7, 8, 16, 200), (2, 40, 16, 64, 128), (3, 9, 3, 7, 90), (4, 6, 5, 100, 64)],
 )
-def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max_num_seqs, budget, max_model_len, scheduling):
+def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max_num_seqs, budget, max_model_len, scheduling,
+                                                            caching):  # fmt: skip
+    """Random arrivals, lengths and aborts. More often than not a prompt is a string of pages drawn
+    from two 16-token blocks, so with prefix caching requests share pages (and preempted ones find
+    theirs), and equal pages often follow different prefixes: only a chained hash tells them apart."""
     rng = np.random.default_rng(seed)
-    allocator = PageAllocator(num_pages)
+    allocator = PageAllocator(num_pages, enable_caching=caching)
     limit = min(max_model_len, (num_pages - 1) * PAGE_SIZE)  # as capacity planning shrinks it
     scheduler = Scheduler(max_num_seqs, budget, allocator, limit, scheduling=scheduling)
-    model = FakeModel(num_pages)
+    model = FakeModel(num_pages, allocator)
+    blocks = [rng.integers(0, 1000, PAGE_SIZE).tolist() for _ in range(2)]
     requests: dict[str, Request] = {}
     finished: list[str] = []
     num_preemptions = 0
@@ -323,6 +350,10 @@ def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max
             request_id = f"r{len(requests)}"
             num_prompt_tokens = int(rng.integers(1, 80))
             request = make_request(request_id, num_prompt_tokens, int(rng.integers(1, 40)), int(rng.integers(1000)))
+            if rng.random() < 0.6:  # the same length, made of blocks
+                pages = [blocks[int(rng.integers(len(blocks)))] for _ in range(pages_for_tokens(num_prompt_tokens))]
+                prompt = [t for page in pages for t in page][:num_prompt_tokens]
+                request = Request(request_id, prompt, request.sampling_params, request.arrival_index)
             if num_prompt_tokens + 1 > limit:
                 with pytest.raises(ValueError):
                     scheduler.add(request)
@@ -361,6 +392,8 @@ def test_randomized_simulation_loses_and_duplicates_nothing(seed, num_pages, max
             assert request.output_token_ids == expected, request.request_id
     if seed in (0, 1, 3, 4):  # small pools: preemption must have happened
         assert num_preemptions > 0
+    if caching:
+        assert scheduler.prefix_cache.num_hits > 0
 
 
 # ---- static batching ---------------------------------------------------------------------------

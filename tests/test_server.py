@@ -24,7 +24,6 @@ pytest.importorskip("uvicorn")
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-import uvicorn  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
 from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
@@ -33,7 +32,7 @@ from numba_vllm.cli import main  # noqa: E402
 from numba_vllm.engine.stats import EngineStats  # noqa: E402
 from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path  # noqa: E402
 from numba_vllm.model.config import ModelConfig  # noqa: E402
-from numba_vllm.server import Server, create_app  # noqa: E402
+from numba_vllm.server import Server, create_app, server_config  # noqa: E402
 from numba_vllm.server.metrics import ServerMetrics, parse_metrics  # noqa: E402
 
 TINY_NAME = "tiny"
@@ -44,10 +43,10 @@ M = "numba_vllm:"
 class ServerThread:
     """uvicorn + the app in a thread of this process, on an OS-chosen loopback port."""
 
-    def __init__(self, engine, names, **app_args):
-        config = uvicorn.Config(create_app(engine, names, **app_args), host="127.0.0.1", port=0, log_level="warning")
+    def __init__(self, engine, names, sock=None, **app_args):
+        config = server_config(create_app(engine, names, **app_args), "127.0.0.1", 0, log_level="warning")
         self.server = Server(config, shutdown_timeout=5)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock] if sock else None}, daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -125,9 +124,10 @@ def test_models_health_and_metrics(tiny):
 def test_metrics_text_from_engine_stats_and_events_in_a_registry_per_server():
     stats = EngineStats(
         num_running=3, num_waiting=2, num_free_slots=5, num_pages=40, num_pages_used=10, num_pages_free=30,
-        num_preemptions=4, num_steps=99, max_model_len=640,
+        num_preemptions=4, num_steps=99, max_model_len=640, prefix_caching=True, num_cached_pages=6,
+        num_prefix_cache_queries=500, num_prefix_cache_hits=320,
     )  # fmt: skip
-    a, b = ServerMetrics(stats), ServerMetrics(stats)  # two in one process: no clash
+    a, b = ServerMetrics(stats, TINY_NAME), ServerMetrics(stats, TINY_NAME)  # two in one process: no clash
     a.prompt_tokens.inc(7)
     a.finished.labels("length").inc()
     for seconds in (0.003, 0.03, 3.0):
@@ -135,17 +135,19 @@ def test_metrics_text_from_engine_stats_and_events_in_a_registry_per_server():
     text = a.render().decode()
     assert "_created" not in text
     m = parse_metrics(text)
-    assert {k.removeprefix(M): v for k, v in m.items() if "_seconds" not in k} == {
+    assert {k.removeprefix(M): v for k, v in m.items() if k.startswith(M) and "_seconds" not in k} == {
         "num_requests_running": 3, "num_requests_waiting": 2, "kv_cache_pages_used": 10, "kv_cache_pages_free": 30,
         "kv_cache_pages_total": 40, "kv_cache_usage_perc": 0.25, "num_preemptions_total": 4, "engine_steps_total": 99,
+        "kv_cache_pages_cached": 6, "prefix_cache_queries_total": 500, "prefix_cache_hits_total": 320,
         "prompt_tokens_total": 7, "generation_tokens_total": 0, 'request_success_total{finished_reason="stop"}': 0,
         'request_success_total{finished_reason="length"}': 1, 'request_success_total{finished_reason="abort"}': 0,
+        'request_success_total{finished_reason="error"}': 0, "engine_failed_steps_total": 0,
     }  # fmt: skip
     ttft = M + "time_to_first_token_seconds"
     assert [m[f'{ttft}_bucket{{le="{le}"}}'] for le in ("0.001", "0.005", "0.04", "2.5", "5.0", "+Inf")] == [0, 1, 2, 2, 3, 3]
     assert m[ttft + "_count"] == 3 and m[ttft + "_sum"] == pytest.approx(3.033)
     assert parse_metrics(b.render().decode())[M + "prompt_tokens_total"] == 0
-    b.set_engine_stats(EngineStats(0, 0, 8, 40, 0, 40, 4, 120, 640))
+    b.set_engine_stats(EngineStats(0, 0, 8, 40, 0, 40, 4, 120, 640, True, 0, 0, 0))
     assert parse_metrics(b.render().decode())[M + "engine_steps_total"] == 120
 
 
@@ -174,6 +176,30 @@ def test_greedy_and_seeded_completions_match_llm_generate(tiny, ref):
         assert streamed == want
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
         assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_cached_prompt_tokens_are_reported_in_usage_and_metrics(tiny, ref):
+    """A 40-token prompt sent again finds its 2 full pages in the prefix cache: usage says 32 cached
+    prompt tokens (OpenAI's prompt_tokens_details.cached_tokens), streamed or not; the metrics count
+    the lookups and hits in tokens."""
+    prompt = [77] * 40  # no other test sends it
+    client = tiny.client()
+    before = tiny.wait_idle()
+    want = ref(prompt, max_tokens=3, temperature=0)
+    cached = []
+    for _ in range(2):
+        r = client.completions.create(model=TINY_NAME, prompt=prompt, max_tokens=3, temperature=0,
+                                      extra_body={"return_token_ids": True})  # fmt: skip
+        assert _ids(r.choices[0]) == want
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    stream = client.completions.create(model=TINY_NAME, prompt=[prompt, prompt], max_tokens=3, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})  # fmt: skip
+    usage = list(stream)[-1].usage
+    assert cached == [0, 32] and usage.prompt_tokens_details.cached_tokens == 2 * 32 and usage.prompt_tokens == 80
+    after = tiny.wait_idle()
+    assert after[M + "prefix_cache_queries_total"] - before[M + "prefix_cache_queries_total"] == 4 * 40
+    assert after[M + "prefix_cache_hits_total"] - before[M + "prefix_cache_hits_total"] == 3 * 32
+    assert after[M + "kv_cache_pages_cached"] >= 2
 
 
 def test_batched_prompts_in_one_request(tiny, ref):
@@ -294,7 +320,7 @@ def test_bad_input_gets_a_4xx_and_does_not_disturb_a_running_request(tiny, ref):
             for _ in range(40):
                 yield b" " * 65536
 
-        r = http.post("/v1/completions", content=chunked())
+        r = http.post("/v1/completions", content=chunked(), headers={"content-type": "application/json"})
         assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
     client = tiny.client()
     with pytest.raises(openai.NotFoundError) as e:
@@ -402,6 +428,10 @@ def test_chat_streamed_and_not_match_llm_chat(smol):
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
     assert r.choices[0].finish_reason == want.finish_reason == "length" and r.object == "chat.completion"
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+    # The fixture's own llm.chat of this conversation cached every full page of the prompt; the last
+    # token is always computed, so a prompt of n tokens finds 16 * ((n - 1) // 16) of them.
+    cached = 16 * ((len(want.prompt_token_ids) - 1) // 16)
+    assert cached > 0 and r.usage.prompt_tokens_details.cached_tokens == cached
     stream = client.chat.completions.create(
         model="smollm2", messages=conversation, max_tokens=6, temperature=0, stream=True, stream_options={"include_usage": True}
     )
@@ -410,6 +440,7 @@ def test_chat_streamed_and_not_match_llm_chat(smol):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert chunks[-1].usage.completion_tokens == 6 and all(c.id == chunks[0].id for c in chunks)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
 
 
 def test_text_completion_on_smollm2(smol):

@@ -57,3 +57,16 @@ def write_checkpoint(path: Path, config_dict: dict, weights: dict[str, np.ndarra
     (path / "config.json").write_text(json.dumps(config_dict))
     save_safetensors(path / "model.safetensors", weights, {"format": "pt"})
     return path
+
+
+def write_chat_checkpoint(path: Path, **overrides) -> Path:
+    """A tiny random checkpoint that takes text: test_tokenizer's byte-level BPE (268 ids, its ChatML
+    template, <|im_end|> as EOS) and a model whose vocabulary matches it."""
+    from test_tokenizer import CHATML, byte_level_json
+
+    cfg = tiny_config_dict(vocab_size=268, bos_token_id=262, eos_token_id=267, **overrides)
+    write_checkpoint(path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    (path / "tokenizer.json").write_text(byte_level_json())
+    tokenizer_config = {"chat_template": CHATML, "bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>"}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    return path

@@ -8,6 +8,13 @@ q read and out written once (f32); the block tables are noise. ``flops``: 2 per 
 Q K^T and of P V (causal: only the visible keys). The ``torch`` callables run PyTorch's
 ``scaled_dot_product_attention`` (flash kernels, tensor cores) in bf16 on K/V gathered into
 contiguous tensors beforehand (gather not timed): the best case a paged kernel is compared with.
+
+Prefill cases run each of ``PREFILL_ATTENTIONS`` (``cuda_cores``: ``prefill_attention``;
+``tensor_cores``: ``prefill_attention_tc``, named ``prefill_attention_tc_*``) on the same inputs:
+prompts of 2048, 8 x 512 and 16384 tokens, and a 2048-token chunk after a 14,000-token cached
+prefix (chunked prefill of a long prompt), for which torch attends with a lower-right causal mask
+over K/V expanded to all 32 heads (``causal_lower_right`` with GQA is not a flash path in every
+torch version).
 """
 
 from __future__ import annotations
@@ -17,9 +24,9 @@ from numba import cuda
 
 from numba_vllm.bench.kernels import torch_or_none
 from numba_vllm.kernels.decode_attention import decode_attention
-from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.loading.bf16 import bf16_from_bits, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
+from numba_vllm.model.llama import PREFILL_ATTENTIONS
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64  # Llama 3.2 1B
 
@@ -86,38 +93,59 @@ def decode_case(batch: int, context: int, seed: int = 0) -> dict:
     }
 
 
-def prefill_case(num_seqs: int, prompt: int, seed: int = 0) -> dict:
+def prefill_case(num_seqs: int, prompt: int, start: int = 0, kernel: str = "cuda_cores", seed: int = 0) -> dict:
+    """``num_seqs`` sequences of ``prompt`` new tokens each after ``start`` cached ones, attended by
+    the ``kernel`` of ``PREFILL_ATTENTIONS``."""
     rng = np.random.default_rng(seed)
-    k_cache, v_cache, tables = _random_cache(rng, [prompt] * num_seqs)
+    context = start + prompt
+    k_cache, v_cache, tables = _random_cache(rng, [context] * num_seqs)
     tokens = num_seqs * prompt
     q = cuda.to_device(rng.standard_normal((tokens, NUM_HEADS, HEAD_DIM), np.float32))
     out = cuda.device_array((tokens, NUM_HEADS, HEAD_DIM), np.float32)
     block_tables = cuda.to_device(tables)
     cu_seqlens = cuda.to_device(np.arange(0, tokens + 1, prompt, dtype=np.int32))
-    start_pos = cuda.to_device(np.zeros(num_seqs, np.int32))
+    start_pos = cuda.to_device(np.full(num_seqs, start, np.int32))
     scale = 1.0 / np.sqrt(HEAD_DIM)
+    attention = PREFILL_ATTENTIONS[kernel]
 
     def run():
-        prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, out, max_new_tokens=prompt)
+        attention(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale, out, max_new_tokens=prompt)
 
     torch_run = None
     torch = torch_or_none()
     if torch is not None:
-        kt, vt = _gathered_torch(torch, k_cache, v_cache, tables, prompt)
+        kt, vt = _gathered_torch(torch, k_cache, v_cache, tables, context)
         qt = torch.randn(num_seqs, NUM_HEADS, prompt, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if start == 0:
 
-        def torch_run():
-            torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
+            def torch_run():
+                sdpa(qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True)
 
-    visible = num_seqs * prompt * (prompt + 1) // 2  # (query, key) pairs under the causal mask
+        else:
+            from torch.nn.attention.bias import causal_lower_right
+
+            group = NUM_HEADS // NUM_KV_HEADS
+            kt, vt = kt.repeat_interleave(group, dim=1), vt.repeat_interleave(group, dim=1)
+            mask = causal_lower_right(prompt, context)
+
+            def torch_run():
+                sdpa(qt, kt, vt, attn_mask=mask, scale=scale)
+
+    visible = num_seqs * (prompt * start + prompt * (prompt + 1) // 2)  # (query, key) pairs under the causal mask
+    prefix = f"_after{start}" if start else ""
+    name = "prefill_attention" if kernel == "cuda_cores" else "prefill_attention_tc"
     return {
-        "name": f"prefill_attention_{num_seqs}x{prompt}",
-        "shape": f"S{num_seqs} new{prompt} H{NUM_HEADS}/{NUM_KV_HEADS} HD{HEAD_DIM}",
+        "name": f"{name}_{num_seqs}x{prompt}{prefix}",
+        "shape": f"S{num_seqs} new{prompt} cached{start} H{NUM_HEADS}/{NUM_KV_HEADS} HD{HEAD_DIM}",
         "run": run,
-        "bytes": 2 * tokens * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * tokens * NUM_HEADS * HEAD_DIM * 4,
+        "bytes": 2 * num_seqs * context * NUM_KV_HEADS * HEAD_DIM * 2 + 2 * tokens * NUM_HEADS * HEAD_DIM * 4,
         "flops": 4 * NUM_HEADS * HEAD_DIM * visible,
         "torch": torch_run,
     }
+
+
+PREFILL_SHAPES = [(1, 2048, 0), (8, 512, 0), (1, 16384, 0), (1, 2048, 14000)]  # (sequences, new tokens, cached)
 
 
 def cases() -> list[dict]:
@@ -126,6 +154,4 @@ def cases() -> list[dict]:
         decode_case(1, 1024),
         decode_case(1, 256),  # a short chat at batch 1: the context split over the GPU
         decode_case(256, 512),
-        prefill_case(1, 2048),
-        prefill_case(8, 512),
-    ]
+    ] + [prefill_case(*shape, kernel=kernel) for shape in PREFILL_SHAPES for kernel in PREFILL_ATTENTIONS]

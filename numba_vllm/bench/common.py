@@ -101,6 +101,7 @@ class EngineOptions:
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False  # cuda: no CUDA graphs (where the engine has them)
     async_scheduling: bool = True  # overlapped scheduling (where the engine has it)
+    enable_prefix_caching: bool = True  # reuse cached prompt-prefix pages (where the engine has them)
 
     def engine_config(self, max_model_len: int, scheduling: str | None = None) -> EngineConfig:
         kwargs = dict(
@@ -125,6 +126,8 @@ class EngineOptions:
             raise BenchError("--enforce-eager needs EngineConfig.enforce_eager, which this engine does not have")
         if engine_config_has("async_scheduling"):
             kwargs["async_scheduling"] = self.async_scheduling
+        if engine_config_has("enable_prefix_caching"):
+            kwargs["enable_prefix_caching"] = self.enable_prefix_caching
         return EngineConfig(**kwargs)
 
     def to_dict(self) -> dict:

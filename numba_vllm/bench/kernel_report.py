@@ -92,6 +92,7 @@ GEMV_FUSIONS = (("", "False, False"), (" norm", "True, False"), (" norm+silu", "
 # and 128 (SmolLM2-135M: group 3), and the tiny test models.
 DECODE_CONFIGS = ((1, 64), (3, 64), (4, 64), (8, 64), (4, 128), (8, 128), (2, 16), (2, 8))
 PREFILL_CONFIGS = ((1, 64), (4, 64), (8, 64), (4, 128), (2, 16), (2, 8))
+PREFILL_TC_CONFIGS = tuple((g, hd) for g, hd in PREFILL_CONFIGS if hd >= 16)  # (head dims 16..128, multiples of 16)
 # Decode attention with group <= 4 is capped at 128 registers (its MAX_REGISTERS): at group 4 a 4th
 # block per SM for ~60 bytes of spills (L1-resident), measured faster on an H200 than 160 registers.
 DECODE_SPILL_BUDGET = 64
@@ -129,6 +130,12 @@ REGISTRY: tuple[KernelVariant, ...] = (
         KernelVariant("prefill_attention", f"g{g} hd{hd}", f"prefill_attention:prefill_attention_kernel_for({g}, {hd})",
                       PREFILL_SIG, "THREADS")  # fmt: skip
         for g, hd in PREFILL_CONFIGS
+    ),
+    *(  # the launcher's default tiling for the head dim (default_tiling)
+        KernelVariant("prefill_attention_tc", f"g{g} hd{hd}",
+                      f"prefill_attention_tc:prefill_attention_tc_kernel_for({g}, {hd}, *default_tiling({hd}))",
+                      PREFILL_SIG, "THREADS")  # fmt: skip
+        for g, hd in PREFILL_TC_CONFIGS
     ),
     KernelVariant("rope", "", "rope:rope_kernel", ROPE_SIG, "WARP_SIZE * ROPE_MAX_WARPS"),
     KernelVariant("rms_norm", "", "rmsnorm:rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)", "RMSNORM_MAX_THREADS"),

@@ -1,18 +1,20 @@
-"""Benchmark cases for the matrix products (gemv.py, gemm.py, gemm_tc.py), timed by `numba-vllm bench kernels`.
+"""Benchmark cases for the matrix products (gemv, gemm, gemm_tc, gemm_wgmma), timed by `numba-vllm bench kernels`.
 
     numba-vllm bench kernels --only gemv           # the harness (kernels.py): CUPTI kernel time, L2 flushed
     python benchmarks/bench_matmul.py               # `main` below: same timing, plus the gemv/gemm crossover
 
 Shapes are Llama 3.2 1B's (hidden 2048, MLP 8192, vocabulary 128256): W (N, K) = 2048x2048
 (q/o_proj), 8192x2048 (gate/up), 2048x8192 (down_proj), 128256x2048 (the head), at batch 1, 8 and
-32 for gemv, one prefill-sized product for gemm and gemm_tc (M = 4096 tokens), and gemm_tc at 128,
-256 and 512 rows on every weight shape. ``bytes`` is the least a
+32 for gemv, one prefill-sized product for gemm, gemm_tc and gemm_wgmma (M = 4096 tokens), and
+gemm_tc and gemm_wgmma at 64, 128, 256 and 512 rows (decode batches past gemv, a short prefill) on
+every weight shape and on the fused gate/up projection (16384x2048). ``bytes`` is the least a
 kernel must move: the weights once, x once, out once. ``flops`` = 2 M N K.
 
 The torch comparison does the nearest op torch has: ``F.linear`` on bf16 activations and bf16
-weights for gemv and gemm_tc (same weight bytes; cuBLAS picks its GEMV, or its tensor-core GEMM,
-which skips the fp32 -> bf16 rounding of x that gemm_tc does in-kernel), and float32 x float32 for
-gemm (cuBLAS SGEMM, the same FMA units our kernel uses).
+weights for gemv, gemm_tc and gemm_wgmma (same weight bytes; cuBLAS picks its GEMV, or its
+tensor-core GEMM, which skips the fp32 -> bf16 rounding of x that gemm_tc does in-kernel and
+gemm_wgmma in a kernel of its own, counted in its time), and float32 x float32 for gemm (cuBLAS
+SGEMM, the same FMA units our kernel uses).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from numba import cuda
 from numba_vllm.bench.kernels import torch_or_none
 from numba_vllm.kernels.gemm import gemm
 from numba_vllm.kernels.gemm_tc import gemm_tc
+from numba_vllm.kernels.gemm_wgmma import gemm_wgmma
 from numba_vllm.kernels.gemv import MAX_TOKENS as GEMV_MAX_ROWS
 from numba_vllm.kernels.gemv import gemv
 from numba_vllm.loading.bf16 import BF16, upload_bf16
@@ -32,7 +35,8 @@ GEMV_BATCHES = [1, 8, 32]
 GEMM_SHAPE = (4096, 8192, 2048)  # (M, N, K)
 CROSSOVER_SHAPE = (8192, 2048)  # (N, K) for gemv vs gemm at M = 8..64
 CROSSOVER_TOKENS = [8, 16, 32, 64, 128]
-TC_TOKENS = [128, 256, 512]  # gemm_tc rows on the weight shapes: decode batches past gemv, a short prefill
+TC_TOKENS = [64, 128, 256, 512]  # tensor-core GEMM rows on the weight shapes: decode batches past gemv, a short prefill
+TC_WEIGHT_SHAPES = WEIGHT_SHAPES + [(16384, 2048)]  # + gate/up fused (N, K)
 _WEIGHTS: dict = {}  # (N, K) -> (host bf16, device bf16): one upload per weight shape
 
 
@@ -71,8 +75,8 @@ def _case(name: str, launcher, m: int, n: int, k: int, torch, torch_dtype, seed:
 
 
 def cases() -> list[dict]:
-    """gemv at batch 1/8/32 on the four weight shapes; gemm and gemm_tc at M=4096, N=8192, K=2048;
-    gemm_tc at M = 128 and 256 (large decode batches) and 512 (a short prefill) on the weight shapes."""
+    """gemv at batch 1/8/32 on the four weight shapes; gemm, gemm_tc and gemm_wgmma at M=4096, N=8192,
+    K=2048; gemm_tc and gemm_wgmma at M = 64 .. 512 on the weight shapes and the gate/up projection."""
     torch = torch_or_none()
     bf16 = None if torch is None else torch.bfloat16
     f32 = None if torch is None else torch.float32
@@ -83,9 +87,11 @@ def cases() -> list[dict]:
     m, n, k = GEMM_SHAPE
     out.append(_case("gemm", gemm, m, n, k, torch, f32, seed=1))
     out.append(_case("gemm_tc", gemm_tc, m, n, k, torch, bf16, seed=1))
-    for n, k in WEIGHT_SHAPES:
+    out.append(_case("gemm_wgmma", gemm_wgmma, m, n, k, torch, bf16, seed=1))
+    for n, k in TC_WEIGHT_SHAPES:
         for m in TC_TOKENS:
             out.append(_case(f"gemm_tc_m{m}", gemm_tc, m, n, k, torch, bf16, seed=n + k + m))
+            out.append(_case(f"gemm_wgmma_m{m}", gemm_wgmma, m, n, k, torch, bf16, seed=n + k + m))
     return out
 
 

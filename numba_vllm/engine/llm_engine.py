@@ -40,13 +40,18 @@ from numba_vllm.engine.output import OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler, StepPlan
-from numba_vllm.engine.stats import EngineStats, collect_stats
+from numba_vllm.engine.stats import EngineStats, StepStats, collect_stats, step_stats
 from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
 WARM_UP_GRAPH_TOKENS = 4096  # `warm_up` records decode graphs for sequences up to this long; longer ones on first use
 
 _STATUS_OF_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+class StepFailedError(RuntimeError):
+    """`LLM.generate` / `LLM.chat`: a step failed, and with it a request of the call (the engine
+    itself stays usable; `LLMEngine.step` explains)."""
 
 
 class LLMEngine:
@@ -62,15 +67,20 @@ class LLMEngine:
         # Capacity (KV pages, max_model_len, step size) is decided once, as the runner is built.
         self.runner, self.capacity = create_runner(checkpoint, ec, self.backend)
         self.lengths = LengthPolicy(self.capacity.max_model_len, self.config.vocab_size)
-        allocator = PageAllocator(self.capacity.num_pages)
+        allocator = PageAllocator(self.capacity.num_pages, enable_caching=ec.enable_prefix_caching)
+        cap = self.capacity
         self.scheduler = Scheduler(
-            ec.max_num_seqs, ec.max_num_batched_tokens, allocator, self.capacity.max_model_len, scheduling=ec.scheduling
-        )
+            ec.max_num_seqs, cap.max_num_batched_tokens, allocator, cap.max_model_len, scheduling=ec.scheduling,
+            long_prefill_token_threshold=cap.long_prefill_token_threshold, cache_key=prefix_cache_key(checkpoint),
+        )  # fmt: skip
         self._builders: dict[str, OutputBuilder] = {}
         self._in_flight: _Flight | None = None  # launched, its tokens not collected yet
+        self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
         self.num_steps = 0
         self.num_preemptions = 0  # requests that lost their pages and recomputed, over the engine's life
+        self.num_failed_steps = 0  # steps whose runner raised (their requests failed), over the engine's life
+        self.last_step_error: Exception | None = None  # what the last failed step raised
 
     @property
     def max_model_len(self) -> int:
@@ -122,31 +132,66 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step of the batch; return the outputs that got a token (see the module docstring:
-        with overlapped scheduling, those of the step launched by the previous call)."""
+        """Run one step of the batch; return the outputs that got a token, and those that failed
+        (with overlapped scheduling, those of the step launched by the previous call: see the module
+        docstring).
+
+        A step whose runner raises (at launch or at collect) fails the requests it scheduled, and
+        only those: each ends with finish_reason "error" and `RequestOutput.error` saying why (the
+        exception is kept in `last_step_error`), its pages and slot freed; requests that were
+        waiting or preempted are untouched, and the scheduler is ready for the next step. Retrying
+        the same batch could fail the same way forever, so the engine gives those requests up. A
+        KeyboardInterrupt fails nobody: a step interrupted as it launches is dropped as if it never
+        ran, and a step whose tokens were being waited for is collected by the next call (the step
+        launched after it is dropped: it is recomputed); the interrupt goes on.
+        """
         previous, self._in_flight = self._in_flight, None
-        current = self._launch(previous)
-        outputs = self._complete(previous) if previous is not None else []
-        if current is not None:
-            self.scheduler.update(current.plan, {s.request.request_id: None for s in current.plan.sequences if s.samples})
-            if self.engine_config.async_scheduling and current.handle is not None and current.handle.feeds_next:
-                self._in_flight = current
-            else:
-                outputs += self._complete(current)
-        return outputs
+        ahead = previous is None or previous.feeds_next  # may the next step be launched before it is collected?
+        try:
+            current = self._launch(previous) if ahead else None
+        except BaseException:  # interrupted: nothing new runs, the step in flight stays
+            self._in_flight = previous
+            raise
+        try:
+            outputs = self._complete(previous) if previous is not None else []
+        except BaseException:  # interrupted while waiting for it: collected by the next call, before anything else
+            if current is not None and current.error is None:
+                self.scheduler.discard(current.plan)
+            previous.interrupted = True
+            self._in_flight = previous
+            raise
+        if not ahead:
+            current = self._launch(None)
+        if current is None:
+            return outputs
+        if current.error is not None:
+            return _unique(outputs + self._fail_step(current.plan, current.error))
+        self.scheduler.update(current.plan, {s.request.request_id: None for s in current.plan.sequences if s.samples})
+        if self.engine_config.async_scheduling and current.feeds_next:
+            self._in_flight = current
+            return outputs
+        return _unique(outputs + self._complete(current))
 
     def _launch(self, previous: _Flight | None) -> _Flight | None:
         """Schedule the next step (holding out the requests `previous` finishes) and launch it, its
-        unknown tokens fed from `previous`; None when there is nothing to run yet."""
+        unknown tokens fed from `previous`; None when there is nothing to run yet. A launch that raises
+        drops the plan (`Scheduler.discard`) and returns it with the error."""
         plan = self.scheduler.schedule(hold=self._finishing(previous) if previous is not None else ())
         if plan.is_empty and not plan.preempted_request_ids:  # nothing, or only requests finishing in flight
             self.scheduler.update(plan, {})
             return None
+        self._last_plan = (self.num_steps, plan)
         if self.engine_config.verbose:
-            print(f"step {self.num_steps}:", *plan.describe(), sep="\n", file=sys.stderr)
+            print(f"step {self.num_steps}:", *plan.describe(self.scheduler.allocator), sep="\n", file=sys.stderr)
+        try:
+            handle = None if plan.is_empty else self.runner.launch(plan, previous.handle if previous is not None else None)
+        except BaseException as e:
+            self.scheduler.discard(plan)
+            if not isinstance(e, Exception):
+                raise
+            return _Flight(plan, None, error=e)
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_request_ids)
-        handle = None if plan.is_empty else self.runner.launch(plan, previous.handle if previous is not None else None)
         return _Flight(plan, handle)
 
     def _finishing(self, flight: _Flight) -> set[str]:
@@ -160,15 +205,20 @@ class LLMEngine:
         return ids
 
     def _complete(self, flight: _Flight) -> list[RequestOutput]:
-        """Collect a launched step's tokens; stop checks and output for each request that got one."""
+        """Collect a launched step's tokens; stop checks and output for each request that got one (a
+        collect that raises fails the step's requests)."""
         if flight.handle is None:
             return []
-        sampled = self.runner.collect(flight.handle)
+        try:
+            sampled = self.runner.collect(flight.handle)
+        except Exception as e:
+            return self._fail_step(flight.plan, e)
         updated = []
         for request in self.scheduler.fill(flight.plan, sampled):
             builder = self._builders[request.request_id]
-            builder.add(sampled[request.request_id])
             output = builder.output
+            output.num_cached_tokens = request.num_cached_tokens
+            builder.add(sampled[request.request_id])
             if output.finished:
                 self.scheduler.finish(request, _STATUS_OF_REASON[output.finish_reason])
                 self.runner.release(request.request_id)
@@ -176,12 +226,41 @@ class LLMEngine:
             updated.append(output)
         return updated
 
+    def _fail_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
+        """Fail the requests of a step whose runner raised (those not finished yet)."""
+        self.num_failed_steps += 1
+        self.last_step_error = error
+        message = f"the engine step failed: {type(error).__name__}: {error}"
+        return [self._fail(s.request, message) for s in plan.sequences if not s.request.is_finished]
+
+    def _fail(self, request: Request, message: str) -> RequestOutput:
+        """End a request whose step failed (FINISHED_ERROR): pages and slot freed, output marked."""
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self.runner.release(request.request_id)
+        builder = self._builders.pop(request.request_id)
+        builder.fail(message)
+        return builder.output
+
     # ---- state ---------------------------------------------------------------------------------
-    def stats(self, requests: bool = False) -> EngineStats:
+    def last_step(self) -> StepStats | None:
+        """What the last step ran (each slot's request, prefill or decode, tokens, pages; who was
+        preempted), as plain values built on demand; None before the first step. For timelines."""
+        if self._last_plan is None:
+            return None
+        return step_stats(self._last_plan[1], self._last_plan[0])
+
+    def stats(self, requests: bool = False, pages: bool = False) -> EngineStats:
         """A snapshot of slots, pages and counters, for readers outside the engine (server metrics,
-        banners, benchmarks); with ``requests``, also each running and waiting request. Call it on
-        the thread that steps the engine; the snapshot itself may go to any thread."""
-        return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests)
+        banners, benchmarks); with ``requests``, also each running and waiting request, and with
+        ``pages`` as well, each one's page ids. Call it on the thread that steps the engine; the
+        snapshot itself may go to any thread."""
+        return collect_stats(self.scheduler, self.num_steps, self.num_preemptions, requests, pages, self.num_failed_steps)
+
+
+def prefix_cache_key(checkpoint: Checkpoint) -> bytes:
+    """What the K/V of a token prefix depends on besides the tokens: the model (its source and its
+    config). Folded into every prefix-cache page hash."""
+    return f"{checkpoint.source}\0{checkpoint.config!r}".encode()
 
 
 class LLM:
@@ -238,7 +317,10 @@ class LLM:
         input_tokens = output_tokens = 0
         try:
             while self.engine.has_unfinished_requests():
-                updated = self.engine.step()  # each got exactly one new token
+                updated = self.engine.step()  # each got exactly one new token, or failed
+                failed = next((o for o in updated if o.finish_reason == "error"), None)
+                if failed is not None:
+                    raise StepFailedError(f"request {failed.request_id}: {failed.error}") from self.engine.last_step_error
                 if bar is not None:
                     input_tokens += sum(len(o.prompt_token_ids) for o in updated if len(o.token_ids) == 1)
                     output_tokens += len(updated)
@@ -256,12 +338,26 @@ class LLM:
                 bar.close()
 
 
-@dataclass
+@dataclass(eq=False)
 class _Flight:
-    """A launched step: its plan and the runner's handle (None for a plan that only preempted)."""
+    """A launched step: its plan and the runner's handle (None for a plan that only preempted, or
+    one whose launch raised `error`)."""
 
     plan: StepPlan
     handle: object
+    error: Exception | None = None
+    interrupted: bool = False  # an interrupt came while its tokens were awaited
+
+    @property
+    def feeds_next(self) -> bool:
+        """Whether the next step may be launched before this one is collected."""
+        return self.handle is not None and self.handle.feeds_next and not self.interrupted
+
+
+def _unique(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Each output once, in first-seen order (a request may get its token and then fail in one call)."""
+    seen = set()
+    return [o for o in outputs if not (id(o) in seen or seen.add(id(o)))]
 
 
 def _per_prompt(params, n: int) -> list[SamplingParams]:

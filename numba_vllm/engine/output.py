@@ -27,8 +27,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
-    finish_reason: str | None = None  # "stop" (stop token or string), "length", or "abort"
+    finish_reason: str | None = None  # "stop" (stop token or string), "length", "abort", or "error"
     prompt: str | None = None
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set with the first token)
+    error: str | None = None  # with finish_reason "error": what failed (the step's exception, one line)
 
     @property
     def finished(self) -> bool:
@@ -77,6 +79,11 @@ class OutputBuilder:
 
     def abort(self) -> None:
         self.output.finish_reason = "abort"
+
+    def fail(self, error: str) -> None:
+        """End the request because its step failed; the text streamed so far stays."""
+        self.output.finish_reason = "error"
+        self.output.error = error
 
     def _flush(self) -> str:
         """Text still held back once the request is over (not after a stop string)."""

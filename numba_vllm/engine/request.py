@@ -9,7 +9,9 @@ Token bookkeeping, for a request with prompt ``p`` and generated tokens ``o``:
 - ``all_token_ids = p + o`` are the known tokens, ``num_tokens`` of them;
 - the first ``num_computed_tokens`` of them have their K/V in the cache (in the pages ``page_ids``);
 - while running, ``num_computed_tokens < num_tokens``: at least the last known token (the prompt's
-  last, or the last sampled one) still has to go through the model, and doing so samples the next.
+  last, or the last sampled one) still has to go through the model, and doing so samples the next;
+- with prefix caching, the first ``num_computed_tokens`` can come from pages another request
+  computed: ``page_hashes`` names its full pages, so admission can find them (`prefix_cache.py`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "finished_stopped"  # hit an EOS id, a stop token or a stop string
     FINISHED_LENGTH = "finished_length"  # hit max_tokens or the model length
     FINISHED_ABORTED = "finished_aborted"  # aborted by the caller
+    FINISHED_ERROR = "finished_error"  # its step failed (the runner raised); the engine went on without it
 
     @property
     def is_finished(self) -> bool:
@@ -36,7 +39,7 @@ class RequestStatus(enum.Enum):
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style reason ("stop", "length", "abort"), or None while not finished."""
+        """The OpenAI-style reason ("stop", "length", "abort"; "error" for a failed step), or None while not finished."""
         return _FINISH_REASONS.get(self)
 
 
@@ -44,6 +47,7 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_STOPPED: "stop",
     RequestStatus.FINISHED_LENGTH: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
 }
 
 
@@ -62,6 +66,8 @@ class Request:
     page_ids: list[int] = field(default_factory=list)  # block table: page ids in token order
     slot: int | None = None  # batch slot while RUNNING, else None
     num_preemptions: int = 0  # times this request lost its pages and had to recompute
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
+    page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its first full pages (prefix_cache.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -116,5 +122,5 @@ class Request:
 
     @property
     def finish_reason(self) -> str | None:
-        """The OpenAI-style reason: "stop", "length" or "abort" once finished; None before."""
+        """The OpenAI-style reason: "stop", "length", "abort" or "error" once finished; None before."""
         return self.status.finish_reason

@@ -2,9 +2,12 @@
 
 `SamplingParams` says how one request picks its next tokens and when it stops. It is validated on
 construction: a bad value raises `ValueError` with one line naming the field. Temperature 0 means
-greedy (argmax). Otherwise logits are divided by the temperature, cut to the `top_k` most likely
-tokens and then to the smallest set whose probability reaches `top_p`, and one token is drawn with
-the request's own random generator, so a `seed` reproduces the same text whatever else runs beside it.
+greedy (argmax), and so does any temperature below `MIN_TEMPERATURE`, as in vLLM: it is set to 0
+here, once, so that the host and device samplers agree and neither divides by a tiny number (logits
+/ 1e-310 overflow to inf and softmax turns NaN; / a float32 subnormal ties every large logit at inf).
+Otherwise logits are divided by the temperature, cut to the `top_k` most likely tokens and then to
+the smallest set whose probability reaches `top_p`, and one token is drawn with the request's own
+random generator, so a `seed` reproduces the same text whatever else runs beside it.
 """
 
 from __future__ import annotations
@@ -14,12 +17,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+MIN_TEMPERATURE = 1e-5  # lower temperatures mean greedy (vLLM's _SAMPLING_EPS); logits / 1e-5 stay finite in float64
 
 @dataclass
 class SamplingParams:
     """How to sample one request's tokens, and when to stop."""
 
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 = greedy; below MIN_TEMPERATURE it is set to 0
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much probability
     top_k: int = 0  # keep the k most likely tokens; 0 (or -1) = all
     seed: int | None = None  # per-request random seed
@@ -36,6 +40,8 @@ class SamplingParams:
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.temperature < MIN_TEMPERATURE:
+            self.temperature = 0.0
         _check_number("top_p", self.top_p)
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")

@@ -2,7 +2,9 @@
 
 State: ``max_num_seqs`` batch slots, the ``running`` requests (in admission order) each holding a
 slot and pages, and a FIFO ``waiting`` queue. Policy, each step, under one token budget
-(``max_num_batched_tokens``) shared by prefill and decode, as in vLLM v1:
+(``max_num_batched_tokens``) shared by prefill and decode, as in vLLM v1, of which one request's
+prompt chunk takes at most ``long_prefill_token_threshold`` tokens (vLLM's name; by default the
+whole budget, less on the CPU backends, so that requests arriving during a long prefill join it):
 
 1. Running requests first, oldest admitted first: each gets its next tokens, one for decode or
    the next chunk of a prompt still being prefilled. Serving them first means admitting a new
@@ -17,6 +19,14 @@ slot and pages, and a FIFO ``waiting`` queue. Policy, each step, under one token
    FIFO order into free slots while budget and pages allow. A prompt longer than the remaining
    budget is prefilled in chunks over several steps (chunked prefill); only the step that reaches
    the last known token samples.
+
+Prefix caching (``PageAllocator(..., enable_caching=True)``, `prefix_cache.py`): when a request is
+admitted (rule 3, a static batch, or again after a preemption), the cached pages that begin its
+known tokens join its block table (their reference counts go up) and count as computed, so only the
+rest is prefilled; a preempted request so finds its own pages again unless they were evicted. Those
+free-but-cached pages count as free pages: allocating evicts the least recently used of them, so a
+request is preempted only when no free page is left, cached or not. After each step, the pages it
+filled are recorded in the cache. A shared page is always full and computed, so nobody writes it.
 
 Static batching (``scheduling="static"``), for comparison, is a plain batched ``generate``: when no
 request is running, a *batch* is formed from the head of the waiting queue, in FIFO order, up to
@@ -44,6 +54,7 @@ from dataclasses import dataclass
 
 from numba_vllm.engine.config import SCHEDULING_MODES
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
+from numba_vllm.engine.prefix_cache import PrefixCache
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.model.config import PAGE_SIZE
 
@@ -87,6 +98,7 @@ class StepPlan:
     preempted_request_ids: list[str]  # preempted this step, oldest admitted first
     num_free_pages: int  # after this step's allocations
     num_waiting: int  # requests left in the waiting queue
+    num_cached_pages: int = 0  # pages holding a reusable prefix (held or free); 0 without prefix caching
 
     @property
     def is_empty(self) -> bool:
@@ -96,17 +108,23 @@ class StepPlan:
     def num_batched_tokens(self) -> int:
         return sum(len(s.token_ids) for s in self.sequences)
 
-    def describe(self) -> list[str]:
-        """One line per slot and a summary line, for `--verbose`."""
+    def describe(self, allocator: PageAllocator | None = None) -> list[str]:
+        """One line per slot and a summary line, for `--verbose`. Given the allocator (right after
+        `schedule`), each slot also says how many of its pages other block tables share."""
         lines = []
         for s in self.sequences:
             kind = "decode " if s.is_decode else "prefill"
             end = "" if s.samples else " (chunk)"
+            shared = ""
+            if allocator is not None and allocator.enable_caching:
+                shared = f" ({sum(allocator.ref_count(p) > 1 for p in s.page_ids)} shared)"
             lines.append(
                 f"  slot {s.slot:3d}  {s.request.request_id:<12} {kind} {s.num_new_tokens:5d} tok"
-                f"  pos {s.start_position}..{s.context_len - 1}{end}  pages {len(s.page_ids)}"
+                f"  pos {s.start_position}..{s.context_len - 1}{end}  pages {len(s.page_ids)}{shared}"
             )
         summary = f"  {self.num_batched_tokens} tokens, {self.num_free_pages} free pages, {self.num_waiting} waiting"
+        if allocator is not None and allocator.enable_caching:
+            summary += f", {self.num_cached_pages} cached pages"
         if self.preempted_request_ids:
             summary += f", preempted {', '.join(self.preempted_request_ids)}"
         return lines + [summary]
@@ -122,7 +140,11 @@ class Scheduler:
         allocator: PageAllocator,
         max_model_len: int,
         scheduling: str = "continuous",
+        cache_key: bytes = b"",
+        long_prefill_token_threshold: int | None = None,
     ) -> None:
+        """With an allocator built with ``enable_caching``, prefix caching is on; ``cache_key`` names
+        what else the K/V depends on (the model), folded into every page hash."""
         limits = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens, "max_model_len": max_model_len}
         for name, value in limits.items():
             if not isinstance(value, int) or value < 1:
@@ -132,12 +154,15 @@ class Scheduler:
         self.scheduling = scheduling  # "continuous" or "static" (see the module docstring)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens  # token budget of one step
+        # the largest prompt chunk of one request in a step (None: the whole budget)
+        self.long_prefill_token_threshold = long_prefill_token_threshold or max_num_batched_tokens
         if max_model_len > allocator.num_usable_pages * PAGE_SIZE:
             raise ValueError(
                 f"max_model_len={max_model_len} does not fit the {allocator.num_usable_pages} pages of the cache: a request "
                 "must fit the whole cache alone, or preempting everyone else would not let it proceed"
             )
         self.allocator = allocator
+        self.prefix_cache = PrefixCache(allocator, cache_key) if allocator.enable_caching else None
         # The longest a request may grow (prompt + output): the engine's length policy finishes a
         # request (FINISHED_LENGTH) before it passes this, and rejects prompts that leave no room.
         self.max_model_len = max_model_len
@@ -216,7 +241,8 @@ class Scheduler:
                 held = True
                 i += 1
                 continue
-            num_new_tokens = min(request.num_tokens - request.num_computed_tokens, token_budget)
+            num_left = request.num_tokens - request.num_computed_tokens
+            num_new_tokens = min(num_left, token_budget, self.long_prefill_token_threshold)
             num_new_pages = pages_for_tokens(request.num_computed_tokens + num_new_tokens) - len(request.page_ids)
             while not self.allocator.can_allocate(num_new_pages) and request.status is RequestStatus.RUNNING:
                 victim = self.running[-1]  # the newest; possibly the request itself
@@ -232,13 +258,15 @@ class Scheduler:
         #    Static scheduling admits only whole batches, above.
         while not static and not preempted and self.waiting and self._free_slots and token_budget > 0:
             request = self.waiting[0]
-            num_new_tokens = min(request.num_tokens, token_budget)  # a waiting request has nothing computed
-            if not self.allocator.can_allocate(pages_for_tokens(num_new_tokens)):
+            cached_page_ids = self._find_cached(request)
+            num_cached_tokens = len(cached_page_ids) * PAGE_SIZE
+            num_new_tokens = min(request.num_tokens - num_cached_tokens, token_budget, self.long_prefill_token_threshold)
+            num_new_pages = pages_for_tokens(num_cached_tokens + num_new_tokens) - len(cached_page_ids)
+            # Cached pages that are free leave the free pages when shared: they count against them too.
+            if not self.allocator.can_allocate(num_new_pages + self.allocator.num_free_among(cached_page_ids)):
                 break  # strict FIFO: later requests do not overtake the head
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.slot = heapq.heappop(self._free_slots)
-            self.running.append(request)
+            self._admit(request, cached_page_ids)
             scheduled.append(self._schedule_tokens(request, num_new_tokens))
             token_budget -= num_new_tokens
 
@@ -254,15 +282,18 @@ class Scheduler:
             preempted_request_ids=[r.request_id for r in reversed(preempted)],
             num_free_pages=self.allocator.num_free_pages,
             num_waiting=len(self.waiting),
+            num_cached_pages=self.allocator.num_cached_pages,
         )
         self._plan_in_flight = plan
         return plan
 
     def update(self, plan: StepPlan, sampled_token_ids: dict[str, int]) -> list[Request]:
         """Record that ``plan`` ran: advance each request's computed tokens and append its sampled
-        token where the step sampled. Returns those requests, in plan order, for the engine to check
-        stopping rules on. Requests aborted while the step ran are skipped. A token may be None: the
-        step was only launched, and `fill` puts the token in once it is known."""
+        token where the step sampled; with prefix caching, record the full pages the step filled.
+        Returns the sampling requests, in plan order, for the engine to check stopping rules on.
+        Requests aborted while the step ran are skipped. A token may be None: the step was only
+        launched, and `fill` puts the token in once it is known (before the next `update`, so the
+        pages recorded then hold known tokens only)."""
         if plan is not self._plan_in_flight:
             raise ValueError("update() needs the plan returned by the last schedule()")
         # Check everything before changing anything, so a bad call changes nothing.
@@ -280,6 +311,8 @@ class Scheduler:
             request = seq.request
             assert request.num_computed_tokens == seq.start_position, f"request {request.request_id} moved during the step"
             request.num_computed_tokens += seq.num_new_tokens
+            if self.prefix_cache is not None and request.num_computed_tokens // PAGE_SIZE > seq.start_position // PAGE_SIZE:
+                self.prefix_cache.cache_full_pages(request, seq.start_position, request.num_computed_tokens)  # a page filled
             if seq.samples:
                 token = sampled_token_ids[request.request_id]
                 request.output_token_ids.append(None if token is None else int(token))
@@ -302,26 +335,53 @@ class Scheduler:
             filled.append(request)
         return filled
 
+    def discard(self, plan: StepPlan) -> None:
+        """Forget ``plan``: its step did not run (the runner raised). Nothing advanced, so every
+        request stays as `schedule` left it, still consistent: a request keeps the pages allocated
+        for the step (within its known tokens) and computes the same tokens when next scheduled.
+        Preempted requests stay preempted. The engine then finishes the requests it gives up on."""
+        if plan is not self._plan_in_flight:
+            raise ValueError("discard() needs the plan returned by the last schedule()")
+        self._plan_in_flight = None
+
     # ---- helpers -------------------------------------------------------------------------------
     def _form_batch(self) -> None:
-        """Static scheduling, with nothing running (so every page is free): admit the head of the
-        queue, FIFO, into slots 0, 1, ... while slots last and all the members' known tokens fit
-        the free pages together. Pages are allocated later, as rule 1 schedules each member's
-        tokens. The head always fits unless it outgrew the cache (then `schedule` reports a stall)."""
-        num_pages = 0
+        """Static scheduling, with nothing running (so every page is free, cached or not): admit the
+        head of the queue, FIFO, into slots 0, 1, ... while slots last and all the members' known
+        tokens fit the free pages together. A member's cached prefix joins its block table now; the
+        rest of its pages are allocated later, as rule 1 schedules its tokens. The head always fits
+        unless it outgrew the cache (then `schedule` reports a stall)."""
+        num_pages = 0  # pages the members admitted so far will still allocate
         members = 0
         while self.waiting and self._free_slots:
             request = self.waiting[0]
-            num_pages += pages_for_tokens(request.num_tokens)
-            if not self.allocator.can_allocate(num_pages):
+            cached_page_ids = self._find_cached(request)
+            num_new_pages = pages_for_tokens(request.num_tokens) - len(cached_page_ids)
+            if not self.allocator.can_allocate(num_pages + num_new_pages + self.allocator.num_free_among(cached_page_ids)):
                 break
+            num_pages += num_new_pages
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            request.slot = heapq.heappop(self._free_slots)
-            self.running.append(request)
+            self._admit(request, cached_page_ids)
             members += 1
         if members:
             self.num_batches += 1
+
+    def _find_cached(self, request: Request) -> list[int]:
+        """The cached pages that begin a waiting request's known tokens ([] without prefix caching)."""
+        return self.prefix_cache.find(request) if self.prefix_cache is not None else []
+
+    def _admit(self, request: Request, cached_page_ids: list[int]) -> None:
+        """A waiting request takes the lowest free slot and its cached prefix (counted as computed)."""
+        request.status = RequestStatus.RUNNING
+        request.slot = heapq.heappop(self._free_slots)
+        self.running.append(request)
+        if self.prefix_cache is not None:
+            self.allocator.share(cached_page_ids)
+            request.page_ids = list(cached_page_ids)
+            request.num_computed_tokens = len(cached_page_ids) * PAGE_SIZE
+            self.prefix_cache.count(request, request.num_computed_tokens)
+            if request.num_preemptions == 0:  # its first admission: what the caller is told
+                request.num_cached_tokens = request.num_computed_tokens
 
     def _schedule_tokens(self, request: Request, num_new_tokens: int) -> ScheduledSequence:
         """Allocate the pages ``num_new_tokens`` more tokens need and describe the request's step."""
@@ -354,22 +414,29 @@ class Scheduler:
         request.slot = None
 
     def check_invariants(self) -> None:
-        """Page and slot accounting is exact (for tests: cheap enough to call every step)."""
+        """Page and slot accounting is exact, reference counts included, and no page that another
+        request may read is ever written (for tests: cheap enough to call every step)."""
         self.allocator.check_invariants()
         assert len(set(map(id, self.running))) == len(self.running), "a request runs twice"
         assert {id(r) for r in self.running}.isdisjoint(map(id, self.waiting)), "a request both runs and waits"
         assert len(self.running) + len(self.waiting) == len(self._requests), "a request is lost or duplicated"
         assert all(self._requests.get(r.request_id) is r for r in [*self.running, *self.waiting])
-        page_ids: list[int] = []
+        holders: dict[int, int] = {}  # page id -> block tables it is in
         for r in self.running:
             assert r.status is RequestStatus.RUNNING and r.slot is not None
             assert 0 <= r.num_computed_tokens < r.num_tokens <= self.max_model_len
             assert pages_for_tokens(r.num_computed_tokens) <= len(r.page_ids) <= pages_for_tokens(r.num_tokens)
-            page_ids += r.page_ids
+            assert len(set(r.page_ids)) == len(r.page_ids), f"a page twice in {r.request_id}'s block table"
+            for i, page_id in enumerate(r.page_ids):
+                holders[page_id] = holders.get(page_id, 0) + 1
+                if self.allocator.is_cached(page_id):  # readable by others: full, computed, never written again
+                    assert (i + 1) * PAGE_SIZE <= r.num_computed_tokens, f"cached page {page_id} is still to be written"
         for r in self.waiting:
             assert r.status is RequestStatus.WAITING and r.slot is None
             assert r.num_computed_tokens == 0 and not r.page_ids
-        assert len(set(page_ids)) == len(page_ids), "two requests share a page"
-        assert set(page_ids) == self.allocator.allocated_page_ids, "allocated pages differ from the block tables"
+        assert holders.keys() == self.allocator.allocated_page_ids, "allocated pages differ from the block tables"
+        for page_id, count in holders.items():
+            assert self.allocator.ref_count(page_id) == count, f"page {page_id}: reference count off"
+            assert count == 1 or self.allocator.is_cached(page_id), f"page {page_id} is shared but holds no cached prefix"
         slots = [r.slot for r in self.running]
         assert sorted(slots + self._free_slots) == list(range(self.max_num_seqs)), "slot accounting is off"

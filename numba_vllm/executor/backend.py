@@ -68,7 +68,7 @@ def create_runner(checkpoint: Checkpoint, engine_config: EngineConfig, backend: 
 
     model = DeviceModel(config, checkpoint.weights, engine_config.prefill_gemm, engine_config.prefill_attention)
     free = cuda.current_context().get_memory_info()[0] if backend == "cuda" else None
-    step_bytes = buffer_bytes(config, max_step_tokens(engine_config), engine_config.max_num_seqs, num_sms())
+    step_bytes = buffer_bytes(config, max_step_tokens(engine_config, backend), engine_config.max_num_seqs, num_sms())
     capacity: Capacity = plan_capacity(config, engine_config, backend, free, step_bytes)
     graphs = "capture" if backend == "cuda" and not engine_config.enforce_eager else "none"
     return KernelRunner(model, capacity, engine_config, graphs=graphs), capacity

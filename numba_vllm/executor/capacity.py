@@ -3,6 +3,16 @@
 Decided once, by `plan_capacity`, after the weights are on the device and before the scheduler is
 built; the engine, the scheduler, the runners and the server all read the result (`Capacity`).
 
+- ``max_num_batched_tokens`` (the step's token budget) and ``long_prefill_token_threshold`` (the
+  most prompt tokens one request may prefill in a step): `EngineConfig`'s if given, else the
+  backend's (`step_budget`; a budget that is given is used whole unless a threshold is given too).
+  On the GPU a 2048-token step takes milliseconds, and a prompt is prefilled in one chunk as large
+  as the budget. On the CPU backends a step's time grows with its
+  tokens (seconds for a few hundred on NumPy), and every request waits for the step in progress, so
+  the budget is small (256) and one prompt takes at most half of it (128) per step: a short request
+  that arrives while a long prompt is prefilled is admitted at the next step and runs beside the
+  long prompt's chunks, instead of waiting for its whole prefill (a 4,000-token prompt takes over a
+  minute on NumPy).
 - ``max_step_tokens``: a full token budget of prefill chunks plus one decode token per batch slot.
 - ``num_pages``: `EngineConfig.num_pages` if given. Otherwise, on the GPU, the share
   `gpu_memory_utilization` of the memory left once the weights *and every other device buffer a step
@@ -26,6 +36,8 @@ from numba_vllm.model.config import PAGE_SIZE, ConfigError, ModelConfig
 
 HOST_CACHE_SEQUENCES = 4  # numpy / sim default: a cache that holds this many full-length sequences
 DEFAULT_MAX_MODEL_LEN_CPU = 4096  # numpy / sim default length cap (the model's own may be 128k)
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # cuda default token budget of a step
+DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU = 256  # numpy / sim default token budget of a step
 
 
 @dataclass(frozen=True)
@@ -34,6 +46,8 @@ class Capacity:
 
     num_pages: int  # KV-cache pages of PAGE_SIZE tokens, the null page included
     max_model_len: int  # prompt + output tokens of one request, at most
+    max_num_batched_tokens: int  # the token budget of a step (prefill chunks + decodes)
+    long_prefill_token_threshold: int  # the most prompt tokens one request prefills in a step
     max_step_tokens: int  # tokens one step holds: the token budget plus one decode per slot
     buffer_bytes: int  # device bytes of the step's other buffers (activations, split scratch); 0 on numpy
 
@@ -43,9 +57,19 @@ class Capacity:
         return (self.num_pages - 1) * PAGE_SIZE
 
 
-def max_step_tokens(engine_config: EngineConfig) -> int:
+def step_budget(engine_config: EngineConfig, backend: str) -> tuple[int, int]:
+    """(max_num_batched_tokens, long_prefill_token_threshold) on `backend` (see the module docstring)."""
+    budget, threshold = engine_config.max_num_batched_tokens, engine_config.long_prefill_token_threshold
+    if budget is None:
+        budget = DEFAULT_MAX_NUM_BATCHED_TOKENS if backend == "cuda" else DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU
+        if threshold is None and backend != "cuda":
+            threshold = DEFAULT_MAX_NUM_BATCHED_TOKENS_CPU // 2
+    return budget, min(threshold or budget, budget)
+
+
+def max_step_tokens(engine_config: EngineConfig, backend: str) -> int:
     """The most tokens one step can hold: a full token budget of prefill chunks plus decodes."""
-    return engine_config.max_num_batched_tokens + engine_config.max_num_seqs
+    return step_budget(engine_config, backend)[0] + engine_config.max_num_seqs
 
 
 def page_bytes(config: ModelConfig, kv_bytes_per_element: int = 2) -> int:
@@ -105,4 +129,8 @@ def plan_capacity(
         wanted = cache_tokens
     if wanted < 2:
         raise ConfigError(f"num_pages: {num_pages} leaves no room for a request (one prompt token and one new token)")
-    return Capacity(num_pages=num_pages, max_model_len=wanted, max_step_tokens=max_step_tokens(ec), buffer_bytes=buffer_bytes)
+    budget, threshold = step_budget(ec, backend)
+    return Capacity(
+        num_pages=num_pages, max_model_len=wanted, max_num_batched_tokens=budget, long_prefill_token_threshold=threshold,
+        max_step_tokens=max_step_tokens(ec, backend), buffer_bytes=buffer_bytes,
+    )  # fmt: skip

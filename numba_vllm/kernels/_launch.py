@@ -11,6 +11,11 @@ knowing about graphs.
 
 On a GPU, a kernel's second and later launches with the same argument layout skip numba's
 per-launch argument handling (`fast_launch.py`: ~25-50 us a launch down to a few).
+
+Dynamic shared memory past 48 KB a block needs an opt-in per kernel, which numba has no switch
+for: the first launch of a layout asking for more compiles the kernel first and raises its
+``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` to the size asked for (the later launches of
+that layout must ask for no more, which holds for kernels whose size is fixed by their tiling).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from numba_vllm.sim.warp import simulator_enabled
 __all__ = ["KernelError", "check_array", "launch", "launching_on", "num_sms"]
 
 _stream = contextvars.ContextVar("launch_stream", default=0)  # 0: the default stream
+STATIC_SHARED_BYTES = 48 * 1024  # shared memory a block may take without opting in
 
 
 @contextlib.contextmanager
@@ -50,6 +56,8 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
             if prepared is not None:
                 fast_launch.launch_prepared(prepared, _dim3(grid), _dim3(block), shared_bytes, stream, args)
                 return
+            if shared_bytes > STATIC_SHARED_BYTES:
+                _allow_dynamic_shared(kernel, args, shared_bytes)
             kernel[grid, block, stream, shared_bytes](*args)  # compiles, if needed, and launches
             fast_launch.prepare(key, kernel, args)
         else:
@@ -57,6 +65,16 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
     except Exception as e:  # a CUDA driver, compile or simulator error: say which kernel
         name = getattr(getattr(kernel, "py_func", None), "__name__", None) or getattr(kernel, "__name__", repr(kernel))
         raise KernelError(f"{name} (grid {grid}, block {block}): {type(e).__name__}: {e}") from e
+
+
+def _allow_dynamic_shared(kernel, args, shared_bytes: int) -> None:
+    """Let `kernel`, compiled for `args`, launch with `shared_bytes` of dynamic shared memory."""
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    overload = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+    function = overload._codelibrary.get_cufunc()
+    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attribute, shared_bytes, function.handle, function.device.id)
 
 
 @functools.cache

@@ -198,6 +198,8 @@ def decode_attention_kernel_for(group: int, head_dim: int, num_warps: int = NUM_
                 k2, k3 = bf16x2_to_f32(words[1])
                 k4, k5 = bf16x2_to_f32(words[2])
                 k6, k7 = bf16x2_to_f32(words[3])
+                if pos >= end:  # an unwritten slot may hold any bits (NaN, inf): mask before the arithmetic
+                    k0 = k1 = k2 = k3 = k4 = k5 = k6 = k7 = float32(0.0)
                 for g in range(group):
                     j = g * VEC
                     s = (q_reg[j] * k0 + q_reg[j + 1] * k1 + q_reg[j + 2] * k2 + q_reg[j + 3] * k3

@@ -5,11 +5,16 @@ loads. More tokens (a large decode batch, a prefill) go to a tiled GEMM that reu
 weight across its block's tokens. ``GEMV_MAX_TOKENS`` is where one stops beating the other (see
 ``benchmarks/bench_matmul.py``, which times both around it).
 
-Two prefill GEMMs, chosen by the caller's ``gemm`` (``EngineConfig.prefill_gemm``):
+Three prefill GEMMs, chosen by the caller's ``gemm`` (``EngineConfig.prefill_gemm``):
 
-- ``"tensor_cores"`` (default): ``gemm_tc.py``, ``mma.sync`` on bf16 operands with fp32 accumulation.
+- ``"tensor_cores"``: ``gemm_tc.py``, ``mma.sync`` on bf16 operands with fp32 accumulation.
   The activations are rounded to bf16 as they are staged (the weights already are), so results
   differ from the fp32 path by about 2^-9 relative per product.
+- ``"wgmma"``: ``gemm_wgmma.py``, Hopper's warpgroup ``wgmma`` fed by the TMA, on the same bf16
+  operands (H100/H200 only: it needs sm_90a). On an H200 it beat gemm_tc on every shape measured,
+  2-4x (M = 4 .. 4096 on Llama 3.2 1B's weights: no crossover).
+- ``"auto"`` (default): ``"wgmma"`` on a GPU of compute capability 9.0, else ``"tensor_cores"``
+  (other GPUs, and the simulator, where gemm_tc is the cheaper one to emulate).
 - ``"fp32"``: ``gemm.py``, the plain register-tiled SGEMM on the FMA units (x stays fp32): the
   readable reference path, slower (~32 against a 200+ TFLOP/s target on an H200).
 
@@ -20,27 +25,61 @@ launch and no pass over memory of their own: 33 fewer launches in a Llama 3.2 1B
 ``silu_and_mul``) through the caller's scratch buffers ``normed`` and ``gate_up``.
 """
 
+import functools
+from typing import NamedTuple
+
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.activation import silu_and_mul
 from numba_vllm.kernels.gemm import gemm
 from numba_vllm.kernels.gemm_tc import gemm_tc
+from numba_vllm.kernels.gemm_wgmma import gemm_wgmma
 from numba_vllm.kernels.gemv import MAX_TOKENS, gemv, gemv_fuses
 from numba_vllm.kernels.rmsnorm import rms_norm
+from numba_vllm.sim.warp import simulator_enabled
 
 GEMV_MAX_TOKENS = 8  # largest token count sent to gemv (<= gemv.MAX_TOKENS). H200, N=8192 K=2048 (us, gemv / gemm_tc):
-# M=8 21.6 / 26.6, M=16 36.2 / 27.3, M=64 126 / 34.8: past a few tokens gemv's FMAs, not its loads, bound it
+# M=8 21.6 / 26.6, M=16 36.2 / 27.3, M=64 126 / 34.8: past a few tokens gemv's FMAs, not its loads, bound it.
+# gemv / gemm_wgmma: N=8192 M=4 16.9 / 19.1, M=8 21.9 / 19.7, M=16 36.7 / 21.1; N=2048 M=8 9.2 / 11.4, M=16 12.2 / 11.7
 assert GEMV_MAX_TOKENS <= MAX_TOKENS
 
-# What runs products of more than GEMV_MAX_TOKENS tokens: (x, w, out, accumulate, workspace) -> None
+
+@functools.cache
+def _hopper() -> bool:
+    """Whether the current GPU runs sm_90a code (compute capability 9.0: H100, H200); never in the simulator."""
+    if simulator_enabled():
+        return False
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
+
+
+class GemmWorkspace(NamedTuple):
+    """The device scratch of the tensor-core GEMMs, allocated by the model (`model.llama.buffer_specs`)."""
+
+    partials: object  # (gemm_tc.split_workspace_floats(SMs),) f32: the parts of a split K (gemm_tc, gemm_wgmma)
+    x_bf16: object  # (>= tokens x K,) uint16: x rounded to bf16 for the TMA copies (gemm_wgmma)
+
+
+def gemm_auto(x, w, out, accumulate: bool = False, workspace: GemmWorkspace | None = None) -> None:
+    """The default prefill GEMM: gemm_wgmma on Hopper, gemm_tc elsewhere (same contract)."""
+    if _hopper():
+        gemm_wgmma(x, w, out, accumulate, workspace=workspace)
+    else:
+        gemm_tc(x, w, out, accumulate, workspace=workspace and workspace.partials)
+
+
+# What runs products of more than GEMV_MAX_TOKENS tokens: (x, w, out, accumulate, GemmWorkspace | None) -> None
 PREFILL_GEMMS = {
-    "tensor_cores": lambda x, w, out, accumulate, workspace: gemm_tc(x, w, out, accumulate, workspace=workspace),
-    "fp32": lambda x, w, out, accumulate, workspace: gemm(x, w, out, accumulate),  # never splits K: no scratch
+    "auto": gemm_auto,
+    "tensor_cores": lambda x, w, out, accumulate, ws: gemm_tc(x, w, out, accumulate, workspace=ws and ws.partials),
+    "fp32": lambda x, w, out, accumulate, ws: gemm(x, w, out, accumulate),  # never splits K: no scratch
+    "wgmma": lambda x, w, out, accumulate, ws: gemm_wgmma(x, w, out, accumulate, workspace=ws),
 }
 
 
 def linear(
     x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False, normed=None, gate_up=None,
-    gemm: str = "tensor_cores", workspace=None,
+    gemm: str = "auto", workspace: GemmWorkspace | None = None,
 ) -> None:
     """out = x @ w.T, or out += x @ w.T with ``accumulate`` (a residual add fused into the product).
 

@@ -12,6 +12,9 @@ it as inline PTX from small ``@intrinsic`` functions, like ``vector_load.py`` do
   register, ``lo`` in the low half (``cvt.rn.bf16x2.f32``): how fp32 activations become fragments.
 - ``ldmatrix_x4(array, index) -> 4 x uint32``: ``ldmatrix.sync.aligned.m8n8.x4.shared.b16``, a
   warp-wide load of four 8 x 8 bf16 matrices from shared memory straight into fragment layout.
+- ``ldmatrix_x4_trans(array, index) -> 4 x uint32``: the same with ``.trans``: each matrix arrives
+  transposed, so a B operand stored k-major (rows of k, n contiguous: V in ``P @ V``) loads as
+  fragments too.
 - ``store_shared_u32x4(array, index, w0, w1, w2, w3)``: one 16-byte ``st.shared.v4`` (8 bf16).
 - ``cp_async_16(dst, dst_index, src, src_index)`` and ``cp_async_wait_all()``: ``cp.async.cg``, a
   16-byte copy from global to shared memory that does not pass through registers (bf16 weights need
@@ -37,7 +40,9 @@ ldmatrix: lanes 8i .. 8i+7 each give the address of one 16-byte row (8 bf16) of 
 fragment register when matrix i is the right 8 x 8 quarter: for A, the lanes point at rows
 ``lane & 15`` and k offset ``8 * (lane >> 4)`` of the 16 x 16 block and get (a0, a1, a2, a3); for B
 (stored as rows of ``w``), two 8-wide n tiles come from one ``x4``. One instruction replaces four
-32-bit shared loads per lane.
+32-bit shared loads per lane. With ``.trans`` lane ``l`` receives instead, in register i, elements
+``g`` of rows ``2t`` and ``2t + 1`` of matrix i (low, high half): for a B operand stored as rows of
+k (B[k, n] at row k, n contiguous), the lanes point at rows k0 .. k0 + 7 and get (b0 or b1).
 
 Arithmetic: bf16 x bf16 products are exact in fp32 (8-bit significands); they are accumulated in
 fp32. The order and internal precision of the tensor core's additions are not specified by PTX, so
@@ -145,6 +150,22 @@ if simulator_enabled():
             words.append(np.uint32(src_array[(*lead, col + (lane & 3))]))
         return tuple(words)
 
+    def ldmatrix_x4_trans(array, index):
+        """Four uint32 fragment registers of the transposed matrices the lanes point at (simulator version)."""
+        if array.dtype != np.uint32:
+            raise TypeError(f"ldmatrix_x4_trans: expected a uint32 shared array, got {array.dtype}")
+        lane, rnd = _warp_round("ldmatrix.trans", (array, _index_tuple(index)))
+        g, t = lane >> 2, lane & 3
+        words = []
+        for i in range(4):  # register i: element g of rows 2t, 2t + 1 of matrix i (lanes 8i + 2t, 8i + 2t + 1)
+            halves = []
+            for row in (2 * t, 2 * t + 1):
+                src_array, (*lead, col) = rnd.values[8 * i + row]
+                word = int(src_array[(*lead, col + (g >> 1))])
+                halves.append(word >> (16 * (g & 1)) & 0xFFFF)
+            words.append(np.uint32(halves[0] | halves[1] << 16))
+        return tuple(words)
+
     def store_shared_u32x4(array, index, w0, w1, w2, w3):
         """``array[index .. index + 3] = w0 .. w3`` (simulator version)."""
         *lead, col = _index_tuple(index)
@@ -227,10 +248,9 @@ else:
 
         return sig, codegen
 
-    @intrinsic
-    def ldmatrix_x4(typingctx, array, index):
-        """Four fragment registers (uint32) from the 8 x 8 bf16 matrices whose rows the lanes address."""
-        _check_array_and_index("ldmatrix_x4", array, index, (types.uint32,))
+    def _ldmatrix_x4(name, array, index, modifier):
+        """Typing and codegen of ``ldmatrix.sync.aligned.m8n8.x4{modifier}.shared.b16``."""
+        _check_array_and_index(name, array, index, (types.uint32,))
         sig = types.UniTuple(types.uint32, 4)(array, index)
 
         def codegen(context, builder, sig, args):
@@ -239,7 +259,7 @@ else:
             # the barriers it was written between (a pure asm could be hoisted or merged).
             asm = ir.InlineAsm(
                 ir.FunctionType(ir.LiteralStructType([_I32] * 4), [_I32]),
-                "ldmatrix.sync.aligned.m8n8.x4.shared.b16 {$0, $1, $2, $3}, [$4];",
+                f"ldmatrix.sync.aligned.m8n8.x4{modifier}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
                 "=r,=r,=r,=r,r,~{memory}",
                 side_effect=True,
             )
@@ -247,6 +267,16 @@ else:
             return context.make_tuple(builder, sig.return_type, [builder.extract_value(loaded, j) for j in range(4)])
 
         return sig, codegen
+
+    @intrinsic
+    def ldmatrix_x4(typingctx, array, index):
+        """Four fragment registers (uint32) from the 8 x 8 bf16 matrices whose rows the lanes address."""
+        return _ldmatrix_x4("ldmatrix_x4", array, index, "")
+
+    @intrinsic
+    def ldmatrix_x4_trans(typingctx, array, index):
+        """Four fragment registers (uint32) of the transposes of the 8 x 8 bf16 matrices the lanes address."""
+        return _ldmatrix_x4("ldmatrix_x4_trans", array, index, ".trans")
 
     @intrinsic
     def store_shared_u32x4(typingctx, array, index, w0, w1, w2, w3):

@@ -94,7 +94,11 @@ def save_safetensors(path: str | Path, tensors: dict[str, np.ndarray], metadata:
         arrays[name] = a
     path = Path(path)
     tmp = path.with_name(path.name + ".partial")
-    save_file(arrays, tmp, metadata={str(k): str(v) for k, v in metadata.items()} if metadata else None)
+    try:
+        save_file(arrays, tmp, metadata={str(k): str(v) for k, v in metadata.items()} if metadata else None)
+    except BaseException:  # a failure or Ctrl-C: leave nothing half-written behind
+        tmp.unlink(missing_ok=True)
+        raise
     tmp.replace(path)  # never leave a half-written checkpoint under the real name
 
 

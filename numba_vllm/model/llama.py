@@ -45,6 +45,7 @@ from numba_vllm.kernels.embedding import embedding
 from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspace_floats
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
+from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
 from numba_vllm.kernels.sample import SAMPLE_WORKSPACE_SLOTS, PartWinners, sample_gumbel
@@ -55,7 +56,10 @@ from numba_vllm.model.rope_scaling import rope_inv_freq
 if TYPE_CHECKING:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
-PREFILL_ATTENTIONS = {"cuda_cores": prefill_attention_cuda_cores}  # by EngineConfig.prefill_attention
+PREFILL_ATTENTIONS = {  # by EngineConfig.prefill_attention
+    "cuda_cores": prefill_attention_cuda_cores,
+    "tensor_cores": prefill_attention_tc,
+}
 
 
 @dataclass
@@ -81,7 +85,7 @@ class DeviceModel:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, np.ndarray], prefill_gemm: str = "tensor_cores",
-        prefill_attention: str = "cuda_cores",
+        prefill_attention: str = "tensor_cores",
     ):
         """Upload the weights. `prefill_gemm` and `prefill_attention` name the kernels of steps with more
         than a few tokens (`EngineConfig`'s fields of the same names; one of `PREFILL_GEMMS` and
@@ -113,6 +117,7 @@ class DeviceModel:
         self.layer_caches = []  # [(k, v)] (P, PAGE_SIZE, KVH, HD) bf16 views per layer, made by `allocate`
         self.buffers = None  # name -> device array, made by `allocate`
         self.sampler_workspace = None  # the samplers' PartWinners (views of two buffers)
+        self.gemm_workspace = None  # the GEMMs' scratch: split-K parts, x as bf16 (views of two buffers)
         self._views = {}  # views of the step buffers, by shape (see `_activations`)
         self._attention_key, self._attention = None, None  # the last step's attention views
 
@@ -128,6 +133,7 @@ class DeviceModel:
         specs = buffer_specs(c, max_num_tokens, max_num_seqs, num_sms())
         self.buffers = {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in specs.items()}
         self.sampler_workspace = PartWinners(self.buffers["sample_values"], self.buffers["sample_indices"])
+        self.gemm_workspace = matmul.GemmWorkspace(self.buffers["gemm_partials"], self.buffers["gemm_x_bf16"])
         # Padding rows read stale rows of `attn` and write (and padding decode rows read) slot 0 of the
         # null page: start both at zero, so that what padding computes is always finite.
         self.buffers["attn"].copy_to_device(np.zeros(self.buffers["attn"].shape, np.float32))
@@ -232,7 +238,7 @@ class DeviceModel:
 
     def _linear(self, x, w, out, **fusions) -> None:
         """Every product of the step: the chosen GEMM and its split scratch."""
-        matmul.linear(x, w, out, gemm=self.gemm, workspace=self.buffers["gemm_partials"], **fusions)
+        matmul.linear(x, w, out, gemm=self.gemm, workspace=self.gemm_workspace, **fusions)
 
     def _activations(self, t: int) -> _Activations:
         """The step buffers' views for T tokens (made once per T: slicing a device array costs tens of us)."""
@@ -300,8 +306,10 @@ def buffer_specs(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms
         "act": ((t, c.intermediate_size), f32),
         "last": ((max_num_seqs, c.hidden_size), f32),
         "logits": ((max_num_seqs, c.vocab_size), f32),
-        # split scratch: gemm_tc's K-split parts, decode attention's context-split states, sampler part winners
+        # split scratch: the GEMMs' K-split parts and x's bf16 copy (gemm_wgmma's TMA source), decode
+        # attention's context-split states, the samplers' part winners
         "gemm_partials": ((gemm_tc_workspace_floats(num_sms),), f32),
+        "gemm_x_bf16": ((t * max(c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim),), np.uint16),
         "attention_partials": ((attention_workspace_floats(c.num_attention_heads, c.num_key_value_heads, c.head_dim),), f32),
         "sample_values": ((SAMPLE_WORKSPACE_SLOTS,), f32),
         "sample_indices": ((SAMPLE_WORKSPACE_SLOTS,), np.int32),

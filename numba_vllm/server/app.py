@@ -1,26 +1,30 @@
 """The FastAPI application, and the uvicorn server that shuts it down gracefully.
 
-A POST is handled on the event loop: read the body (size-limited), validate it (`protocol`),
-tokenize in a worker thread (templates and long prompts take a while), check lengths, then hand
-each prompt to the engine thread (`EngineLoop.add`) and wait until the engine has accepted it, so
-that a prompt the engine refuses still gets a 4xx. The answer is either collected (plain JSON) or
-streamed as server-sent events ending in `data: [DONE]`. Either way the request is raced against the
-client's disconnect: a client that goes away aborts its engine request, which frees its slot and its
-KV pages before the next step.
+A POST is handled on the event loop: `guard.py` has checked the host, the API key and the content
+type; read the body (size- and time-limited), validate it (`protocol`), tokenize in a worker thread
+(templates and long prompts take a while), check lengths and the waiting queue, then hand each prompt
+to the engine thread (`EngineLoop.add`) and wait until the engine has accepted it, so that a prompt
+the engine refuses still gets a 4xx. The answer is either collected (plain JSON) or streamed as
+server-sent events ending in `data: [DONE]`. Either way the request is raced against the client's
+disconnect: a client that goes away aborts its engine request, which frees its slot and its KV pages
+before the next step. `limits.py` lists every bound on a client; an unexpected error is logged with
+an id and answered with a 500 that carries the id and nothing else.
 
 Shutdown (SIGINT or SIGTERM, or `Server.begin_shutdown()`): new generation requests get 503 and
 /health turns 503; in-flight requests run to completion for up to `shutdown_timeout` seconds, then
 the rest are aborted (they end with finish_reason "abort"); then uvicorn closes and the process exits
-with status 0. A second signal stops at once.
+with status 0. A second signal stops at once: every open response ends now with finish_reason
+"abort" (streams with their final chunk and `[DONE]`), whatever the engine thread is doing, and the
+process exits within a second.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import logging
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -38,14 +42,19 @@ from starlette.requests import ClientDisconnect
 
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.server.dashboard import dashboard_routes
 from numba_vllm.server.engine_loop import EngineLoop
+from numba_vllm.server.guard import Guard
+from numba_vllm.server.http_protocol import with_header_timeout
+from numba_vllm.server.limits import ServerLimits
+from numba_vllm.server.log_limits import limit_server_logs
 from numba_vllm.server.metrics import CONTENT_TYPE
+from numba_vllm.server.openapi import document_errors
 from numba_vllm.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
     bad_request,
-    chat_messages,
     check_length,
     check_supported,
     envelope,
@@ -54,27 +63,33 @@ from numba_vllm.server.protocol import (
     usage,
 )
 from numba_vllm.server.streams import EventStream, Submission, collect, stream_chat, stream_completion, unless_disconnected
+from numba_vllm.server.tokenize import chat_prompt_ids, tokenize
 
 logger = logging.getLogger("uvicorn.error")
 
-DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+RETRY_AFTER_SECONDS = 1  # the Retry-After of a 503 for a full waiting queue
 
 
 class ServerState:
     """What the handlers share: the engine thread, the settings, and the shutdown state."""
 
-    def __init__(self, engine: LLMEngine, served_model_names: Sequence[str], api_key: str | None, max_request_bytes: int):
+    def __init__(self, engine: LLMEngine, served_model_names: Sequence[str], api_key: str | None, limits: ServerLimits):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
         self.engine = engine
-        self.engine_loop = EngineLoop(engine)
         self.model_names = list(served_model_names)
+        self.engine_loop = EngineLoop(engine, self.model_names[0])
         self.api_key = api_key or None
-        self.max_request_bytes = max_request_bytes
+        self.limits = limits
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
-        self.active = 0  # generation requests between submission and their response's end
+        self.stopping_now = False  # a second signal: end every response now, do not wait for the engine thread
+        self.submissions: set[Submission] = set()  # generation requests between submission and their response's end
+
+    @property
+    def active(self) -> int:
+        return len(self.submissions)
 
     def resolve_model(self, name: str | None) -> str:
         if name is None:
@@ -103,16 +118,21 @@ class ServerState:
             while self.active and loop.time() < deadline:
                 await asyncio.sleep(0.02)
 
+    def end_all_now(self) -> None:
+        """Every open response ends now with finish_reason "abort" (runs on the event loop)."""
+        for submission in list(self.submissions):
+            submission.end_now()
+
 
 # ---- the app ------------------------------------------------------------------------------------
 def create_app(
     engine: LLMEngine,
     served_model_names: Sequence[str],
     api_key: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    limits: ServerLimits | None = None,
 ) -> FastAPI:
     """The OpenAI-compatible app around `engine`; the engine thread runs while the app's lifespan does."""
-    state = ServerState(engine, served_model_names, api_key, max_request_bytes)
+    state = ServerState(engine, served_model_names, api_key, limits or ServerLimits())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -122,39 +142,46 @@ def create_app(
             yield
         finally:
             state.draining = True
-            await asyncio.to_thread(state.engine_loop.stop)
+            # After a second signal the engine thread (maybe mid-step) is not waited for: it is a daemon.
+            await asyncio.to_thread(state.engine_loop.stop, 0.2 if state.stopping_now else 30.0)
 
     app = FastAPI(title="numba-vllm", lifespan=lifespan)
     app.state.numba_vllm = state
-    app.add_middleware(_Guard, state=state)
+    app.add_middleware(Guard, state=state)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status)
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         codes = {404: "not_found", 405: "method_not_allowed"}
         message = f"no route {request.method} {request.url.path}" if e.status_code in codes else str(e.detail)
-        return JSONResponse(APIError(e.status_code, message, code=codes.get(e.status_code)).body(), status_code=e.status_code)
+        body = APIError(e.status_code, message, code=codes.get(e.status_code)).body()
+        return JSONResponse(body, status_code=e.status_code, headers=e.headers)  # 405 carries Allow
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         return JSONResponse(bad_request(str(e)).body(), status_code=400)
 
     @app.exception_handler(Exception)
-    async def _internal_error(request: Request, e: Exception):  # uvicorn logs the traceback
-        error = APIError(500, f"internal server error: {type(e).__name__}: {e}", code="internal_error")
+    async def _internal_error(request: Request, e: Exception):  # a bug: the details go to the log only
+        error_id = uuid.uuid4().hex[:16]
+        logger.error("internal error %s on %s %s", error_id, request.method, request.url.path, exc_info=e)
+        error = APIError(500, f"internal server error (id {error_id}); the server log has the details", code="internal_error")
         return JSONResponse(error.body(), status_code=500)
 
     @app.get("/health")
     async def health() -> Response:
+        """200 while the engine serves; 503 while shutting down or once the engine cannot serve."""
         ok = state.engine_loop.alive and not state.draining
         return Response(status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.engine_loop.metrics.render(), media_type=CONTENT_TYPE)
+
+    app.include_router(dashboard_routes(state))  # GET /dashboard, GET /v1/dashboard/state
 
     def model_card(name: str) -> dict:
         return {
@@ -164,6 +191,10 @@ def create_app(
             "owned_by": "numba-vllm",
             "max_model_len": engine.max_model_len,
         }
+
+    @app.post("/tokenize")
+    async def tokenize_prompt(request: Request) -> dict:  # vLLM's; prefix-aware routers call it
+        return await tokenize(engine, await _read_body(request, state.limits), state.resolve_model)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -176,64 +207,61 @@ def create_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req = parse_body(await _read_body(request, state.max_request_bytes), CompletionRequest)
+        req = parse_body(await _read_body(request, state.limits), CompletionRequest)
         model = state.resolve_model(req.model)
         check_supported(req)
         params = sampling_params(req)
-        prompts = await _completion_prompts(engine, req)
+        prompts = await _completion_prompts(engine, req, state.limits.max_prompts_per_request)
         return await _generate(state, request, "cmpl", prompts, params, req, model, arrival, "prompt")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         arrival = time.perf_counter()
-        req = parse_body(await _read_body(request, state.max_request_bytes), ChatCompletionRequest)
+        req = parse_body(await _read_body(request, state.limits), ChatCompletionRequest)
         model = state.resolve_model(req.model)
         check_supported(req)
         params = sampling_params(req)
-        tok = engine.tokenizer
-        if tok is None or not tok.has_chat_template:
-            raise bad_request(f"the model '{model}' has no chat template; use /v1/completions", "messages")
-        messages = chat_messages(req)
-        reserved = {"messages", "add_generation_prompt", "tokenize"} & set(req.chat_template_kwargs or {})
-        if reserved:
-            raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
-        try:
-            ids = await run_in_threadpool(
-                tok.apply_chat_template,
-                messages,
-                add_generation_prompt=req.add_generation_prompt,
-                **(req.chat_template_kwargs or {}),
-            )
-        except (ValueError, TypeError) as e:
-            raise bad_request(str(e), "messages") from None
+        ids = await chat_prompt_ids(engine.tokenizer, req, model)
         return await _generate(state, request, "chatcmpl", [ids], params, req, model, arrival, "messages")
 
+    document_errors(app)
     return app
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limits: ServerLimits) -> bytes:
+    """The body, at most `limits.max_request_bytes` (413), all of it within `limits.body_timeout` s (408)."""
+    limit = limits.max_request_bytes
     too_large = APIError(413, f"the request body is larger than the limit of {limit} bytes", code="request_too_large")
     length = request.headers.get("content-length")
     if length is not None and length.isdigit() and int(length) > limit:
         raise too_large
-    body = bytearray()
-    try:
+
+    async def read() -> bytes:
+        body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > limit:
                 raise too_large
+        return bytes(body)
+
+    try:
+        return await asyncio.wait_for(read(), limits.body_timeout)
     except ClientDisconnect:  # nobody will read the answer
         raise bad_request("the client disconnected while sending the body") from None
-    return bytes(body)
+    except TimeoutError:
+        message = f"the request body took longer than {limits.body_timeout:g} s to arrive"
+        raise APIError(408, message, code="request_timeout") from None
 
 
-async def _completion_prompts(engine: LLMEngine, req: CompletionRequest) -> list[list[int]]:
+async def _completion_prompts(engine: LLMEngine, req: CompletionRequest, max_prompts: int) -> list[list[int]]:
     """The prompt field as token-id lists (text encoded in a worker thread)."""
     p = req.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
         p = [p]
     if not p:
         raise bad_request("'prompt' is empty", "prompt")
+    if len(p) > max_prompts:
+        raise bad_request(f"'prompt' holds {len(p)} prompts; at most {max_prompts} are taken in one request", "prompt")
     texts = [x for x in p if isinstance(x, str)]
     if texts:
         if engine.tokenizer is None:
@@ -261,6 +289,14 @@ async def _generate(
         check_length(engine.lengths, ids, req, explicit, param)
     if state.draining:
         raise APIError(503, "the server is shutting down", code="service_unavailable")
+    limit = state.limits.max_waiting_requests
+    if state.engine_loop.num_waiting() + len(prompts) > limit:
+        raise APIError(
+            503,
+            f"the server is busy: {limit} requests are waiting already; retry later",
+            code="service_unavailable",
+            headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
     base_id = f"{prefix}-{uuid.uuid4().hex}"
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
     submission = Submission(state, ids, prompts)
@@ -269,14 +305,15 @@ async def _generate(
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         body = stream_chat if chat else stream_completion
-        return EventStream(body(submission, base_id, model, req.return_token_ids, include_usage), submission)
+        stream = body(submission, base_id, model, req.return_token_ids, include_usage)
+        return EventStream(stream, submission, state.limits.write_timeout)
     try:
         result = await unless_disconnected(request, collect(submission))
     finally:
         submission.close()
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    texts, token_ids, reasons = result
+    texts, token_ids, reasons, cached_tokens = result
     choices = []
     for i in range(len(prompts)):
         if chat:
@@ -292,36 +329,8 @@ async def _generate(
             choice.update(prompt_token_ids=prompts[i], token_ids=token_ids[i])
         choices.append(choice)
     body = envelope(base_id, "chat.completion" if chat else "text_completion", model)
-    body.update(choices=choices, usage=usage(sum(map(len, prompts)), sum(map(len, token_ids))))
+    body.update(choices=choices, usage=usage(sum(map(len, prompts)), sum(map(len, token_ids)), cached_tokens))
     return JSONResponse(body)
-
-
-class _Guard:
-    """ASGI middleware before the routes: the API key (401) and shutdown (503) on /v1."""
-
-    def __init__(self, app, state: ServerState):
-        self.app = app
-        self.state = state
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            error, headers = None, None
-            if self.state.api_key is not None and not self._authorized(scope):
-                error = APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
-                headers = {"WWW-Authenticate": "Bearer"}
-            elif self.state.draining and scope["method"] == "POST":
-                error = APIError(503, "the server is shutting down", code="service_unavailable")
-            if error is not None:
-                await JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
-
-    def _authorized(self, scope) -> bool:
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.state.api_key.encode())
-        return False
 
 
 # ---- the server -----------------------------------------------------------------------------------
@@ -349,10 +358,22 @@ class Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self.state.draining or self.state.loop is None or not self.started:
-            super().handle_exit(sig, frame)  # a second signal, or not serving yet: stop now
+        if self.state.loop is None or not self.started:
+            super().handle_exit(sig, frame)  # not serving yet: stop now
+        elif self.state.draining:
+            self.stop_now()  # a second signal
+        else:
+            self.begin_shutdown()
+
+    def stop_now(self) -> None:
+        """End every open response now (finish_reason "abort"), then exit without waiting for the engine."""
+        if self.state.stopping_now:
             return
-        self.begin_shutdown()
+        self.state.draining = self.state.stopping_now = True
+        logger.info("stopping now")
+        self.config.timeout_graceful_shutdown = 1  # a response that still does not end is cut after 1 s
+        self.state.loop.call_soon_threadsafe(self.state.end_all_now)
+        self.should_exit = True
 
     def begin_shutdown(self) -> None:
         """Start the graceful drain (thread-safe): 503 to new requests, in-flight ones finish, then exit."""
@@ -375,20 +396,46 @@ class Server(uvicorn.Server):
             self.should_exit = True
 
 
+def server_config(app: FastAPI, host: str, port: int, **uvicorn_args) -> uvicorn.Config:
+    """uvicorn's settings for `app`: the header deadline of the app's limits (`http_protocol.py`)."""
+    limits: ServerLimits = app.state.numba_vllm.limits
+    return uvicorn.Config(
+        app, host=host, port=port, http=with_header_timeout(limits.header_timeout), lifespan="on",
+        timeout_graceful_shutdown=5, **uvicorn_args,
+    )  # fmt: skip
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on (host, port), made before the model loads so a port in use is
+    reported at once; OSError (one line) if it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
 def run_server(
     engine: LLMEngine,
     served_model_names: Sequence[str],
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    limits: ServerLimits | None = None,
     shutdown_timeout: float = 30.0,
     log_level: str = "info",
     access_log: bool = True,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve `engine` until SIGINT/SIGTERM; returns after a clean shutdown."""
-    app = create_app(engine, served_model_names, api_key, max_request_bytes)
-    config = uvicorn.Config(
-        app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5, lifespan="on"
-    )
-    Server(config, shutdown_timeout).run()
+    """Serve `engine` until SIGINT/SIGTERM; returns after a clean shutdown. `sock`: a socket from
+    `listen` (else one is opened on host:port)."""
+    limit_server_logs()
+    app = create_app(engine, served_model_names, api_key, limits)
+    config = server_config(app, host, port, log_level=log_level, access_log=access_log)
+    Server(config, shutdown_timeout).run(sockets=[sock if sock is not None else listen(host, port)])

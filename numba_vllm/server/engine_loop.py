@@ -13,6 +13,13 @@ Between two steps the thread takes every command waiting, so a request that arri
 decode joins the running batch at the next step (continuous batching); with nothing to run it
 sleeps on the queue. Results go back to the event loop in one `call_soon_threadsafe` per step,
 which resolves each request's `accepted` future or puts its `Delta` on its asyncio queue.
+
+Failures: a step that fails ends the requests in it with a 500 (`LLMEngine.step` leaves the engine
+ready for the next step), and the server goes on. After `MAX_CONSECUTIVE_FAILED_STEPS` failed steps
+in a row the engine is taken to be unable to serve (a broken device, say): the thread ends, as it
+does on an error of its own. Whenever the thread ends, every request is answered: those running or
+queued get their final `Delta` (an error, or "abort" on a normal stop), and every `add` still in the
+queue is refused; `add` refuses from then on (503), and `/health` answers 503.
 """
 
 from __future__ import annotations
@@ -29,10 +36,22 @@ from dataclasses import dataclass
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.output import RequestOutput
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.server.dashboard import DashboardFeed
 from numba_vllm.server.metrics import ServerMetrics
 from numba_vllm.server.protocol import APIError
 
 logger = logging.getLogger("uvicorn.error")  # printed by uvicorn's handler, like its own messages
+
+MAX_CONSECUTIVE_FAILED_STEPS = 3  # failed steps in a row after which the engine is taken to be broken
+
+
+class EngineBrokenError(RuntimeError):
+    """Steps keep failing: the engine thread stops serving."""
+
+
+def internal_error(request_id: str) -> APIError:
+    """The 500 a client sees when the engine failed its request: no internals, an id to find the log line by."""
+    return APIError(500, f"internal server error (request {request_id}); the server log has the details", code="internal_error")
 
 
 @dataclass
@@ -52,8 +71,9 @@ class Delta:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop", "length", "abort"; None while it runs
+    finish_reason: str | None  # "stop", "length", "abort"; None while it runs (or when `error` ends it)
     error: APIError | None = None  # the engine failed: the request is over
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (known once a token is out)
 
     @property
     def final(self) -> bool:
@@ -76,15 +96,23 @@ class _Live:
 
 
 class EngineLoop:
-    """Owns an LLMEngine and steps it in a daemon thread; the methods below are thread-safe."""
+    """Owns an LLMEngine and steps it in a daemon thread; the methods below are thread-safe.
+    `model_name` labels its vllm: metrics."""
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, model_name: str):
         self.engine = engine
-        self.metrics = ServerMetrics(engine.stats())
+        self.metrics = ServerMetrics(engine.stats(), model_name)
+        self.dashboard = DashboardFeed(self.metrics.engine_state.stats)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}
         self._outbox: list[tuple[Sink, object]] = []
         self._thread: threading.Thread | None = None
+        # `add` and the thread's end agree under this lock: once `_closed` is set no command is
+        # queued any more, so the thread can answer every one still queued.
+        self._lock = threading.Lock()
+        self._closed = False
+        self.num_queued_adds = 0  # adds not yet taken by the thread (under _lock)
+        self._failed_steps_in_a_row = 0
         self.error: BaseException | None = None  # why the thread died, if it did
 
     # ---- called from the event loop -----------------------------------------------------------
@@ -94,12 +122,20 @@ class EngineLoop:
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        """The thread runs and takes requests."""
+        return self._thread is not None and self._thread.is_alive() and not self._closed
+
+    def num_waiting(self) -> int:
+        """Requests waiting for a batch slot: queued in the engine at its last step, plus adds not yet taken."""
+        return self.metrics.engine_state.stats.num_waiting + self.num_queued_adds
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink, arrival: float) -> None:
-        if not self.alive:
-            raise APIError(503, "the engine is not running", code="service_unavailable")
-        self._commands.put(("add", request_id, list(prompt_ids), params, sink, arrival))
+        """Queue a request; its sink hears whether the engine took it. APIError(503) if the thread has ended."""
+        with self._lock:
+            if self._closed or self._thread is None:
+                raise APIError(503, "the engine is not running", code="service_unavailable")
+            self.num_queued_adds += 1
+            self._commands.put(("add", request_id, list(prompt_ids), params, sink, arrival))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no news is sent back): its slot and pages are freed before the next step."""
@@ -130,16 +166,34 @@ class EngineLoop:
                     self._abort_all()
                     self._snapshot()
                     self._flush()
-                    return
+                    break
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._snapshot()
                 self._flush()
-        except BaseException as e:  # a bug here: fail what is in flight rather than leave it hanging
+        except BaseException as e:  # a bug, or a broken engine: answer what is in flight rather than leave it hanging
             self.error = e
-            logger.error("engine thread died:\n%s", traceback.format_exc())
-            self._fail_all(APIError(500, f"the engine thread died: {type(e).__name__}: {e}", code="internal_error"))
-            self._flush()
+            if isinstance(e, EngineBrokenError):
+                logger.error("engine stopped: %s", e)
+            else:
+                logger.error("engine thread died:\n%s", traceback.format_exc())
+            self._fail_all()
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        """Refuse new adds, then answer the ones still queued (503): after this, nobody waits on the thread."""
+        with self._lock:
+            self._closed = True
+        refused = APIError(503, "the engine is not running", code="service_unavailable")
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                self._outbox.append((command[4], refused))
+        self._flush()
 
     def _take_commands(self, block: bool) -> list[tuple]:
         commands = [self._commands.get()] if block else []
@@ -153,14 +207,16 @@ class EngineLoop:
         kind = command[0]
         if kind == "add":
             _, request_id, prompt_ids, params, sink, arrival = command
+            with self._lock:
+                self.num_queued_adds -= 1
             try:
                 output = self.engine.add_request(request_id, prompt_ids, params)
             except ValueError as e:  # the prompt cannot run (the handler's checks should have caught it)
                 self._outbox.append((sink, APIError(400, str(e), param="prompt")))
                 return
-            except Exception as e:
-                logger.error("add_request failed:\n%s", traceback.format_exc())
-                self._outbox.append((sink, APIError(500, f"the engine refused the request: {type(e).__name__}: {e}")))
+            except Exception:
+                logger.error("add_request failed (request %s):\n%s", request_id, traceback.format_exc())
+                self._outbox.append((sink, internal_error(request_id)))
                 return
             self._live[request_id] = _Live(sink, output, arrival)
             self.metrics.prompt_tokens.inc(len(prompt_ids))
@@ -178,22 +234,30 @@ class EngineLoop:
             self.engine.abort_request(request_id)
             self._emit(request_id, live, time.perf_counter())
 
-    def _fail_all(self, error: APIError) -> None:
+    def _fail_all(self) -> None:
+        """The thread is ending on an error: every running request gets a 500."""
         for request_id, live in list(self._live.items()):
             try:
                 self.engine.abort_request(request_id)
-            except Exception:
+            except Exception:  # the engine is broken already; the client's answer matters more
                 pass
-            self._outbox.append((live.sink, Delta(live.sink.index, "", [], None, error)))
+            self.metrics.finished.labels("error").inc()
+            self._outbox.append((live.sink, Delta(live.sink.index, "", [], None, internal_error(request_id))))
         self._live.clear()
 
     def _step(self) -> None:
-        try:
-            outputs = self.engine.step()
-        except Exception as e:  # a failed step fails the requests in it, not the server
-            logger.error("engine step failed:\n%s", traceback.format_exc())
-            self._fail_all(APIError(500, f"the engine failed: {type(e).__name__}: {e}", code="internal_error"))
-            return
+        failed_before = self.engine.num_failed_steps
+        outputs = self.engine.step()
+        if self.engine.num_failed_steps == failed_before:
+            self._failed_steps_in_a_row = 0
+        else:  # the step's requests failed (the engine is ready for the next step)
+            self._failed_steps_in_a_row += 1
+            error = self.engine.last_step_error
+            ids = ", ".join(o.request_id for o in outputs)
+            logger.error("engine step failed (requests %s):\n%s", ids, "".join(traceback.format_exception(error)).rstrip())
+            if self._failed_steps_in_a_row >= MAX_CONSECUTIVE_FAILED_STEPS:
+                last = f"{type(error).__name__}: {error}"
+                raise EngineBrokenError(f"{self._failed_steps_in_a_row} steps in a row failed; the last: {last}")
         now = time.perf_counter()
         for output in outputs:
             live = self._live.get(output.request_id)
@@ -215,15 +279,23 @@ class EngineLoop:
         if out.finished:
             m.finished.labels(out.finish_reason).inc()
             m.e2e.observe(now - live.arrival)
-        delta = Delta(live.sink.index, out.text[live.sent_text :], list(new_tokens), out.finish_reason)
+        if out.finish_reason == "error":
+            delta = Delta(live.sink.index, "", [], None, internal_error(request_id))
+        else:
+            delta = Delta(live.sink.index, out.text[live.sent_text :], list(new_tokens), out.finish_reason,
+                          num_cached_tokens=out.num_cached_tokens)  # fmt: skip
         live.sent_text, live.sent_tokens = len(out.text), len(out.token_ids)
         if out.finished:
             del self._live[request_id]
         self._outbox.append((live.sink, delta))
 
     def _snapshot(self) -> None:
-        """Publish the engine's state (requests, pages, steps) to the metrics."""
-        self.metrics.set_engine_stats(self.engine.stats())
+        """Publish the engine's state (requests, pages, steps) to the metrics and the dashboard; with
+        each request's slot and pages only while the dashboard is watched."""
+        detail = self.dashboard.wants_detail()
+        stats = self.engine.stats(requests=detail, pages=detail)
+        self.metrics.set_engine_stats(stats)
+        self.dashboard.publish(stats)
 
     def _flush(self) -> None:
         """Hand this round's news to the event loop(s) that wait for it, one callback per loop."""

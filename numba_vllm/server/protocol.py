@@ -1,10 +1,12 @@
 """The OpenAI wire format: request bodies in (validated), error bodies and response bodies out.
 
 Requests are parsed by pydantic in strict mode: a JSON string is not a number, `true` is not 1.
-Fields the OpenAI API defines but this engine cannot honour (`logprobs`, `echo`, penalties, tools,
-`n` > 1, ...) are rejected with a 400 naming the field instead of being silently ignored; fields
-nobody here knows are ignored, as clients send extras. Every error leaves as
-`{"error": {"message", "type", "param", "code"}}`.
+Every field is honoured or refused, never silently dropped: fields the OpenAI API (or vLLM's
+extensions) define but this engine cannot honour (`logprobs`, `echo`, penalties, tools, `n` > 1,
+`min_p`, ...) get a 400 naming the field, and so does a field nobody here knows (as the OpenAI API
+answers). Before validation the body is checked as JSON: at most `MAX_JSON_DEPTH` levels of nesting,
+and no lone UTF-16 surrogate (`"\\ud800"`) in any string, which no tokenizer or encoder can take.
+Every error leaves as `{"error": {"message", "type", "param", "code"}}`.
 """
 
 from __future__ import annotations
@@ -19,18 +21,34 @@ from numba_vllm.engine.lengths import LengthPolicy, MaxTokensError, PromptError
 from numba_vllm.engine.sampling import SamplingParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the length limit
+MAX_JSON_DEPTH = 64  # nesting levels of a request body (a chat body needs ~5; deeper only serves to exhaust the stack)
+CHAT_ROLES = ("system", "developer", "user", "assistant")  # tool messages need tools, which are not supported
+# Template variables the server sets itself (or that would smuggle in what a request field refuses).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "add_generation_prompt", "tokenize", "tools", "documents", "bos_token", "eos_token"}
+)
 
 
 class APIError(Exception):
     """An error answered to the client with an OpenAI-style body."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None, type: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.code = code
         self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers  # extra response headers (WWW-Authenticate, Retry-After, Allow)
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -42,7 +60,7 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
 
 # ---- request bodies -------------------------------------------------------------------------------
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class StreamOptions(_Body):
@@ -66,8 +84,11 @@ class _GenerationRequest(_Body):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    user: str | None = None  # the end user's id, for the client's records: accepted, no effect on generation
     return_token_ids: bool = False  # extension: token ids alongside the text (prompt and output)
+    repetition_penalty: float | None = None  # vLLM's extensions, not implemented yet: only their neutral values
+    min_p: float | None = None
+    min_tokens: int | None = None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -84,11 +105,9 @@ class TextPart(_Body):
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)  # tool_calls etc. are passed to the template as given
-
-    role: str
-    content: str | list[dict[str, Any]] | None = None
+class ChatMessage(_Body):
+    role: Literal[CHAT_ROLES]
+    content: str | list[dict[str, Any]]  # a string, or text parts
     name: str | None = None
 
 
@@ -117,16 +136,50 @@ _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
 
 def parse_body(raw: bytes, model: type[_Body]) -> _Body:
     """JSON bytes -> a validated request, or an APIError(400) naming the first bad field."""
+    too_deep = bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         obj = json.loads(raw)
+    except RecursionError:  # the C parser stops at the interpreter's recursion limit
+        raise too_deep from None
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"the request body is not valid JSON: {e}") from None
     if not isinstance(obj, dict):
         raise bad_request("the request body must be a JSON object")
+    check_json_values(obj)
     try:
         return model.model_validate(obj)
     except ValidationError as e:
         raise _validation_error(e) from None
+
+
+def check_json_values(obj: dict) -> None:
+    """APIError(400) for nesting deeper than MAX_JSON_DEPTH or a string (key or value) that is not
+    valid Unicode (a lone surrogate). Iterative: a deep body cannot exhaust the stack here."""
+    stack: list[tuple[dict | list, int, str]] = [(obj, 1, "")]
+    while stack:
+        container, depth, where = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad_request(f"the request body nests deeper than {MAX_JSON_DEPTH} levels", where or None)
+        items = container.items() if isinstance(container, dict) else enumerate(container)
+        for key, value in items:
+            if isinstance(key, str):
+                _check_text(key, where or None)
+                param = f"{where}.{key}" if where else key
+            else:
+                param = f"{where}[{key}]"
+            if isinstance(value, str):
+                _check_text(value, param)
+            elif isinstance(value, (dict, list)):
+                stack.append((value, depth + 1, param))
+
+
+def _check_text(text: str, param: str | None) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            where = f"'{param}'" if param else "a key of the request body"
+            raise bad_request(f"{where} holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text", param) from None
 
 
 def _validation_error(e: ValidationError) -> APIError:
@@ -134,6 +187,10 @@ def _validation_error(e: ValidationError) -> APIError:
     param, field = _param_of(err["loc"])
     if err["type"] == "missing":
         return bad_request(f"'{param}' is required", param)
+    if err["type"] == "extra_forbidden":
+        return bad_request(f"'{param}' is not a field this endpoint takes (unknown fields are refused, not ignored)", param)
+    if err["type"] == "literal_error" and field == "role":
+        return bad_request(f"'{param}' must be one of {', '.join(map(repr, CHAT_ROLES))}", param)
     union = any(isinstance(p, str) and (p in _TYPE_TAGS or not p.isidentifier()) for p in err["loc"])
     if field in _SHAPES and union:
         return bad_request(f"'{param}' must be {_SHAPES[field]}", param)
@@ -167,6 +224,11 @@ def check_supported(req: _GenerationRequest) -> None:
             raise bad_request(f"{name} is not supported (only 0)", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not supported", "logit_bias")
+    for name, neutral in (("repetition_penalty", 1), ("min_p", 0), ("min_tokens", 0)):
+        if getattr(req, name) not in (None, neutral):
+            raise bad_request(f"{name} is not supported yet (only {neutral})", name)
+    if req.stream_options is not None and not req.stream:
+        raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):
         if req.echo:
             raise bad_request("echo is not supported", "echo")
@@ -181,6 +243,11 @@ def check_supported(req: _GenerationRequest) -> None:
             raise bad_request("logprobs is not supported", "logprobs")
         if req.tools:
             raise bad_request("tools are not supported", "tools")
+        if req.tool_choice not in (None, "none"):
+            raise bad_request("tool_choice is not supported (tools are not); only 'none'", "tool_choice")
+        reserved = RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {})
+        if reserved:
+            raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
         if req.response_format is not None and req.response_format.get("type", "text") != "text":
             raise bad_request("response_format: only {'type': 'text'} is supported", "response_format")
 
@@ -246,8 +313,7 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                     )
                 texts.append(part["text"])
             content = "\n".join(texts)
-        msg = dict(m.model_extra or {})
-        msg.update(role=m.role, content=content if content is not None else "")
+        msg = {"role": m.role, "content": content}
         if m.name is not None:
             msg["name"] = m.name
         out.append(msg)
@@ -255,11 +321,14 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
 
 
 # ---- response bodies ------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache (as
+    OpenAI and vLLM report them, in `prompt_tokens_details`)."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -6,6 +6,8 @@ and the asyncio queue their `Delta`s arrive on. `collect` gathers them into one 
 tokens becomes a chunk (Deltas that queued up while the event loop was busy are merged, as vLLM
 does), then an optional usage chunk, then `data: [DONE]`. `EventStream` and `unless_disconnected`
 race the answer against the client's disconnect; `Submission.close` then aborts what is unfinished.
+A stream whose client stops reading is aborted the same way once one write has waited
+`write_timeout` seconds (its connection is closed).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from fastapi.responses import StreamingResponse
 
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.server.engine_loop import Delta, Sink
-from numba_vllm.server.protocol import envelope, sse, usage
+from numba_vllm.server.protocol import APIError, envelope, sse, usage
 
 if TYPE_CHECKING:
     from numba_vllm.server.app import ServerState
@@ -39,21 +41,32 @@ class Submission:
         self.prompts = prompts
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
         self.unfinished = set(range(len(request_ids)))
+        self.sinks: list[Sink] = []
         self.closed = False
-        state.active += 1
+        state.submissions.add(self)
 
     async def start(self, params: SamplingParams, arrival: float) -> None:
         """Hand every prompt to the engine; return once all are accepted (APIError if one is not)."""
         loop = asyncio.get_running_loop()
-        sinks = [Sink(loop, i, loop.create_future(), self.queue) for i in range(len(self.prompts))]
+        self.sinks = [Sink(loop, i, loop.create_future(), self.queue) for i in range(len(self.prompts))]
         try:
-            for request_id, prompt, sink in zip(self.request_ids, self.prompts, sinks, strict=True):
+            for request_id, prompt, sink in zip(self.request_ids, self.prompts, self.sinks, strict=True):
                 self.state.engine_loop.add(request_id, prompt, params, sink, arrival)
-            for sink in sinks:
+            for sink in self.sinks:
                 await sink.accepted
         except BaseException:
             self.close()
             raise
+
+    def end_now(self) -> None:
+        """The server stops at once: every unfinished choice ends with finish_reason "abort" now,
+        without waiting for the engine thread (which may be in the middle of a long step)."""
+        stopping = APIError(503, "the server is shutting down", code="service_unavailable")
+        for sink in self.sinks:
+            if not sink.accepted.done():
+                sink.accepted.set_exception(stopping)
+        for i in sorted(self.unfinished):
+            self.queue.put_nowait(Delta(i, "", [], "abort"))
 
     async def batches(self) -> AsyncIterator[list[Delta]]:
         """Every Delta until all choices are final, batched as they queued up (one step's worth or more)."""
@@ -73,7 +86,7 @@ class Submission:
         self.closed = True
         for i in self.unfinished:
             self.state.engine_loop.abort(self.request_ids[i])
-        self.state.active -= 1
+        self.state.submissions.discard(self)
 
 
 def _merge(batch: list[Delta]) -> list[Delta]:
@@ -82,26 +95,35 @@ def _merge(batch: list[Delta]) -> list[Delta]:
     for d in batch:
         m = merged.get(d.index)
         if m is None:
-            merged[d.index] = Delta(d.index, d.text, list(d.token_ids), d.finish_reason, d.error)
+            merged[d.index] = Delta(d.index, d.text, list(d.token_ids), d.finish_reason, d.error, d.num_cached_tokens)
         else:
             m.text += d.text
             m.token_ids += d.token_ids
             m.finish_reason = d.finish_reason or m.finish_reason
             m.error = d.error or m.error
+            m.num_cached_tokens = max(m.num_cached_tokens, d.num_cached_tokens)
     return [merged[i] for i in sorted(merged)]
 
 
 class EventStream(StreamingResponse):
     """SSE response raced against the client's disconnect, which aborts the submission."""
 
-    def __init__(self, content: AsyncIterator[bytes], submission: Submission):
+    def __init__(self, content: AsyncIterator[bytes], submission: Submission, write_timeout: float):
         super().__init__(
             content, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
         )
         self.submission = submission
+        self.write_timeout = write_timeout
 
     async def __call__(self, scope, receive, send) -> None:
-        stream = asyncio.ensure_future(self.stream_response(send))
+        async def send_in_time(message) -> None:  # a client that stops reading stalls send(): give up on it
+            try:
+                await asyncio.wait_for(send(message), self.write_timeout)
+            except TimeoutError:
+                logger.info("a stream's client stopped reading for %g s; aborted", self.write_timeout)
+                raise
+
+        stream = asyncio.ensure_future(self.stream_response(send_in_time))
         listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
             await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
@@ -137,9 +159,10 @@ async def unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def collect(submission: Submission) -> tuple[list[str], list[list[int]], list[str | None]]:
+async def collect(submission: Submission) -> tuple[list[str], list[list[int]], list[str | None], int]:
+    """Every choice's text, token ids and finish reason, and the prompt tokens the prefix cache supplied."""
     n = len(submission.request_ids)
-    texts, token_ids, reasons = [""] * n, [[] for _ in range(n)], [None] * n
+    texts, token_ids, reasons, cached = [""] * n, [[] for _ in range(n)], [None] * n, [0] * n
     async for batch in submission.batches():
         for d in batch:
             if d.error is not None:
@@ -147,12 +170,14 @@ async def collect(submission: Submission) -> tuple[list[str], list[list[int]], l
             texts[d.index] += d.text
             token_ids[d.index] += d.token_ids
             reasons[d.index] = d.finish_reason
-    return texts, token_ids, reasons
+            cached[d.index] = max(cached[d.index], d.num_cached_tokens)
+    return texts, token_ids, reasons, sum(cached)
 
 
 async def stream_completion(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool):
     created = int(time.time())
     completion_tokens = 0
+    cached = [0] * len(sub.prompts)
     started = set()
     async for batch in sub.batches():
         for d in _merge(batch):
@@ -161,6 +186,7 @@ async def stream_completion(sub: Submission, base_id: str, model: str, with_ids:
                 yield sse("[DONE]")
                 return
             completion_tokens += len(d.token_ids)
+            cached[d.index] = max(cached[d.index], d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             choice = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
@@ -174,7 +200,7 @@ async def stream_completion(sub: Submission, base_id: str, model: str, with_ids:
             yield sse(chunk)
     if include_usage:
         chunk = envelope(base_id, "text_completion", model, created)
-        chunk.update(choices=[], usage=usage(sum(map(len, sub.prompts)), completion_tokens))
+        chunk.update(choices=[], usage=usage(sum(map(len, sub.prompts)), completion_tokens, sum(cached)))
         yield sse(chunk)
     yield sse("[DONE]")
 
@@ -190,6 +216,7 @@ async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool,
     first = {"prompt_token_ids": sub.prompts[0]} if with_ids else {}
     yield chunk({"role": "assistant", "content": ""}, **first)
     completion_tokens = 0
+    cached = 0
     async for batch in sub.batches():
         for d in _merge(batch):
             if d.error is not None:
@@ -197,12 +224,13 @@ async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool,
                 yield sse("[DONE]")
                 return
             completion_tokens += len(d.token_ids)
+            cached = max(cached, d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             extra = {"token_ids": d.token_ids} if with_ids else {}
             yield chunk({"content": d.text} if d.text or not d.finish_reason else {}, d.finish_reason, **extra)
     if include_usage:
         c = envelope(base_id, "chat.completion.chunk", model, created)
-        c.update(choices=[], usage=usage(len(sub.prompts[0]), completion_tokens))
+        c.update(choices=[], usage=usage(len(sub.prompts[0]), completion_tokens, cached))
         yield sse(c)
     yield sse("[DONE]")

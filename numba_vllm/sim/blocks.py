@@ -15,6 +15,9 @@ round, block until the round is complete, then read what they need from it.
   (warp, mask). It is complete when every lane of ``mask & present & ~exited`` has arrived;
   *present* excludes the missing lanes of a partial last warp (``blockDim`` not a multiple of
   32). Each lane then reads its source lane from the round (the PTX rules are in ``simulator.py``).
+- Group operations of consecutive threads (a warpgroup's ``wgmma``, ``kernels/wgmma.py``): one
+  round per group, complete when every thread of the group that exists and has not exited has
+  arrived.
 
 The lane that completes a round removes it from the open rounds before waking the others, and
 each lane keeps a reference to its own round: a fast lane that starts the next shuffle opens a
@@ -165,6 +168,33 @@ class _WarpRound(_Round):
         )
 
 
+class _GroupRound(_Round):
+    """One operation of the ``count`` consecutive threads from ``first`` (e.g. a warpgroup)."""
+
+    def __init__(self, kind, first, count):
+        super().__init__()
+        self.key = ("group", first, count)
+        self.kind = kind
+        self.first = first
+        self.count = count
+        self.values = [ABSENT] * count  # (count,) value deposited by each thread of the group
+        self.arrived = set()  # thread ids
+
+    def missing(self, block):
+        """Threads of the group the round still waits for (existing, not exited, not arrived)."""
+        last = min(self.first + self.count, block.num_threads)
+        return [t for t in range(self.first, last) if t not in self.arrived and not block._has_exited(t)]
+
+    def is_complete(self, block):
+        return not self.missing(block)
+
+    def describe(self, block):
+        return (
+            f"threads {_format_ids(self.arrived)} wait in {self.kind} (group of {self.count} from "
+            f"thread {self.first}) for threads {_format_ids(self.missing(block))}"
+        )
+
+
 ABSENT = object()  # value slot of a lane that did not take part in a round
 
 
@@ -244,6 +274,26 @@ class Block:
             rnd.arrived |= 1 << lane
             if value:
                 rnd.true_mask |= 1 << lane
+            position = self._arrive(rnd)
+        self._wait(rnd, position)
+        return rnd
+
+    def group_round(self, thread, kind, first, count, value):
+        """Deposit ``value`` in the round of threads ``first .. first + count - 1``, wait for it
+        to complete, return it (``values[i]`` is thread ``first + i``'s deposit, ABSENT if none)."""
+        with self.lock:
+            self._check_abort()
+            key = ("group", first, count)
+            rnd = self.open_rounds.get(key)
+            if rnd is None:
+                rnd = self.open_rounds[key] = _GroupRound(kind, first, count)
+            elif rnd.kind != kind:
+                raise WarpSyncError(
+                    f"thread {thread.thread_id} called {kind} while threads {_format_ids(rnd.arrived)} "
+                    f"of its group wait in {rnd.kind}"
+                )
+            rnd.values[thread.thread_id - first] = value
+            rnd.arrived.add(thread.thread_id)
             position = self._arrive(rnd)
         self._wait(rnd, position)
         return rnd
@@ -330,6 +380,8 @@ class Block:
         for rnd in self.open_rounds.values():
             if isinstance(rnd, _BarrierRound):
                 waiting.update(rnd.thread_ids)
+            elif isinstance(rnd, _GroupRound):
+                waiting.update(rnd.arrived)
             else:
                 waiting.update(WARP_SIZE * rnd.warp + lane for lane in _lanes(rnd.arrived))
         return [t for t in range(self.num_threads) if t not in waiting and not self._has_exited(t)]

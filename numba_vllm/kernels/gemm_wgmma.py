@@ -1,0 +1,488 @@
+"""Hopper tensor-core matrix product: out (M, N) f32 = x (M, K) @ w (N, K) bf16 .T (or out += ...).
+
+The contract of ``gemm_tc.py`` (same arguments, same rounding: x is rounded to bf16, products are
+accumulated in fp32), computed with ``wgmma.mma_async`` (``wgmma.py``): a warpgroup of 128 threads
+multiplies a 64 x 16 slice of x by a 16 x ``block_n`` slice of w.T per instruction, both read from
+shared memory, the accumulators in registers. Needs sm_90a (an H100 or H200); ``linear`` sends
+other GPUs to ``gemm_tc``.
+
+Data flow:
+
+- x is rounded to bf16 once per call by ``_x_to_bf16_kernel`` into a fixed workspace, so both
+  operands go from global to shared memory by the Tensor Memory Accelerator (TMA), in the 128-byte
+  swizzled layout wgmma reads, with no pass through registers. Past ``X_WORKSPACE_VALUES`` values
+  the product is done in row chunks that fit.
+- A block is ``consumers`` warpgroups that compute (64 rows of the ``block_m x block_n`` output
+  tile each, ``block_m = 64 * consumers``) and one more, the producer, of which one thread issues
+  every copy: per K step of ``BLOCK_K`` = 64 values, one TMA box of x (block_m x 64) and one of w
+  (block_n x 64) into a stage of the pipeline (``stages`` of them in dynamic shared memory, over
+  48 KB: the launch opts in, see ``_launch.launch``), from a 1024-byte aligned address. The tensor
+  maps (``_tensor_map``: CUtensorMaps in global memory, made once per matrix and cached) describe
+  the matrices; boxes past M, N or K are filled with zeros by the TMA.
+- Synchronisation, with no block-wide barrier in the main loop: each stage has a *full* mbarrier
+  (the producer's arrival plus the bytes of its two copies) and an *empty* one (one arrival per
+  consumer warpgroup). The producer waits until a stage is empty before refilling it, so it runs
+  up to ``stages`` K steps ahead of the tensor cores. A consumer waits until a stage is full, issues
+  its 4 wgmma (k = 16 each) and commits them; once the wgmma of the previous step have completed
+  (``wgmma.wait_group 1``: the current step's stay in flight) it releases the previous step's stage.
+- Epilogue: the consumers write their accumulators to shared memory (the pipeline buffers, rows
+  padded by 8 words so the quads of a warp hit distinct banks) and copy the tile out with
+  row-contiguous 16-byte reads: consecutive threads write consecutive columns of ``out``.
+
+Grids and splits: ``TILE_CONFIGS`` from largest (LARGE, 128 x 256) to smallest (TINY, 64 x 64);
+``pick_tile_config`` takes the largest tile whose grid reaches three quarters of the SMs, and K is
+split like gemm_tc's (partial tiles into a workspace, summed in a fixed order: deterministic) only
+when few tiles meet a long K (parts of at least 2048), as the measurements below chose.
+``blockIdx.x`` walks the M tiles when there are few of
+them (the blocks that run together share each w tile: a 128256-row head is read from memory once,
+not once per M tile), else the N tiles (w of a layer fits in L2, x streams once).
+
+Requirements: K % 8 == 0 and w 16-byte aligned (TMA row strides and addresses); otherwise
+``gemm_wgmma`` hands the product to ``gemm_tc``. Every Llama-family shape meets them. The x
+workspace is shared by every call: products run one after another on one stream.
+
+Measured on an H200 (2026-12-01; CUPTI kernel time, L2 flushed before each call; torch is cuBLAS
+bf16 ``matmul`` on bf16 x; "product" is this kernel alone on the tiling the launcher picks, x's
+conversion comes on top: 2-3 us at K = 2048 and M <= 256, 4-10 us at M = 512 or K = 8192, 18 us at
+M = 4096):
+
+    M x N x K            tilings (/split) for M = 64, 128, 256, 512   product (us)              torch (us)
+    4096 x 8192 x 2048   LARGE                                       275 (500 TFLOP/s)         178 (773 TFLOP/s)
+    M x 2048 x 2048      TINY, TINY, TINY, SMALL                     10.5, 10.6, 11.1, 16.6    7.0, 7.2, 7.5, 9.8
+    M x 8192 x 2048      TINY, SMALL, MEDIUM, LARGE                  16.3, 22.1, 28.0, 39.6    14.8, 14.8, 17.1, 26.2
+    M x 16384 x 2048     MEDIUM, MEDIUM, LARGE, LARGE                29.0, 32.5, 42.7, 72.6    24.5, 25.5, 29.8, 47.8
+    M x 2048 x 8192      TINY/4, TINY/2, TINY, SMALL/2               19.3, 26.2, 30.7, 49.6    16.9, 19.7, 21.6, 31.4
+    M x 128256 x 2048    LARGE                                       171, 194, 289, 511        151, 151, 195, 380
+
+With the conversion, 4096 x 8192 x 2048 took 293 us (470 TFLOP/s). gemm_tc took 2-4x longer on
+every one of these shapes (665 us at 4096 x 8192 x 2048, 23 us at 128 x 2048 x 2048). What bounds
+this kernel, from the same runs and ptxas (CUDA 13.0): LARGE uses 154 registers (cap 168: 384
+threads, one block an SM), no spills, 194 KB of shared memory; each block loads its own x and w
+boxes (no cluster multicast: 48 KB per K step for 4 MFLOP), the grid is not persistent (the
+epilogue of a tile, 128 KB of f32 through shared memory, does not overlap the next tile's loads),
+and the output is f32 (twice cuBLAS's bf16 bytes). On decode shapes the fixed costs dominate: a
+2048 x 2048 weight takes ~10.5 us at any M up to 256 against ~2 us of reading it, and the
+conversion of x is a launch and a pass of its own. The next steps: a persistent grid with the
+epilogue overlapped, 2-block clusters multicasting the shared operand, bf16 activations from the
+model (no conversion), and ``setmaxnreg`` to give the consumers the producer's registers.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from numba_vllm.kernels._launch import KernelError, launch, num_sms
+from numba_vllm.kernels.gemm_tc import SUM_THREADS, _sum_splits_kernel, gemm_tc
+from numba_vllm.kernels.gemv import check_linear_args, weight_bits
+from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.mma import pack_bf16x2
+from numba_vllm.kernels.vector_load import load_shared_f32x4, vector_aligned
+from numba_vllm.kernels.wgmma import (
+    ATOM_BYTES,
+    DESC_K_STEP,
+    SWIZZLE_ROW_BYTES,
+    TILE_K,
+    WARPGROUP_THREADS,
+    WGMMA_K,
+    WGMMA_M,
+    fence_mbarrier_init,
+    mbarrier_arrive,
+    mbarrier_arrive_expect_tx,
+    mbarrier_init,
+    mbarrier_wait,
+    named_barrier,
+    shared_address,
+    smem_descriptor,
+    store_accumulators,
+    tensormap_acquire,
+    tma_load_2d,
+    wgmma_bf16,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_wait,
+)
+from numba_vllm.sim.warp import simulator_enabled
+
+BLOCK_K = TILE_K  # 64 values of K per pipeline stage (one 128-byte swizzled row)
+CHUNK_VALUES = 8  # K must be a multiple of this (16-byte TMA row strides)
+OUT_PAD_WORDS = 8  # padding of an epilogue row: the 8 rows a warp stores cover distinct banks
+BARRIER_BYTES = 8  # one mbarrier
+CONSUMERS_BARRIER = 1  # named barrier of the consumer warpgroups (0 is syncthreads)
+X_WORKSPACE_VALUES = 32 * 1024 * 1024  # bf16 copy of x of a call without the model's workspace: 64 MB, made once
+MIN_SPLIT_TILES = 32  # split K only into parts of at least this many BLOCK_K slices (2048 of K)
+CONVERT_THREADS = 256
+SHARED_BYTES_PER_SM = 228 * 1024  # H100/H200: shared memory an SM gives its blocks (1 KB each reserved)
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """One tiling: consumer warpgroups (64 output rows each), columns per block, pipeline stages."""
+
+    consumers: int
+    block_n: int  # a multiple of 16, at most 256 (wgmma N, TMA box)
+    stages: int
+
+    @property
+    def block_m(self) -> int:
+        return WGMMA_M * self.consumers
+
+    @property
+    def threads(self) -> int:  # the consumers and one producer warpgroup
+        return WARPGROUP_THREADS * (self.consumers + 1)
+
+    @property
+    def stage_bytes(self) -> int:  # x slice and w slice of one K step
+        return (self.block_m + self.block_n) * SWIZZLE_ROW_BYTES
+
+    @property
+    def barrier_offset(self) -> int:  # the mbarriers follow the stages (or the epilogue's tile, if larger)
+        return max(self.stages * self.stage_bytes, self.block_m * (self.block_n + OUT_PAD_WORDS) * 4)
+
+    @property
+    def shared_bytes(self) -> int:  # + the full and empty mbarriers + alignment slack
+        return self.barrier_offset + 2 * self.stages * BARRIER_BYTES + ATOM_BYTES
+
+
+# Prefill: 128 x 256, two consumer warpgroups of 64 x 256 (128 accumulators a thread), 4 stages: 194 KB.
+LARGE = TileConfig(consumers=2, block_n=256, stages=4)
+# 128 x 128, 6 stages: 194 KB.
+MEDIUM = TileConfig(consumers=2, block_n=128, stages=6)
+# 64 x 128, one consumer warpgroup, 4 stages: 98 KB, two blocks per SM.
+SMALL = TileConfig(consumers=1, block_n=128, stages=4)
+# Skinny products (decode batches on a 2048-row weight): 64 x 64, 8 stages (the bytes in flight of a
+# 128-row tile): 130 KB.
+TINY = TileConfig(consumers=1, block_n=64, stages=8)
+TILE_CONFIGS = (LARGE, MEDIUM, SMALL, TINY)  # largest first
+FILL_FRACTION = 0.75  # a tiling qualifies when its grid gives a tile to this share of the SMs
+
+
+def blocks_per_sm(config: TileConfig) -> int:
+    """How many blocks of `config` fit on one SM by shared memory (what bounds these kernels)."""
+    return max(1, SHARED_BYTES_PER_SM // (config.shared_bytes + 1024))
+
+
+@functools.cache
+def gemm_wgmma_kernel_for(config: TileConfig):
+    """Compile-time specialisation of the kernel for one tiling (its sizes are constants in it)."""
+    block_m, block_n, stages, threads = config.block_m, config.block_n, config.stages, config.threads
+    consumers = config.consumers
+    assert block_n % 16 == 0 and block_n <= 256 and stages >= 2
+    acc_count = block_n // 2  # accumulators per consumer thread
+    stage_bytes = config.stage_bytes
+    x_bytes = block_m * SWIZZLE_ROW_BYTES  # the x slice of a stage; the w slice follows it
+    barrier_offset = config.barrier_offset
+    consumer_threads = consumers * WARPGROUP_THREADS
+    out_row_words = block_n + OUT_PAD_WORDS
+    out_chunks = block_m * block_n // 4  # 16-byte pieces of the output tile
+    mma = wgmma_bf16(block_n)
+    fence_acc = wgmma_fence(block_n)
+    wait_but_one = wgmma_wait(block_n, 1)
+    wait_all = wgmma_wait(block_n, 0)
+    store_acc = store_accumulators(block_n, out_row_words)
+    load_x = tma_load_2d(block_m)
+    load_w = tma_load_2d(block_n)
+
+    @kernel(launch_bounds=(threads, 1))
+    def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, accumulate, tiles_per_split, m_fastest):
+        # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes block_m x 64 and block_n x 64)
+        # x_bits (M, K) uint16: bf16 bits; w_bits (N, K) uint16; K % 8 == 0
+        # out (M, N) f32, or with K split over blockIdx.z, (splits * M, N): part z's rows z*M .. z*M + M - 1
+        # accumulate: 1 out +=, 0 out =; tiles_per_split: BLOCK_K slices per part of K
+        # m_fastest: 1 when blockIdx.x walks the M tiles (and blockIdx.y the N tiles), 0 the reverse
+        smem = cuda.shared.array(0, uint32)  # stages x (x slice, w slice), from a 1024-byte boundary; mbarriers
+        smem_f32 = cuda.shared.array(0, float32)  # the same memory, for the epilogue
+        num_tokens = x_bits.shape[0]
+        num_rows = w_bits.shape[0]
+        k_dim = x_bits.shape[1]
+        tid = cuda.threadIdx.x
+        group = tid // WARPGROUP_THREADS
+        m_tile = cuda.blockIdx.x if m_fastest else cuda.blockIdx.y
+        n_tile = cuda.blockIdx.y if m_fastest else cuda.blockIdx.x
+        m0 = m_tile * block_m
+        n0 = n_tile * block_n
+        first_tile = cuda.blockIdx.z * tiles_per_split
+        num_tiles = min(tiles_per_split, (k_dim + BLOCK_K - 1) // BLOCK_K - first_tile)
+        k_first = first_tile * BLOCK_K
+
+        base = shared_address(smem, 0)
+        pad = (ATOM_BYTES - (base & (ATOM_BYTES - 1))) & (ATOM_BYTES - 1)  # bytes up to an aligned address
+        tiles = base + pad  # shared address of stage 0
+        full = tiles + barrier_offset  # full[s] at full + 8 s: the stage's copies have landed
+        empty = full + stages * BARRIER_BYTES  # empty[s]: every consumer is done with the stage
+        if tid == 0:
+            for s in range(stages):
+                mbarrier_init(full + s * BARRIER_BYTES, 1)
+                mbarrier_init(empty + s * BARRIER_BYTES, consumers)
+            fence_mbarrier_init()
+        cuda.syncthreads()
+
+        if group == consumers:  # the producer warpgroup: one thread issues the copies
+            if tid % WARPGROUP_THREADS == 0:
+                tensormap_acquire(x_map)
+                tensormap_acquire(w_map)
+                for tile in range(num_tiles):
+                    s = tile % stages
+                    if tile >= stages:  # wait for the consumers' release of the stage's previous use
+                        mbarrier_wait(empty + s * BARRIER_BYTES, (tile // stages + 1) & 1)
+                    barrier = full + s * BARRIER_BYTES
+                    mbarrier_arrive_expect_tx(barrier, stage_bytes)
+                    stage = tiles + s * stage_bytes
+                    k = k_first + tile * BLOCK_K
+                    load_x(smem, stage, x_map, x_bits, k, m0, barrier)
+                    load_w(smem, stage + x_bytes, w_map, w_bits, k, n0, barrier)
+            return
+
+        acc = cuda.local.array(acc_count, float32)  # this thread's part of the warpgroup's 64 x block_n
+        for i in range(acc_count):
+            acc[i] = float32(0.0)
+        tile = 0
+        while True:  # at least one step (num_tiles >= 1): no path reaches wait_all without a wgmma, which
+            # ptxas would count as other code writing the accumulators in a pipeline stage (and serialise)
+            s = tile % stages
+            mbarrier_wait(full + s * BARRIER_BYTES, (tile // stages) & 1)
+            stage = tiles + s * stage_bytes
+            desc_a = smem_descriptor(stage + group * WGMMA_M * SWIZZLE_ROW_BYTES)
+            desc_b = smem_descriptor(stage + x_bytes)
+            fence_acc(acc)
+            for kk in range(BLOCK_K // WGMMA_K):
+                mma(acc, smem, desc_a + kk * DESC_K_STEP, desc_b + kk * DESC_K_STEP)
+            wgmma_commit()
+            wait_but_one(acc)  # the previous step's wgmma have completed: release its stage
+            if tile > 0 and tid % WARPGROUP_THREADS == 0:
+                mbarrier_arrive(empty + ((tile - 1) % stages) * BARRIER_BYTES)
+            tile += 1
+            if tile >= num_tiles:
+                break
+        wait_all(acc)
+
+        # Epilogue: accumulators -> shared memory (row-padded tile) -> out, 16 bytes per thread per row piece.
+        first_word = pad >> 2
+        named_barrier(CONSUMERS_BARRIER, consumer_threads)  # every consumer is done reading the stages
+        lane = tid % 32
+        warp_row = group * WGMMA_M + (tid % WARPGROUP_THREADS) // 32 * 16 + (lane >> 2)
+        store_acc(acc, smem, first_word + warp_row * out_row_words + 2 * (lane & 3))
+        named_barrier(CONSUMERS_BARRIER, consumer_threads)
+        row_offset = cuda.blockIdx.z * num_tokens
+        for c in range(tid, out_chunks, consumer_threads):
+            r = c // (block_n // 4)
+            col = c % (block_n // 4) * 4
+            m = m0 + r
+            n = n0 + col
+            if m < num_tokens:
+                v0, v1, v2, v3 = load_shared_f32x4(smem_f32, first_word + r * out_row_words + col)
+                _store4(out, row_offset + m, n, num_rows, v0, v1, v2, v3, accumulate)
+
+    return gemm_wgmma_kernel
+
+
+@device_function
+def _store1(out, row, n, num_rows, value, accumulate):
+    """out[row, n] (+)= value, when column n exists."""
+    if n < num_rows:
+        if accumulate:
+            out[row, n] += value
+        else:
+            out[row, n] = value
+
+
+@device_function
+def _store4(out, row, n, num_rows, v0, v1, v2, v3, accumulate):
+    """out[row, n .. n + 3] (+)= v0 .. v3, the columns past ``num_rows`` left alone."""
+    _store1(out, row, n, num_rows, v0, accumulate)
+    _store1(out, row, n + 1, num_rows, v1, accumulate)
+    _store1(out, row, n + 2, num_rows, v2, accumulate)
+    _store1(out, row, n + 3, num_rows, v3, accumulate)
+
+
+@kernel
+def _x_to_bf16_kernel(x, x_pairs):
+    """x_pairs[m, j] = bf16(x[m, 2j]) | bf16(x[m, 2j + 1]) << 16, rounded to nearest even.
+
+    x (M, K) f32, K even; x_pairs (M, K / 2) uint32: the rows of the bf16 copy. Grid-stride over
+    the pairs; consecutive threads take consecutive pairs of a row (coalesced).
+    """
+    pairs = x_pairs.shape[1]
+    total = x_pairs.shape[0] * pairs
+    i = cuda.grid(1)
+    while i < total:
+        m = i // pairs
+        j = i % pairs
+        x_pairs[m, j] = pack_bf16x2(x[m, 2 * j], x[m, 2 * j + 1])
+        i += cuda.gridsize(1)
+
+
+@functools.cache
+def _default_x_workspace():
+    """The bf16 copy of x for calls that bring no workspace (tests, benchmarks): allocated once, so
+    its tensor maps are made once too. The model passes its own (`model.llama.buffer_specs`)."""
+    return cuda.device_array(X_WORKSPACE_VALUES, np.uint16)
+
+
+_VIEWS_KEPT = 4096  # cached device-array views (a few per token count and K); forgotten all at once past this
+_views: dict[tuple, tuple] = {}  # (kind, id(workspace), shape...) -> (workspace, views...)
+
+
+def _cached_views(kind: str, workspace, shape: tuple, make):
+    """Views of a workspace, made once per shape: making a device-array view costs more host time than
+    a small product. Keyed by the workspace's identity (device arrays are not all hashable), which
+    the entry keeps alive so the id cannot be reused."""
+    key = (kind, id(workspace), *shape)
+    entry = _views.get(key)
+    if entry is None or entry[0] is not workspace:
+        if len(_views) >= _VIEWS_KEPT:
+            _views.clear()
+        entry = _views[key] = (workspace, *make())
+    return entry[1:]
+
+
+def _x_views(x_workspace, rows: int, k_dim: int):
+    """The workspace as x's bf16 copy: (rows, K) uint16 and its (rows, K / 2) uint32 pairs."""
+
+    def make():
+        x_bits = x_workspace[: rows * k_dim].reshape(rows, k_dim)
+        return x_bits, x_bits.view(np.uint32)
+
+    return _cached_views("x", x_workspace, (rows, k_dim), make)
+
+
+def _partials(workspace, splits: int, num_tokens: int, num_rows: int):
+    """The split-K workspace as a (splits * M, N) f32 matrix."""
+    size = splits * num_tokens * num_rows
+    return _cached_views("parts", workspace, (size, num_rows), lambda: (workspace[:size].reshape(-1, num_rows),))[0]
+
+
+def x_capacity(x_workspace, k_dim: int) -> int:
+    """Rows of x whose bf16 copy fits the workspace."""
+    return x_workspace.shape[0] // k_dim
+
+
+_tensor_maps: dict = {}  # (address, rows, K, box rows) -> (16,) uint64 device array; never freed
+
+
+def _tensor_map(bits, rows: int, box_rows: int):
+    """The CUtensorMap (a (16,) uint64 device array) of the (rows, K) uint16 matrix at ``bits``'
+    address: boxes of ``box_rows`` x 64 with the 128-byte swizzle, zeros outside the matrix.
+
+    Made once per matrix and box and kept: the TMA unit caches tensor maps by address, so a map's
+    memory is never rewritten or freed (one per weight matrix and tiling, a few for x). In the
+    simulator the map is a placeholder; the simulated copy reads the matrix itself.
+    """
+    k_dim = bits.shape[1]
+    address = (getattr(bits, "__cuda_array_interface__", None) or bits.__array_interface__)["data"][0]
+    key = (address, rows, k_dim, box_rows)
+    tensor_map = _tensor_maps.get(key)
+    if tensor_map is None:
+        words = np.zeros(16, np.uint64)
+        if not simulator_enabled():
+            from cuda.bindings import driver as cu
+
+            u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+            err, encoded = cu.cuTensorMapEncodeTiled(
+                cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                2,
+                address,
+                [u64(k_dim), u64(rows)],  # innermost first
+                [u64(k_dim * 2)],  # row stride in bytes
+                [u32(BLOCK_K), u32(box_rows)],
+                [u32(1), u32(1)],
+                cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise KernelError(f"gemm_wgmma: cuTensorMapEncodeTiled({rows} x {k_dim}, box {box_rows}): {err}")
+            words[:] = encoded.opaque
+        tensor_map = _tensor_maps[key] = cuda.to_device(words)
+    return tensor_map
+
+
+def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig:
+    """The largest tiling whose grid gives a tile to ``FILL_FRACTION`` of the SMs (else the smallest).
+
+    Measured on an H200 (see the module docstring): larger tiles read less per product and win as
+    long as most SMs have one; a grid of 128 LARGE tiles (M = 512, N = 8192) beat 256 SMALL ones.
+    """
+    for config in TILE_CONFIGS:
+        if -(-num_rows // config.block_n) * -(-num_tokens // config.block_m) >= FILL_FRACTION * num_sms:
+            return config
+    return TILE_CONFIGS[-1]
+
+
+def pick_k_split(config: TileConfig, num_blocks: int, k_dim: int, num_sms: int) -> int:
+    """Into how many parts to split K: doubling while the blocks still run at once (``blocks_per_sm``
+    per SM) and each part keeps ``MIN_SPLIT_TILES`` slices.
+
+    On an H200 a split paid only on long K (8192) with few tiles (M = 64 or 128 on a 2048-row weight:
+    32 and 64 TINY tiles, split 4 and 2 ways); on K = 2048 the partial sums cost more than the SMs
+    that the split fills.
+    """
+    num_tiles = -(-k_dim // BLOCK_K)
+    room = blocks_per_sm(config) * num_sms
+    split = 1
+    while num_blocks * split * 2 <= room and num_tiles // (split * 2) >= MIN_SPLIT_TILES:
+        split *= 2
+    return split
+
+
+def gemm_wgmma(
+    x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None, workspace=None
+) -> None:
+    """out = x @ w.T (or out += x @ w.T) with Hopper's wgmma; x is rounded to bf16.
+
+    x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits), out (M, N) f32. ``config`` and
+    ``split`` force a tiling and a K split (tests, benchmarks). ``workspace``: the model's
+    `matmul.GemmWorkspace` (split-K parts and x's bf16 copy); without one, a split allocates its
+    parts and x goes through a default copy buffer.
+    """
+    num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
+    if num_tokens == 0 or num_rows == 0:
+        return
+    w_bits = weight_bits(w)
+    partials = None if workspace is None else workspace.partials
+    if k_dim % CHUNK_VALUES or not vector_aligned(w_bits):
+        gemm_tc(x, w, out, accumulate, workspace=partials)  # no TMA copies of such rows; no Llama shape comes here
+        return
+    x_workspace = _default_x_workspace() if workspace is None else workspace.x_bf16
+    rows = min(num_tokens, x_capacity(x_workspace, k_dim))
+    for m in range(0, num_tokens, rows):  # row chunks whose bf16 copy fits the workspace
+        part, part_out = (x, out) if rows == num_tokens else (x[m : m + rows], out[m : m + rows])
+        x_bits, pairs = _x_views(x_workspace, part.shape[0], k_dim)
+        blocks = min(-(-pairs.size // CONVERT_THREADS), 8 * num_sms())
+        launch(_x_to_bf16_kernel, blocks, CONVERT_THREADS, part, pairs)
+        _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, partials)
+
+
+def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partials) -> None:
+    """The wgmma product of x's bf16 copy (a workspace view) and w (uint16 bits), split or not."""
+    num_tokens, k_dim = x_bits.shape
+    num_rows = w_bits.shape[0]
+    config = config or pick_tile_config(num_tokens, num_rows, num_sms())
+    grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)
+    split = split or pick_k_split(config, grid_n * grid_m, k_dim, num_sms())
+    num_tiles = -(-k_dim // BLOCK_K)
+    tiles_per_split = -(-num_tiles // split)
+    splits = -(-num_tiles // tiles_per_split)  # no empty part
+    m_fastest = 1 if grid_m <= 16 else 0
+    grid = (grid_m, grid_n, splits) if m_fastest else (grid_n, grid_m, splits)
+    capacity = x_capacity(x_workspace, k_dim)
+    x_map = _tensor_map(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
+    w_map = _tensor_map(w_bits, num_rows, config.block_n)
+    kernel_ = gemm_wgmma_kernel_for(config)
+    flag = 1 if accumulate else 0
+    shared = config.shared_bytes
+    if splits == 1:
+        args = (x_map, w_map, x_bits, w_bits, out, flag, tiles_per_split, m_fastest)
+        launch(kernel_, grid, config.threads, *args, shared_bytes=shared)
+        return
+    if partials is None:  # a call without the model's workspace: parts of its own (not cached)
+        parts = cuda.device_array((splits * num_tokens, num_rows), np.float32)
+    elif splits * num_tokens * num_rows > partials.shape[0]:
+        raise KernelError(f"gemm_wgmma: a {splits}-way K split of a {num_tokens}x{num_rows} product exceeds the workspace")
+    else:
+        parts = _partials(partials, splits, num_tokens, num_rows)
+    args = (x_map, w_map, x_bits, w_bits, parts, 0, tiles_per_split, m_fastest)
+    launch(kernel_, grid, config.threads, *args, shared_bytes=shared)
+    launch(_sum_splits_kernel, (-(-num_rows // SUM_THREADS), min(num_tokens, 1024)), SUM_THREADS, parts, out, flag)

@@ -1,0 +1,444 @@
+"""Causal prefill attention over the paged KV cache on the tensor cores (FlashAttention-2's shape).
+
+The same contract as ``prefill_attention.py`` (the readable CUDA-core version; its docstring defines
+the inputs): a ragged batch of prompts or prompt chunks, sequence ``s`` with ``n`` new tokens at
+positions ``start_pos[s] ..``, each attending to its sequence's cached positions ``0 .. p`` found
+through ``block_tables[s]`` (a cached prefix and the new tokens alike). Here ``S = Q K^T`` and
+``O += P V`` run as ``mma.sync`` m16n8k16 (bf16 inputs, fp32 accumulation; ``mma.py`` has the
+instructions and their fragment layouts), and the softmax stays in registers.
+
+Numerics: q is rounded to bf16 as it is loaded (K and V are bf16 already), so the scores are exact
+products of the rounded values summed in fp32; they are scaled by ``scale * log2(e)`` in fp32 and
+exponentiated with ``exp2``. The probabilities P are rounded to bf16 for the P V product, while the
+row sums add them unrounded in fp32 (as FlashAttention-2 does): each weight of the output is off by
+up to 2^-8 relative (bf16 keeps 8 significant bits), a few 1e-3 on outputs of size 1.
+
+Thread mapping. A block of ``NUM_WARPS`` = 4 warps owns a tile of ``block_rows`` query rows of one
+kv head of one sequence; grid ``(KVH, S, row tiles)``, the tile with the latest positions (the most
+keys) scheduled first. A *query row* is one (new token, query head) pair of the kv head's group,
+token-major (row ``r``: token ``r // group``, head ``r % group``), so the group's heads fill the
+M dimension of the mma and every K/V tile is loaded once for the whole group (GQA).
+
+Tiling (``default_tiling``; the kernel is compiled per tiling, its sizes constants in the code):
+``warp_m_tiles`` 16-row mma tiles per warp (block_rows = 4 warps x 16 x warp_m_tiles), key tiles of
+``block_keys`` (whole 16-token pages), and ``q_shared``: Q's fragments in registers or in shared
+memory. Head dim 64 runs (2, 64, True): 128 query rows (32 tokens of a 4-head group) per block.
+
+- Warp ``w`` owns ``warp_m_tiles`` x 16 consecutive rows of the tile. Its lanes hold, for the whole
+  kernel: the fp32 accumulators of O (16 x head_dim per mma tile) and per row the running max ``m``
+  and the lane's share of the running sum ``l``; with ``q_shared`` False also the A fragments of Q
+  (16 rows x head_dim per mma tile, loaded from global memory and rounded to bf16 once), else Q
+  rounded to bf16 sits in shared memory and each 16-dim step's A fragments are reloaded with one
+  ``ldmatrix.x4`` (32 registers fewer: room for 64-key tiles). By the fragment layout (``g = lane >>
+  2``, ``t = lane & 3``) a lane holds rows ``g`` and ``g + 8`` of each mma tile, columns ``2t, 2t + 1``
+  of each 8-wide column tile: the four lanes of a quad share a row.
+- The block walks the keys ``0 .. position of its last row`` in key tiles. Per key tile, each warp:
+
+  1. ``S = Q K^T`` (16 x block_keys per mma tile) on the tensor cores: K's rows are keys with the
+     head dims contiguous, which is the B operand's layout (``ldmatrix.x4``: two 8-key tiles of one
+     16-dim step);
+  2. online softmax on S's fragments: causal mask (only on tiles that reach past the warp's first
+     position), row max of the unscaled scores over the lane's values then over the quad (two
+     ``shfl_xor``), ``P = exp2(S * c - m * c)`` with ``c = scale * log2(e)`` (one FFMA and one
+     ``ex2.approx`` each), O and l rescaled by ``exp2((m_old - m_new) * c)``;
+  3. ``O += P V``: the C fragments of S are, pair by pair, the A fragments of P (rows g, g + 8, keys
+     2t, 2t + 1 and 2t + 8, 2t + 9 of a 16-key step), so P goes from accumulators to operands with
+     one ``cvt.rn.bf16x2`` per pair and no data movement; V's rows are keys (k of this product)
+     with dims (n) contiguous, so its B fragments come from ``ldmatrix.x4.trans``.
+
+  A warp whose rows all come before the key tile (the causal triangle) skips its compute.
+- At the end the quad adds its four shares of l (two ``shfl_xor``) and writes ``O / l``.
+
+Shared memory: K and V tiles, ``(2, block_keys, head_dim / 2)`` uint32 each (bf16 pairs), double
+buffered (head_dim 64, 64 keys: 2 x 2 x 64 x 128 bytes = 32 KB), plus with ``q_shared`` the Q tile
+``(block_rows, head_dim / 2)`` (16 KB): 48 KB, all of the static limit. K/V rows are staged with
+``cp.async`` 16 bytes at a time straight from the paged cache (no registers, no conversion); a
+thread copies chunk ``tid % (head_dim / 8)`` of rows ``tid // (head_dim / 8) + j * rows_per_pass``.
+Copies for key tile i + 1 are issued right after the barrier that opens tile i, so they land while
+tile i is computed; each thread waits for its own copies (``cp.async.wait_all``) before the next
+barrier: one barrier per key tile. The page ids (``block_tables[s, pos // 16]``) are loaded one tile
+earlier still, so issuing a copy never waits for a global load. Rows past the context (the tail of
+the last page) are stored as zeros, never read: a NaN there would poison ``P V`` even with P = 0.
+
+Swizzle: ldmatrix reads, per 8 lanes, the same 16-byte chunk of 8 consecutive rows; with 128-byte
+rows stored plainly those 8 chunks sit in the same 4 banks (8-way conflict). Chunk ``c`` of row
+``r`` is stored at chunk ``c ^ ((r >> shift) & mask)`` (for 128-byte or longer rows ``c ^ (r & 7)``;
+shorter rows share a 128-byte bank line and use a coarser row index), so the 8 rows of every
+ldmatrix phase, and the copies, cover all 32 banks.
+
+Registers (ptxas 13.5, sm_90, no spills; ``tests/test_prefill_attention_tc.py`` checks): head dim 64,
+(2, 64, True): 254 (64 O and 64 S accumulators a lane), so 2 blocks (8 warps) per SM; (2, 32, False):
+223. Rows past a sequence's new tokens compute a copy of its last row and are not written.
+
+Speed (H200, Llama 3.2 1B's heads, ``benchmarks/attn_tc_gpu.py``): 1 x 2048 tokens 106 us, 8 x 512
+86 us, 1 x 16384 5.06 ms, a 2048-token chunk after 14,000 cached 1.23 ms: 12-14x the CUDA-core
+kernel, 1.4-2.0x torch's flash attention (60 / 42 / 2,499 / 877 us). Per key tile a warp issues ~9
+instructions per ``mma`` (index and address arithmetic in 64 bits, softmax), and with 8 warps per
+SM the tensor cores are busy about a third of the time.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from numba_vllm.kernels._launch import KernelError, check_array, launch
+from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.mma import (
+    MMA_K,
+    MMA_M,
+    MMA_N,
+    WARP_LANES,
+    cp_async_16,
+    cp_async_wait_all,
+    ldmatrix_x4,
+    ldmatrix_x4_trans,
+    mma_bf16_16816,
+    pack_bf16x2,
+    store_shared_u32x4,
+)
+from numba_vllm.kernels.reductions import FULL_MASK
+from numba_vllm.kernels.vector_load import BF16_PER_VECTOR, SHARED_ALIGN
+from numba_vllm.loading.bf16 import BF16
+from numba_vllm.model.config import PAGE_SIZE
+
+NUM_WARPS = 4
+THREADS = NUM_WARPS * WARP_LANES
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # multiples of the mma's k (16); K/V tiles within 48 KB
+MAX_GROUP = 16
+LOG2_E = 1.4426950408889634
+
+
+def default_tiling(head_dim: int) -> tuple[int, int, bool]:
+    """(warp_m_tiles, block_keys, q_shared) for a head dim: the largest tiles whose accumulators (O:
+    16 x head_dim, S: 16 x block_keys per mma tile) fit in registers with no spills (ptxas, sm_90).
+
+    Head dim 64 (H200, Llama 3.2 1B's shapes): 32-row warp tiles with 64-key tiles and Q in shared
+    memory (254 registers) ran as fast as with 32-key tiles and Q in registers (223) on 2048-token
+    prompts and 5% faster on 16384 (fewer barriers and rescales per key); 16-row warp tiles were
+    slower (``benchmarks/attn_tc_gpu.py``). Head dim 128 is not measured: 16-row warp tiles, 32 keys.
+    """
+    if head_dim <= 32:
+        return 2, 64, False  # (a 64-key tile is one staging pass of the block's threads at head dim 16)
+    return (2, 64, True) if head_dim == 64 else (1, 32, False)
+
+
+def block_rows_for(warp_m_tiles: int) -> int:
+    """Query rows per block."""
+    return NUM_WARPS * warp_m_tiles * MMA_M
+
+
+@functools.cache
+def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int, block_keys: int, q_shared: bool):
+    """The kernel compiled for ``group`` query heads per kv head, ``head_dim``, a warp tile of
+    ``warp_m_tiles`` x 16 rows, key tiles of ``block_keys``, and Q's fragments kept in registers
+    (``q_shared`` False) or in shared memory, loaded with ``ldmatrix`` at each use (True: frees
+    registers for a larger tile). Its sizes are constants in the code."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KernelError(f"prefill_attention_tc: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
+    if not 1 <= group <= MAX_GROUP:
+        raise KernelError(f"prefill_attention_tc: {group} query heads per kv head, at most {MAX_GROUP}")
+    block_rows = block_rows_for(warp_m_tiles)
+    warp_rows = warp_m_tiles * MMA_M
+    d_steps = head_dim // MMA_K  # k steps of Q K^T (head_dim 64: 4)
+    d_tiles = head_dim // MMA_N  # 8-wide column tiles of O (8)
+    key_tiles = block_keys // MMA_N  # 8-wide column tiles of S (8)
+    key_steps = block_keys // MMA_K  # k steps of P V (4)
+    row_words = head_dim // 2  # uint32 words (bf16 pairs) per staged K/V row
+    row_chunks = head_dim // BF16_PER_VECTOR  # 16-byte chunks per row
+    rows_per_pass = THREADS // row_chunks  # rows the block's threads stage at once
+    stage_passes = block_keys // rows_per_pass  # chunks per thread per tensor per key tile
+    # Swizzle: rows sharing a 128-byte bank line (short rows) count as one row.
+    line_rows = max(1, 8 // row_chunks)
+    swizzle_shift = line_rows.bit_length() - 1
+    swizzle_mask = min(row_chunks, 8) - 1
+    assert block_keys % PAGE_SIZE == 0 and block_keys % rows_per_pass == 0 and block_rows % rows_per_pass == 0
+    assert rows_per_pass % (line_rows * (swizzle_mask + 1)) == 0  # a thread's rows share one swizzle
+    q_passes = block_rows // rows_per_pass  # 16-byte chunks of Q per thread, staging Q in shared memory
+    q_rows = block_rows if q_shared else 1  # (arrays of the unused path are minimal)
+    q_frag_tiles = 1 if q_shared else warp_m_tiles
+    minus_inf = float32(-math.inf)
+
+    @device_function
+    def _chunk_word(row, chunk):
+        """Word offset, in its staged row, of 16-byte chunk ``chunk`` of row ``row``."""
+        return (chunk ^ ((row >> swizzle_shift) & swizzle_mask)) * 4
+
+    @device_function
+    def _load_pages(block_tables, s, key0, context_len, tid, pages):
+        """pages[j] = the page holding this thread's staging row j of the key tile at key0 (0 past the
+        context). Loaded a tile ahead of its copies: a copy cannot start before its page id arrives."""
+        row0 = tid // row_chunks
+        for j in range(stage_passes):
+            pos = key0 + row0 + j * rows_per_pass
+            pages[j] = block_tables[s, pos // PAGE_SIZE] if pos < context_len else 0
+
+    @device_function
+    def _stage_kv(k_bits, v_bits, ks, vs, buf, pages, kv_head, key0, context_len, tid):
+        """Start copying the K and V rows of keys key0 .. key0 + block_keys - 1 (their pages in ``pages``)
+        into buffer ``buf`` (zeros past the context); they have landed after ``cp_async_wait_all``."""
+        row0 = tid // row_chunks
+        chunk = tid % row_chunks
+        word = _chunk_word(row0, chunk)
+        for j in range(stage_passes):
+            row = row0 + j * rows_per_pass
+            pos = key0 + row
+            if pos < context_len:
+                src = (pages[j], pos % PAGE_SIZE, kv_head, chunk * BF16_PER_VECTOR)
+                cp_async_16(ks, (buf, row, word), k_bits, src)
+                cp_async_16(vs, (buf, row, word), v_bits, src)
+            else:
+                store_shared_u32x4(ks, (buf, row, word), uint32(0), uint32(0), uint32(0), uint32(0))
+                store_shared_u32x4(vs, (buf, row, word), uint32(0), uint32(0), uint32(0), uint32(0))
+
+    @device_function
+    def _softmax_rows(acc_s, acc_o, row_max, row_sum, row_pos, i, key0, masked, scale_log2, t):
+        """Online softmax of mma tile i's two rows per lane: S -> P = exp2((S - m) * scale_log2) in place,
+        m (the max of the unscaled scores) and l updated, O rescaled. Lane (g, t) holds S[g + 8h,
+        8j + 2t + e] in acc_s[i, j, 2h + e]. The max is taken before scaling (scale > 0), so each P is
+        one fused multiply-add and one ``ex2``."""
+        for h in range(2):
+            last_key = row_pos[i, h] - key0 - 2 * t  # this lane's keys j * 8 + e past it are masked
+            tile_max = minus_inf
+            for j in range(key_tiles):
+                for e in range(2):
+                    if masked and j * MMA_N + e > last_key:
+                        acc_s[i, j, 2 * h + e] = minus_inf  # a later position (or past the context)
+                    tile_max = max(tile_max, acc_s[i, j, 2 * h + e])
+            tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # the quad shares the row
+            tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 2))
+            m_new = max(row_max[i, h], tile_max)  # finite: key 0 (in the first tile) is seen by every row
+            alpha = math.exp2((row_max[i, h] - m_new) * scale_log2)  # 0 on the first tile (m = -inf)
+            row_max[i, h] = m_new
+            m_scaled = m_new * scale_log2
+            tile_sum = float32(0.0)
+            for j in range(key_tiles):
+                for e in range(2):
+                    p = math.exp2(acc_s[i, j, 2 * h + e] * scale_log2 - m_scaled)
+                    acc_s[i, j, 2 * h + e] = p
+                    tile_sum += p
+            row_sum[i, h] = row_sum[i, h] * alpha + tile_sum  # this lane's share (its keys) of l
+            for j in range(d_tiles):
+                acc_o[i, j, 2 * h] *= alpha
+                acc_o[i, j, 2 * h + 1] *= alpha
+
+    @device_function
+    def _store_rows(out, acc_o, row_sum, i, warp_row0, num_rows, first_token, kv_head, g, t):
+        """Write mma tile i's rows of O / l (the rows that exist)."""
+        for h in range(2):
+            total = row_sum[i, h]
+            total += cuda.shfl_xor_sync(FULL_MASK, total, 1)  # the quad's four shares of l
+            total += cuda.shfl_xor_sync(FULL_MASK, total, 2)
+            row = warp_row0 + i * MMA_M + h * 8 + g
+            if row < num_rows:
+                token = first_token + row // group
+                head = kv_head * group + row % group
+                inv = float32(1.0) / total
+                for j in range(d_tiles):
+                    out[token, head, j * MMA_N + 2 * t] = acc_o[i, j, 2 * h] * inv
+                    out[token, head, j * MMA_N + 2 * t + 1] = acc_o[i, j, 2 * h + 1] * inv
+
+    @kernel(fastmath=True, launch_bounds=THREADS)
+    def prefill_attention_tc_kernel(q, k_bits, v_bits, block_tables, cu_seqlens, start_pos, scale_log2, out):
+        """q, out: (T, H, HD) f32; k_bits, v_bits: (P, PAGE_SIZE, KVH, HD) uint16 (bf16 bits);
+        block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,) int32; start_pos: (S,) int32;
+        scale_log2: scale * log2(e)."""
+        kv_head = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        tile = cuda.gridDim.z - 1 - cuda.blockIdx.z  # latest rows (most keys) first
+        first_token = cu_seqlens[s]
+        num_new = cu_seqlens[s + 1] - first_token
+        num_rows = num_new * group
+        first_row = tile * block_rows
+        if first_row >= num_rows:
+            return  # this sequence has fewer rows than the longest one: the whole block leaves
+        start = start_pos[s]
+        context_len = start + num_new
+        tid = cuda.threadIdx.x
+        lane = tid % WARP_LANES
+        warp = tid // WARP_LANES
+        g = lane >> 2
+        t = lane & 3
+
+        ks = cuda.shared.array((2, block_keys, row_words), uint32, SHARED_ALIGN)  # K tiles, bf16 pairs, swizzled
+        vs = cuda.shared.array((2, block_keys, row_words), uint32, SHARED_ALIGN)  # V tiles
+        qs = cuda.shared.array((q_rows, row_words), uint32, SHARED_ALIGN)  # q_shared: Q rows, bf16 pairs, swizzled
+        qf = cuda.local.array((q_frag_tiles, d_steps, 4), uint32)  # else: A fragments of Q (bf16 pairs)
+        qa = cuda.local.array((warp_m_tiles, 4), uint32)  # A fragments of Q for one 16-dim step
+        acc_s = cuda.local.array((warp_m_tiles, key_tiles, 4), float32)  # S, then P, of one key tile
+        acc_o = cuda.local.array((warp_m_tiles, d_tiles, 4), float32)  # O (unnormalised)
+        pf = cuda.local.array((warp_m_tiles, 4), uint32)  # A fragments of P for one 16-key step
+        row_max = cuda.local.array((warp_m_tiles, 2), float32)  # m of rows g, g + 8 of each mma tile
+        row_sum = cuda.local.array((warp_m_tiles, 2), float32)  # this lane's share of l
+        row_pos = cuda.local.array((warp_m_tiles, 2), int32)  # position of each of those rows
+
+        last_row = min(first_row + block_rows, num_rows) - 1
+        num_keys = start + last_row // group + 1  # keys 0 .. position of the block's last row
+        num_key_tiles = (num_keys + block_keys - 1) // block_keys
+        pages = cuda.local.array(stage_passes, int32)  # page ids of the next key tile this thread stages
+        _load_pages(block_tables, s, 0, context_len, tid, pages)
+        _stage_kv(k_bits, v_bits, ks, vs, 0, pages, kv_head, 0, context_len, tid)  # lands while Q loads
+        _load_pages(block_tables, s, block_keys, context_len, tid, pages)
+
+        warp_row0 = first_row + warp * warp_rows
+        warp_active = warp_row0 < num_rows  # else all its rows are padding: it only stages
+        warp_first_pos = start + min(warp_row0, num_rows - 1) // group
+        warp_last_pos = start + (min(warp_row0 + warp_rows, num_rows) - 1) // group
+        for i in range(warp_m_tiles):
+            for h in range(2):
+                row = min(warp_row0 + i * MMA_M + h * 8 + g, num_rows - 1)  # padding repeats the last row
+                token = first_token + row // group
+                head = kv_head * group + row % group
+                row_pos[i, h] = start + row // group
+                row_max[i, h] = minus_inf
+                row_sum[i, h] = float32(0.0)
+                if not q_shared:
+                    for kk in range(d_steps):
+                        for half in range(2):  # a0/a1: dims 2t, 2t + 1 of the step; a2/a3: 8 further
+                            d = kk * MMA_K + half * 8 + 2 * t
+                            qf[i, kk, 2 * half + h] = pack_bf16x2(q[token, head, d], q[token, head, d + 1])
+            for j in range(d_tiles):
+                for r in range(4):
+                    acc_o[i, j, r] = float32(0.0)
+        if q_shared:  # the block's Q rows, 16 bytes (8 dims) a store; the loop's first barrier publishes them
+            q_row0 = tid // row_chunks
+            q_chunk = tid % row_chunks
+            q_word = _chunk_word(q_row0, q_chunk)
+            for j in range(q_passes):
+                r = q_row0 + j * rows_per_pass
+                row = min(first_row + r, num_rows - 1)
+                token = first_token + row // group
+                head = kv_head * group + row % group
+                d = q_chunk * BF16_PER_VECTOR
+                store_shared_u32x4(
+                    qs, (r, q_word),
+                    pack_bf16x2(q[token, head, d], q[token, head, d + 1]),
+                    pack_bf16x2(q[token, head, d + 2], q[token, head, d + 3]),
+                    pack_bf16x2(q[token, head, d + 4], q[token, head, d + 5]),
+                    pack_bf16x2(q[token, head, d + 6], q[token, head, d + 7]),
+                )  # fmt: skip
+
+        # ldmatrix rows of this lane. K (non-transposed, B of Q K^T): matrices (keys 0-7, dims 0-7),
+        # (keys 0-7, dims 8-15), (keys 8-15, dims 0-7), (keys 8-15, dims 8-15) of a 16 x 16 block give
+        # b0, b1 of two 8-key tiles. V (transposed, B of P V): matrices (keys 0-7, dims 0-7), (keys 8-15,
+        # dims 0-7), (keys 0-7, dims 8-15), (keys 8-15, dims 8-15) give b0, b1 of two 8-dim tiles.
+        q_row = warp * warp_rows + (lane & 15)  # (A operand: rows lane & 15, dims 8 (lane >> 4) on)
+        q_half = lane >> 4
+        k_row = (lane & 7) + ((lane >> 4) << 3)
+        k_half = (lane >> 3) & 1
+        v_row = (lane & 7) + (((lane >> 3) & 1) << 3)
+        v_half = lane >> 4
+
+        for kt in range(num_key_tiles):
+            buf = kt % 2
+            key0 = kt * block_keys
+            cp_async_wait_all()  # this thread's copies of key tile kt have landed
+            # Wait until all of tile kt is in buffer `buf`. This also guarantees that every warp is done
+            # with tile kt - 1, in the other buffer, where tile kt + 1 goes right below.
+            cuda.syncthreads()
+            if kt + 1 < num_key_tiles:
+                _stage_kv(k_bits, v_bits, ks, vs, 1 - buf, pages, kv_head, key0 + block_keys, context_len, tid)
+                _load_pages(block_tables, s, key0 + 2 * block_keys, context_len, tid, pages)  # used next time
+            if warp_active and key0 <= warp_last_pos:
+                # 1. S = Q K^T
+                for i in range(warp_m_tiles):
+                    for j in range(key_tiles):
+                        for r in range(4):
+                            acc_s[i, j, r] = float32(0.0)
+                for kk in range(d_steps):
+                    for i in range(warp_m_tiles):
+                        if q_shared:
+                            row = q_row + i * MMA_M
+                            qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3] = ldmatrix_x4(qs, (row, _chunk_word(row, 2 * kk + q_half)))
+                        else:
+                            for r in range(4):
+                                qa[i, r] = qf[i, kk, r]
+                    word = _chunk_word(k_row, 2 * kk + k_half)  # the same for rows k_row + 16 jj
+                    for jj in range(key_tiles // 2):
+                        b0, b1, b2, b3 = ldmatrix_x4(ks, (buf, k_row + jj * MMA_K, word))
+                        for i in range(warp_m_tiles):
+                            acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3] = (
+                                mma_bf16_16816(
+                                    qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b0, b1,
+                                    acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3],
+                                )
+                            )  # fmt: skip
+                            acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2], acc_s[i, 2 * jj + 1, 3] = (
+                                mma_bf16_16816(
+                                    qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b2, b3,
+                                    acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2],
+                                    acc_s[i, 2 * jj + 1, 3],
+                                )
+                            )  # fmt: skip
+
+                # 2. Online softmax (mask only where the tile reaches past the warp's first position).
+                masked = key0 + block_keys - 1 > warp_first_pos
+                for i in range(warp_m_tiles):
+                    _softmax_rows(acc_s, acc_o, row_max, row_sum, row_pos, i, key0, masked, scale_log2, t)
+
+                # 3. O += P V, one 16-key step at a time.
+                for kk in range(key_steps):
+                    for i in range(warp_m_tiles):  # C fragments of S's tiles 2kk, 2kk + 1 = A fragment of P
+                        pf[i, 0] = pack_bf16x2(acc_s[i, 2 * kk, 0], acc_s[i, 2 * kk, 1])
+                        pf[i, 1] = pack_bf16x2(acc_s[i, 2 * kk, 2], acc_s[i, 2 * kk, 3])
+                        pf[i, 2] = pack_bf16x2(acc_s[i, 2 * kk + 1, 0], acc_s[i, 2 * kk + 1, 1])
+                        pf[i, 3] = pack_bf16x2(acc_s[i, 2 * kk + 1, 2], acc_s[i, 2 * kk + 1, 3])
+                    for dd in range(d_tiles // 2):
+                        word = _chunk_word(v_row, 2 * dd + v_half)
+                        b0, b1, b2, b3 = ldmatrix_x4_trans(vs, (buf, v_row + kk * MMA_K, word))
+                        for i in range(warp_m_tiles):
+                            acc_o[i, 2 * dd, 0], acc_o[i, 2 * dd, 1], acc_o[i, 2 * dd, 2], acc_o[i, 2 * dd, 3] = (
+                                mma_bf16_16816(
+                                    pf[i, 0], pf[i, 1], pf[i, 2], pf[i, 3], b0, b1,
+                                    acc_o[i, 2 * dd, 0], acc_o[i, 2 * dd, 1], acc_o[i, 2 * dd, 2], acc_o[i, 2 * dd, 3],
+                                )
+                            )  # fmt: skip
+                            acc_o[i, 2 * dd + 1, 0], acc_o[i, 2 * dd + 1, 1], acc_o[i, 2 * dd + 1, 2], acc_o[i, 2 * dd + 1, 3] = (
+                                mma_bf16_16816(
+                                    pf[i, 0], pf[i, 1], pf[i, 2], pf[i, 3], b2, b3,
+                                    acc_o[i, 2 * dd + 1, 0], acc_o[i, 2 * dd + 1, 1], acc_o[i, 2 * dd + 1, 2],
+                                    acc_o[i, 2 * dd + 1, 3],
+                                )
+                            )  # fmt: skip
+
+        if warp_active:
+            for i in range(warp_m_tiles):
+                _store_rows(out, acc_o, row_sum, i, warp_row0, num_rows, first_token, kv_head, g, t)
+
+    return prefill_attention_tc_kernel
+
+
+def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,
+                         max_new_tokens: int | None = None, tiling: tuple[int, int, bool] | None = None) -> None:
+    """Causal attention of a ragged batch of new tokens over their sequences' cached K/V, on the
+    tensor cores. The arguments are ``prefill_attention``'s (q: (T, H, HD) f32; k_cache, v_cache:
+    (num_pages, PAGE_SIZE, KVH, HD) bf16; block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,)
+    int32; start_pos: (S,) int32; out: (T, H, HD) f32; max_new_tokens: the longest sequence's new
+    tokens, read from cu_seqlens when None); ``tiling`` (warp_m_tiles, block_keys, q_shared) forces a tiling
+    (tests, benchmarks), else ``default_tiling(head_dim)``."""
+    check_array("q", q, "float32", ndim=3)
+    num_tokens, num_heads, head_dim = q.shape
+    check_array("k_cache", k_cache, BF16, (None, PAGE_SIZE, None, head_dim))
+    num_kv_heads = k_cache.shape[2]
+    check_array("v_cache", v_cache, BF16, tuple(k_cache.shape))
+    check_array("block_tables", block_tables, "int32", ndim=2)
+    num_seqs = block_tables.shape[0]
+    check_array("cu_seqlens", cu_seqlens, "int32", (num_seqs + 1,))
+    check_array("start_pos", start_pos, "int32", (num_seqs,))
+    check_array("out", out, "float32", (num_tokens, num_heads, head_dim))
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise KernelError(f"prefill_attention_tc: {num_heads} query heads not a multiple of {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    if max_new_tokens is None:
+        cu = cu_seqlens.copy_to_host() if hasattr(cu_seqlens, "copy_to_host") else np.asarray(cu_seqlens)
+        max_new_tokens = int(np.max(np.diff(cu))) if num_seqs else 0
+    if num_tokens == 0 or num_seqs == 0 or max_new_tokens <= 0:
+        return
+    warp_m_tiles, block_keys, q_shared = tiling or default_tiling(head_dim)
+    kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys, q_shared)
+    num_row_tiles = -(-max_new_tokens * group // block_rows_for(warp_m_tiles))
+    launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), THREADS, q, k_cache.view(np.uint16),
+           v_cache.view(np.uint16), block_tables, cu_seqlens, start_pos, np.float32(scale * LOG2_E), out)

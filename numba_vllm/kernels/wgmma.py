@@ -1,0 +1,629 @@
+"""Hopper tensor cores from Numba: ``wgmma.mma_async`` (bf16 x bf16 -> fp32) and the copies that feed it.
+
+``mma.py`` drives the tensor cores one warp at a time (``mma.sync``, 16 x 8 x 16 per instruction,
+operands in registers). Hopper (sm_90a) adds a wider, asynchronous instruction: a *warpgroup* (4
+consecutive warps, 128 threads, starting at a thread index divisible by 128) computes D (64 x N, f32)
++= A (64 x 16, bf16) @ B (16 x N, bf16) in one ``wgmma.mma_async``, N up to 256, with A and B read
+straight from shared memory through 64-bit *matrix descriptors*. This module emits it, and what goes
+with it, as inline PTX from ``@intrinsic`` functions, like ``mma.py``:
+
+- ``wgmma_bf16(n)``: the intrinsic ``mma(acc, smem, desc_a, desc_b)`` for
+  ``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16``. ``acc`` is the thread's ``n / 2``
+  accumulators, a ``cuda.local.array`` of float32 that the intrinsic reads and writes whole (its
+  elements are loaded and stored at constant indices around the instruction, so the compiler keeps
+  them in registers: index it elsewhere only with constants too). ``smem`` is the shared array the
+  descriptors point into (unused on the GPU; the simulator reads the operands from it).
+- ``wgmma_fence(n)``, ``wgmma_wait(n, pending)``: ``wgmma.fence`` (before the first wgmma, and after
+  anything else wrote the accumulators) and ``wgmma.wait_group pending`` (until at most ``pending``
+  committed groups of this warpgroup's wgmma are in flight); both take ``acc`` as operands that they
+  "modify", so the compiler orders every other access to the accumulators around them.
+  ``wgmma_commit()``: ``wgmma.commit_group``, closes the group of wgmma issued since the last one.
+- ``store_accumulators(n, row_words)``: the intrinsic ``store(acc, smem, index)`` writing the
+  thread's accumulators into a row-major f32 tile in shared memory (``smem`` uint32, rows of
+  ``row_words`` words; ``index`` is where the thread's first value, D[16w + g, 2q], goes), as
+  8-byte stores: for an epilogue that leaves through shared memory (the indices are constants, so
+  ``acc`` stays in registers, which a loop over it in the kernel would not guarantee).
+- ``smem_descriptor(address)``: the descriptor of a K-major operand tile at a shared address, laid
+  out with the 128-byte swizzle (below). Advance it by ``DESC_K_STEP`` per 16 values of k.
+- ``shared_address(array, index)``: the 32-bit shared-window address of ``array[index]``.
+- ``tma_load_2d(rows)``: the intrinsic ``load(smem, dst, tensor_map, src, col, row, barrier)``: one
+  ``cp.async.bulk.tensor.2d`` (the Tensor Memory Accelerator, TMA) copying the box of ``rows`` rows
+  x 64 columns from ``row, col`` of the 2-D uint16 matrix ``src`` described by ``tensor_map`` (a
+  CUtensorMap in global memory, made on the host with the 128-byte swizzle: the box lands in the
+  layout above) to the shared address ``dst``, zeros where the box leaves the matrix. One thread
+  issues it; its completion is counted on the mbarrier at ``barrier`` (``rows * 128`` bytes).
+  ``src`` is what the tensor map describes (unused on the GPU; the simulator copies from it).
+- mbarriers (64-bit barrier objects in shared memory, at shared addresses): ``mbarrier_init(barrier,
+  count)`` (by one thread, then ``fence_mbarrier_init()`` and a ``syncthreads``),
+  ``mbarrier_arrive(barrier)``, ``mbarrier_arrive_expect_tx(barrier, bytes)`` (arrive and expect
+  ``bytes`` of TMA copies), ``mbarrier_wait(barrier, parity)`` (until the phase of that parity has
+  completed). A phase completes when ``count`` arrivals and all expected bytes have come; phases
+  alternate parity 0, 1, 0, ...
+- ``named_barrier(index, threads)``: ``bar.sync index, threads``: a barrier of the first
+  ``threads`` threads (index 1-15; ``syncthreads`` is barrier 0).
+- ``tensormap_acquire(tensor_map)``: ``fence.proxy.tensormap::generic.acquire.gpu`` on the 128
+  bytes of a tensor map in global memory (written by ordinary copies, read by the TMA's own proxy):
+  issued once by the thread that issues the copies, before the first.
+- ``fence_proxy_async()``: ``fence.proxy.async.shared::cta``. The tensor cores read shared memory
+  through the *async proxy*; data written through the generic proxy (``st.shared``, ``cp.async``)
+  must be fenced by each writing thread before the barrier after which a wgmma reads it (TMA copies
+  are async-proxy writes: their mbarrier is enough).
+
+Shared-memory layout of an operand (PTX ISA, "Shared Memory Matrix Layout", K-major, 128-byte
+swizzle). A tile of R rows (M rows of A = x, or N rows of B = w, since B[k, n] = w[n, k]) by 64
+values of k (bf16) is stored one 128-byte row per matrix row, rows consecutive; groups of 8 rows
+form 1024-byte *atoms*, which must start on a 1024-byte boundary. Within an atom the 16-byte chunk
+``c`` (values 8c .. 8c + 7 of k) of row ``r`` is stored at chunk position ``c ^ (r % 8)``. The
+hardware applies that XOR to the address bits itself (bits 4-6 ^= bits 7-9 of the byte address),
+which is why the alignment matters. Descriptor fields: start address >> 4 (bits 0-13), leading
+byte offset >> 4 (bits 16-29; unused by this layout, set to 1), stride byte offset >> 4 (bits
+32-45: 1024, from one 8-row atom to the next), base offset 0 (bits 49-51), swizzle mode 1 =
+128-byte (bits 62-63). One wgmma consumes 16 values of k, 32 bytes of each row: the k-th step's
+descriptor starts ``32 k`` bytes into the tile (the swizzle is applied to the sum).
+
+Accumulator layout (PTX ISA, "Matrix Fragments for wgmma .m64nNk16"). Thread ``t`` of the
+warpgroup, in warp ``w = t // 32`` with ``g = (t % 32) >> 2`` and ``q = t & 3``, holds for each
+8-column block ``j``: ``acc[4j + 2h + e] = D[16w + 8h + g, 8j + 2q + e]`` (h, e in 0, 1): the
+mma.sync layout of ``mma.py``, warp ``w`` owning rows 16w .. 16w + 15.
+
+Asynchrony: a wgmma returns before it has read its operands or written ``acc``. Until a
+``wgmma_wait`` covers its group, the shared memory it reads must not be overwritten and ``acc``
+must not be touched (another wgmma on the same accumulators may follow at once: they run in
+order). ``ptxas`` checks the accumulator rule and serialises every wgmma of the kernel (info
+C7515, "wgmma.mma_async instructions are serialized", and a ``WARPGROUP.DEPBAR`` after each
+``HGMMA`` in the SASS: 2-3x slower) when code between issue and wait may write them; seen here
+when a path reached the final wait from the accumulators' zeroing with no wgmma (a loop that
+could run zero times), fixed by a loop that runs at least once. The tests assemble every tiling
+and fail on C7515.
+
+Compiling: wgmma needs the architecture-specific target sm_90a. numba-cuda 0.30.4 compiles every
+kernel for ``compute_90a`` on a device of compute capability 9.0 (``CUDACodeLibrary._ensure_cc``
+adds the ``a`` from 9.0 on); ``cuda.compile_ptx(..., cc=(9, 0, "a"))`` does the same without a GPU.
+Plain ``cc=(9, 0)`` gives the same PTX text with ``.target sm_90``, which ptxas rejects for wgmma
+(the tests compile that way, as ``tests/ptx_check.py`` does, and assemble with ``.target sm_90a``).
+
+Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) the same names are Python functions. The wgmma is
+a rendezvous of the 128 threads of the warpgroup (``Block.group_round``); the thread that finds it
+complete decodes both descriptors exactly as described above (start address, stride byte offset,
+the swizzle on the byte address), reads A and B from ``smem``, gathers C from all 128
+accumulator arrays, adds the exact fp32 products in k order (rounding to fp32 after each addition)
+and writes D back into every thread's ``acc``. A descriptor other than 128-byte-swizzled K-major
+raises, and so do descriptors that differ between the threads of the warpgroup (they must be
+uniform). Shared addresses are byte offsets into the array (the simulator has no shared window;
+offset 0 is 1024-byte aligned), and fences and waits do nothing. A TMA load copies the box from
+``src`` at once (zeros outside it) into the swizzled layout and completes its bytes on the barrier;
+mbarriers are Python objects of the block, keyed by address, and a thread that waits on one polls
+it (``SimulatorDeadlockError`` after ``NUMBA_VLLM_SIM_HANG_TIMEOUT``); a named barrier is a
+rendezvous of threads 0 .. threads - 1.
+"""
+
+import functools
+
+import numpy as np
+from numba import int64
+
+from numba_vllm.kernels.jit import device_function
+from numba_vllm.sim.warp import simulator_enabled
+
+WARPGROUP_THREADS = 128
+WGMMA_M = 64  # rows of A and D per warpgroup
+WGMMA_K = 16  # k per instruction
+SWIZZLE_ROW_BYTES = 128  # one staged row: 64 bf16 values of k
+ATOM_ROWS = 8  # rows per 1024-byte swizzle atom
+ATOM_BYTES = SWIZZLE_ROW_BYTES * ATOM_ROWS  # alignment of a staged tile
+TILE_K = SWIZZLE_ROW_BYTES // 2  # values of k per staged row
+DESC_K_STEP = WGMMA_K * 2 >> 4  # descriptor start-address units (16 bytes) per wgmma k-step
+# The fixed fields of a descriptor: leading byte offset 16 (encoded 1), stride byte offset 1024, 128-byte swizzle.
+_DESC_FIXED = (1 << 16) | ((ATOM_BYTES >> 4) << 32) | (1 << 62)
+_ADDRESS_MASK = 0x3FFFF  # the descriptor holds bits 4..17 of the address
+
+
+@device_function
+def smem_descriptor(address):
+    """The wgmma descriptor (int64) of a K-major, 128-byte-swizzled operand tile at shared ``address``."""
+    return int64(_DESC_FIXED) | int64((address & _ADDRESS_MASK) >> 4)
+
+
+def _wgmma_instruction(n):
+    return f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16"
+
+
+if simulator_enabled():
+    import threading
+    import time
+
+    import ml_dtypes
+
+    from numba_vllm.sim.blocks import ABSENT, SimulatorDeadlockError, WarpSyncError, hang_timeout_s
+
+    _RESULT_LOCK = threading.Lock()  # the first thread out of a round computes it, the others wait
+
+    def _warpgroup_round(kind, value):
+        """Deposit ``value`` in the calling warpgroup's round; return (thread's place 0..127, round)."""
+        thread = threading.current_thread()
+        first = thread.thread_id // WARPGROUP_THREADS * WARPGROUP_THREADS
+        rnd = thread.block.group_round(thread, kind, first, WARPGROUP_THREADS, value)
+        missing = [first + i for i, v in enumerate(rnd.values) if v is ABSENT]
+        if missing:
+            raise WarpSyncError(
+                f"{kind} needs all 128 threads of the warpgroup (.sync.aligned), threads {missing} did not "
+                "take part (exited or missing); on a GPU the result is undefined"
+            )
+        return thread.thread_id - first, rnd
+
+    def _uniform(values, name):
+        first = values[0]
+        if any(v != first for v in values):
+            raise WarpSyncError(f"wgmma: {name} differs between the threads of the warpgroup (it must be uniform)")
+        return int(first)
+
+    def _operand(smem, desc, rows):
+        """float32 (rows, 16): the operand a descriptor points at, read as the hardware does."""
+        start = (desc & 0x3FFF) << 4
+        stride = ((desc >> 32) & 0x3FFF) << 4
+        if desc >> 62 != 1 or (desc >> 49) & 7:
+            raise NotImplementedError("the simulated wgmma reads only K-major operands with the 128-byte swizzle")
+        r = np.arange(rows)[:, None]
+        k = np.arange(WGMMA_K)[None, :]
+        address = start + (r // ATOM_ROWS) * stride + (r % ATOM_ROWS) * SWIZZLE_ROW_BYTES + 2 * k
+        bits = smem.view(np.uint8).view(np.uint16)[_swizzled(address) // 2]
+        return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+
+    # Accumulator coordinates: thread t (0..127), register i -> D row and column (the docstring's table).
+    def _acc_coordinates(n):
+        t = np.arange(WARPGROUP_THREADS)[:, None]
+        i = np.arange(n // 2)[None, :]
+        rows = 16 * (t // 32) + 8 * ((i >> 1) & 1) + ((t % 32) >> 2)
+        cols = 8 * (i >> 2) + 2 * (t & 3) + (i & 1)
+        return rows, cols  # (128, n / 2) each
+
+    def _warpgroup_mma(values, n):
+        """Write D = A @ B + C into every thread's accumulator array (values: the 128 deposits)."""
+        smem = values[0][1]
+        address = smem.__array_interface__["data"][0]  # each thread has its own view of the block's memory
+        if any(v[1].__array_interface__["data"][0] != address for v in values):
+            raise WarpSyncError("wgmma: the threads of the warpgroup passed different shared arrays")
+        a = _operand(smem, _uniform([v[2] for v in values], "desc_a"), WGMMA_M)  # (64, 16)
+        b = _operand(smem, _uniform([v[3] for v in values], "desc_b"), n).T  # (16, n)
+        rows, cols = _acc_coordinates(n)
+        d = np.zeros((WGMMA_M, n), np.float32)
+        d[rows, cols] = np.stack([np.asarray(v[0][: n // 2], np.float32) for v in values])
+        for k in range(WGMMA_K):  # exact products, fp32 additions in k order
+            d += a[:, k : k + 1] * b[k : k + 1, :]
+        for t, v in enumerate(values):
+            v[0][: n // 2] = d[rows[t], cols[t]]
+
+    @functools.cache
+    def wgmma_bf16(n):
+        """``mma(acc, smem, desc_a, desc_b)``: acc[:n/2] += this thread's part of A @ B (simulator)."""
+
+        def mma(acc, smem, desc_a, desc_b):
+            _, rnd = _warpgroup_round(f"wgmma m64n{n}k16", (acc, smem, desc_a, desc_b))
+            with _RESULT_LOCK:
+                if not getattr(rnd, "wgmma_done", False):
+                    _warpgroup_mma(rnd.values, n)
+                    rnd.wgmma_done = True
+
+        return mma
+
+    @functools.cache
+    def wgmma_fence(n):
+        """wgmma.fence (simulator: the wgmma is synchronous, nothing to order)."""
+        return lambda acc: None
+
+    @functools.cache
+    def wgmma_wait(n, pending):
+        """wgmma.wait_group (simulator: every wgmma has completed)."""
+        return lambda acc: None
+
+    def wgmma_commit():
+        """wgmma.commit_group (simulator: nothing in flight)."""
+
+    def fence_proxy_async():
+        """fence.proxy.async.shared::cta (simulator: one memory, no proxies)."""
+
+    @functools.cache
+    def store_accumulators(n, row_words):
+        """``store(acc, smem, index)``: acc[4j + 2h + e] -> smem[index + 8h row_words + 8j + e] as f32 (simulator)."""
+
+        def store(acc, smem, index):
+            tile = smem.view(np.float32)
+            for i in range(n // 2):
+                tile[index + 8 * ((i >> 1) & 1) * row_words + 8 * (i >> 2) + (i & 1)] = acc[i]
+
+        return store
+
+    def shared_address(array, index):
+        """Byte offset of ``array[index]`` in the array (simulator: offset 0 stands for an aligned address)."""
+        return np.uint32(np.ravel_multi_index(index if isinstance(index, tuple) else (index,), array.shape) * array.itemsize)
+
+    def _swizzled(address):
+        """Where the 128-byte swizzle puts byte ``address`` (bits 4-6 ^= bits 7-9)."""
+        return address ^ (((address >> 7) & 7) << 4)
+
+    class _MBarrier:
+        """An mbarrier: arrivals still expected in this phase, bytes still expected, phases completed."""
+
+        def __init__(self, count):
+            self.count = count
+            self.pending = count
+            self.tx = 0
+            self.phase = 0
+
+        def update(self, arrivals, tx):
+            self.pending -= arrivals
+            self.tx += tx
+            if self.pending == 0 and self.tx == 0:
+                self.phase += 1
+                self.pending = self.count
+
+    _BARRIER_LOCK = threading.Lock()
+
+    def _mbarrier(address):
+        block = threading.current_thread().block
+        with _BARRIER_LOCK:
+            barriers = block.__dict__.setdefault("mbarriers", {})
+            if int(address) not in barriers:
+                raise WarpSyncError(f"mbarrier at shared address {int(address)} used before mbarrier_init")
+            return barriers[int(address)]
+
+    def mbarrier_init(address, count):
+        """mbarrier.init (simulator)."""
+        block = threading.current_thread().block
+        with _BARRIER_LOCK:
+            block.__dict__.setdefault("mbarriers", {})[int(address)] = _MBarrier(int(count))
+
+    def fence_mbarrier_init():
+        """fence.mbarrier_init (simulator: nothing to order)."""
+
+    def mbarrier_arrive(address):
+        """mbarrier.arrive (simulator)."""
+        barrier = _mbarrier(address)
+        with _BARRIER_LOCK:
+            barrier.update(1, 0)
+
+    def mbarrier_arrive_expect_tx(address, tx_bytes):
+        """mbarrier.arrive.expect_tx (simulator)."""
+        barrier = _mbarrier(address)
+        with _BARRIER_LOCK:
+            barrier.update(1, int(tx_bytes))
+
+    def mbarrier_wait(address, parity):
+        """Poll until the phase of parity ``parity`` of the mbarrier has completed (simulator)."""
+        barrier = _mbarrier(address)
+        deadline = time.monotonic() + hang_timeout_s
+        while barrier.phase % 2 == parity:  # that phase is still the one in progress
+            if time.monotonic() > deadline:
+                raise SimulatorDeadlockError(
+                    f"waited more than {hang_timeout_s:g} s on the mbarrier at shared address {int(address)} "
+                    f"(phase {barrier.phase}, {barrier.pending} arrivals and {barrier.tx} bytes outstanding)"
+                )
+            time.sleep(1e-4)
+
+    @functools.cache
+    def tma_load_2d(rows):
+        """``load(smem, dst, tensor_map, src, col, row, barrier)``: the box src[row:, col:] (rows x 64,
+        zeros outside src) into the swizzled tile at ``dst``, its bytes completed on ``barrier`` (simulator)."""
+
+        def load(smem, dst, tensor_map, src, col, row, barrier):
+            box = np.zeros((rows, TILE_K), np.uint16)
+            r_end, c_end = min(row + rows, src.shape[0]), min(col + TILE_K, src.shape[1])
+            if r_end > row and c_end > col:
+                box[: r_end - row, : c_end - col] = src[row:r_end, col:c_end]
+            r = np.arange(rows)[:, None]
+            k = np.arange(TILE_K)[None, :]
+            smem.view(np.uint8).view(np.uint16)[_swizzled(int(dst) + r * SWIZZLE_ROW_BYTES + 2 * k) // 2] = box
+            barrier_ = _mbarrier(barrier)
+            with _BARRIER_LOCK:
+                barrier_.update(0, -rows * SWIZZLE_ROW_BYTES)
+
+        return load
+
+    def named_barrier(index, threads):
+        """bar.sync index, threads: a rendezvous of threads 0 .. threads - 1 (simulator)."""
+        thread = threading.current_thread()
+        thread.block.group_round(thread, f"bar.sync {index}", 0, int(threads), None)
+
+    def tensormap_acquire(tensor_map):
+        """fence.proxy.tensormap (simulator: the simulated TMA reads no tensor map)."""
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    from numba_vllm.kernels.mma import _SHARED_ADDRSPACE, _shared_address
+    from numba_vllm.kernels.vector_load import _check_array_and_index, _element_pointer
+
+    _I32 = ir.IntType(32)
+    _I64 = ir.IntType(64)
+    _F32 = ir.FloatType()
+
+    def _void_asm(builder, text, operand_types=(), operands=(), constraints=""):
+        """Emit a volatile inline-asm statement that clobbers memory."""
+        clobber = "~{memory}"
+        asm = ir.InlineAsm(
+            ir.FunctionType(ir.VoidType(), list(operand_types)),
+            text,
+            f"{constraints},{clobber}" if constraints else clobber,
+            side_effect=True,
+        )
+        builder.call(asm, list(operands))
+
+    def _check_acc(name, acc):
+        if not isinstance(acc, types.Array) or acc.dtype != types.float32 or acc.ndim != 1:
+            raise TypingError(f"{name}: acc must be a 1-D float32 (local) array, got {acc}")
+
+    def _acc_pointers(context, builder, acc_type, acc, count):
+        """Pointers to acc[0 .. count - 1] (constant indices: the array stays in registers)."""
+        data = context.make_array(acc_type)(context, builder, value=acc).data
+        return [cgutils.gep_inbounds(builder, data, i) for i in range(count)]
+
+    def _acc_asm(builder, pointers, text, extra_types=(), extra_operands=(), extra_constraints=()):
+        """Run ``text`` with the accumulators as in/out operands $0 .. $(count - 1) (their inputs,
+        tied, are $count .. $(2 count - 1)), then the extra inputs from $(2 count); store the
+        outputs back."""
+        count = len(pointers)
+        constraints = ["=f"] * count + [str(i) for i in range(count)] + list(extra_constraints) + ["~{memory}"]
+        asm = ir.InlineAsm(
+            ir.FunctionType(ir.LiteralStructType([_F32] * count), [_F32] * count + list(extra_types)),
+            text,
+            ",".join(constraints),
+            side_effect=True,
+        )
+        values = [builder.load(p) for p in pointers]
+        result = builder.call(asm, values + list(extra_operands))
+        for i, p in enumerate(pointers):
+            builder.store(builder.extract_value(result, i), p)
+
+    def _register_list(first, count):
+        return "{" + ", ".join(f"${i}" for i in range(first, first + count)) + "}"
+
+    @functools.cache
+    def wgmma_bf16(n):
+        """The intrinsic ``mma(acc, smem, desc_a, desc_b)``: one ``wgmma.mma_async ... m64n{n}k16``,
+        acc (n/2 float32 per thread) += A (64 x 16, at desc_a) @ B (16 x n, at desc_b)."""
+        count = n // 2
+        text = (
+            # operands: $0 .. $(count - 1) the accumulators (tied to the next count), then desc_a,
+            # desc_b and scale_d; the predicate p = scale_d != 0 says D = A @ B + D (not A @ B).
+            f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${2 * count + 2}, 0;\n"
+            f"{_wgmma_instruction(n)} {_register_list(0, count)}, ${2 * count}, ${2 * count + 1}, p, 1, 1, 0, 0;\n}}"
+        )
+
+        @intrinsic
+        def mma(typingctx, acc, smem, desc_a, desc_b):
+            _check_acc("wgmma_bf16", acc)
+            if not isinstance(smem, types.Array):
+                raise TypingError(f"wgmma_bf16: smem must be the shared array of the operands, got {smem}")
+            for name, desc in (("desc_a", desc_a), ("desc_b", desc_b)):
+                if not isinstance(desc, types.Integer):
+                    raise TypingError(f"wgmma_bf16: {name} must be an integer descriptor, got {desc}")
+            sig = types.void(acc, smem, desc_a, desc_b)
+
+            def codegen(context, builder, sig, args):
+                descs = [context.cast(builder, v, t, types.int64) for v, t in zip(args[2:], sig.args[2:], strict=True)]
+                pointers = _acc_pointers(context, builder, sig.args[0], args[0], count)
+                scale_d = ir.Constant(_I32, 1)  # D = A @ B + D
+                _acc_asm(builder, pointers, text, (_I64, _I64, _I32), (*descs, scale_d), ("l", "l", "r"))
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return mma
+
+    @functools.cache
+    def wgmma_fence(n):
+        """The intrinsic ``fence(acc)``: ``wgmma.fence``, ordered after every write of acc[:n/2]."""
+
+        @intrinsic
+        def fence(typingctx, acc):
+            _check_acc("wgmma_fence", acc)
+            sig = types.void(acc)
+
+            def codegen(context, builder, sig, args):
+                pointers = _acc_pointers(context, builder, sig.args[0], args[0], n // 2)
+                _acc_asm(builder, pointers, "wgmma.fence.sync.aligned;")
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return fence
+
+    @functools.cache
+    def wgmma_wait(n, pending):
+        """The intrinsic ``wait(acc)``: ``wgmma.wait_group pending``, after which acc[:n/2] may be read."""
+
+        @intrinsic
+        def wait(typingctx, acc):
+            _check_acc("wgmma_wait", acc)
+            sig = types.void(acc)
+
+            def codegen(context, builder, sig, args):
+                pointers = _acc_pointers(context, builder, sig.args[0], args[0], n // 2)
+                _acc_asm(builder, pointers, f"wgmma.wait_group.sync.aligned {pending};")
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return wait
+
+    @functools.cache
+    def store_accumulators(n, row_words):
+        """The intrinsic ``store(acc, smem, index)``: acc[4j + 2h + e] -> smem[index + 8h row_words + 8j + e]
+        (as f32 bits), one ``st.shared.v2.f32`` per (j, h)."""
+
+        @intrinsic
+        def store(typingctx, acc, smem, index):
+            _check_acc("store_accumulators", acc)
+            _check_array_and_index("store_accumulators", smem, index, (types.uint32,))
+            sig = types.void(acc, smem, index)
+
+            def codegen(context, builder, sig, args):
+                pointers = _acc_pointers(context, builder, sig.args[0], args[0], n // 2)
+                first = _element_pointer(context, builder, sig.args[1], args[1], sig.args[2], args[2])
+                first = builder.addrspacecast(first, ir.PointerType(_I32, _SHARED_ADDRSPACE))
+                first = builder.bitcast(first, ir.PointerType(_F32, _SHARED_ADDRSPACE))
+                pair_type = ir.VectorType(_F32, 2)
+                for i in range(0, n // 2, 2):  # i = 4j + 2h
+                    offset = 8 * ((i >> 1) & 1) * row_words + 8 * (i >> 2)
+                    pair = ir.Constant(pair_type, ir.Undefined)
+                    for e in range(2):
+                        pair = builder.insert_element(pair, builder.load(pointers[i + e]), ir.Constant(_I32, e))
+                    target = cgutils.gep_inbounds(builder, first, offset)
+                    builder.store(pair, builder.bitcast(target, ir.PointerType(pair_type, _SHARED_ADDRSPACE)), align=8)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return store
+
+    @intrinsic
+    def wgmma_commit(typingctx):
+        """``wgmma.commit_group``: the wgmma issued since the last commit form one group."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _void_asm(builder, "wgmma.commit_group.sync.aligned;")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def fence_proxy_async(typingctx):
+        """``fence.proxy.async.shared::cta``: this thread's shared-memory writes become visible to wgmma."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _void_asm(builder, "fence.proxy.async.shared::cta;")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def shared_address(typingctx, array, index):
+        """The 32-bit shared-window address (uint32) of ``array[index]``, a shared array."""
+        if not isinstance(array, types.Array):
+            raise TypingError(f"shared_address: expected a shared array, got {array}")
+        _check_array_and_index("shared_address", array, index, (array.dtype,))
+        sig = types.uint32(array, index)
+
+        def codegen(context, builder, sig, args):
+            return _shared_address(context, builder, sig.args[0], args[0], sig.args[1], args[1])
+
+        return sig, codegen
+
+    def _check_ints(name, args):
+        for i, arg in enumerate(args):
+            if not isinstance(arg, types.Integer):
+                raise TypingError(f"{name}: argument {i} must be an integer, got {arg}")
+
+    def _u32(context, builder, value, value_type):
+        return context.cast(builder, value, value_type, types.uint32)
+
+    def _u32_operands_codegen(text):
+        """Codegen emitting ``text`` with the integer arguments as 32-bit operands $0, $1, ..."""
+
+        def codegen(context, builder, sig, args):
+            values = [_u32(context, builder, v, t) for v, t in zip(args, sig.args, strict=True)]
+            _void_asm(builder, text, [_I32] * len(values), values, ",".join(["r"] * len(values)))
+            return context.get_dummy_value()
+
+        return codegen
+
+    @intrinsic
+    def mbarrier_init(typingctx, barrier, count):
+        """``mbarrier.init``: the mbarrier at shared address ``barrier`` expects ``count`` arrivals a phase."""
+        _check_ints("mbarrier_init", (barrier, count))
+        return types.void(barrier, count), _u32_operands_codegen("mbarrier.init.shared::cta.b64 [$0], $1;")
+
+    @intrinsic
+    def mbarrier_arrive(typingctx, barrier):
+        """``mbarrier.arrive``: one arrival on the mbarrier at shared address ``barrier``."""
+        _check_ints("mbarrier_arrive", (barrier,))
+        return types.void(barrier), _u32_operands_codegen("mbarrier.arrive.shared::cta.b64 _, [$0];")
+
+    @intrinsic
+    def mbarrier_arrive_expect_tx(typingctx, barrier, tx_bytes):
+        """``mbarrier.arrive.expect_tx``: one arrival, and ``tx_bytes`` more bytes for the phase to wait for."""
+        _check_ints("mbarrier_arrive_expect_tx", (barrier, tx_bytes))
+        text = "mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;"
+        return types.void(barrier, tx_bytes), _u32_operands_codegen(text)
+
+    @intrinsic
+    def mbarrier_wait(typingctx, barrier, parity):
+        """Wait until the phase of parity ``parity`` of the mbarrier at ``barrier`` has completed."""
+        _check_ints("mbarrier_wait", (barrier, parity))
+        # try_wait suspends the thread for a while when the phase is not complete; loop until it is.
+        text = "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n@!p bra WAIT;\n}"
+        return types.void(barrier, parity), _u32_operands_codegen(text)
+
+    @intrinsic
+    def named_barrier(typingctx, index, threads):
+        """``bar.sync index, threads``: a barrier of the first ``threads`` threads of the block."""
+        _check_ints("named_barrier", (index, threads))
+        return types.void(index, threads), _u32_operands_codegen("bar.sync $0, $1;")
+
+    @intrinsic
+    def fence_mbarrier_init(typingctx):
+        """``fence.mbarrier_init``: the initialised mbarriers are visible to the other threads and the TMA."""
+        sig = types.void()
+
+        def codegen(context, builder, sig, args):
+            _void_asm(builder, "fence.mbarrier_init.release.cluster;")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def tensormap_acquire(typingctx, tensor_map):
+        """``fence.proxy.tensormap::generic.acquire.gpu``: the tensor map (a uint64 device array, 128
+        bytes) as written in global memory is what the TMA copies of this thread use."""
+        if not isinstance(tensor_map, types.Array) or tensor_map.dtype != types.uint64:
+            raise TypingError(f"tensormap_acquire: tensor_map must be a uint64 device array, got {tensor_map}")
+        sig = types.void(tensor_map)
+
+        def codegen(context, builder, sig, args):
+            data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
+            text = "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;"
+            _void_asm(builder, text, (_I64,), (builder.ptrtoint(data, _I64),), "l")
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @functools.cache
+    def tma_load_2d(rows):
+        """The intrinsic ``load(smem, dst, tensor_map, src, col, row, barrier)``: one 2-D TMA copy of a
+        box (rows x 64, the tensor map's) into shared address ``dst``, completed on ``barrier``."""
+
+        @intrinsic
+        def load(typingctx, smem, dst, tensor_map, src, col, row, barrier):
+            _check_ints("tma_load_2d", (dst, col, row, barrier))
+            if not isinstance(tensor_map, types.Array) or tensor_map.dtype != types.uint64:
+                raise TypingError(f"tma_load_2d: tensor_map must be a uint64 device array, got {tensor_map}")
+            sig = types.void(smem, dst, tensor_map, src, col, row, barrier)
+
+            def codegen(context, builder, sig, args):
+                map_data = context.make_array(sig.args[2])(context, builder, value=args[2]).data
+                operands = [
+                    _u32(context, builder, args[1], sig.args[1]),
+                    builder.ptrtoint(map_data, _I64),
+                    _u32(context, builder, args[4], sig.args[4]),
+                    _u32(context, builder, args[5], sig.args[5]),
+                    _u32(context, builder, args[6], sig.args[6]),
+                ]
+                _void_asm(
+                    builder,
+                    "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                    "[$0], [$1, {$2, $3}], [$4];",
+                    (_I32, _I64, _I32, _I32, _I32),
+                    operands,
+                    "r,l,r,r,r",
+                )
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return load

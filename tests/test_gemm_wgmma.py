@@ -1,0 +1,310 @@
+"""gemm_wgmma (Hopper wgmma product) and the wgmma.py intrinsics under it.
+
+Reference: float64 NumPy on the bf16-rounded inputs, with test_gemv's tolerance (|out - ref| <=
+1e-5 * (|x_bf16| @ |w|.T) (+ |out before|)), the output poisoned with NaN so an unwritten element
+fails. The same tests run on an H200 with ``NUMBA_VLLM_TEST_GPU=1`` (the ``gpu`` ones only there).
+
+The wgmma probe stages A (64 x 64) and B (16 x 64) in shared memory by the layout written out here
+(128-byte rows, chunk c of row r at chunk c ^ (r % 8), from a 1024-byte boundary), runs four k-steps
+of ``wgmma m64n16k16`` through ``smem_descriptor``, and writes each thread's 8 accumulators by the
+documented fragment layout: on the simulator it checks the emulation against NumPy, on a GPU the
+hardware against the same NumPy (the layout and descriptor encoding are the hardware's, not ours).
+
+Without a GPU, the kernels of every tiling are compiled to PTX (for sm_90a) and, where a ptxas is on
+the PATH, assembled: no local memory, no spills, and no "wgmma serialized" report (C7515: ptxas
+serialises every wgmma when other code touches the accumulators inside a pipeline stage).
+
+Simulator shapes are small (a 128-thread block per warpgroup; every wgmma is a 128-thread
+rendezvous): M from 1, N and K not multiples of the tile, K past the pipeline depth, a K split, each
+tiling once; ``slow`` marks the 256-thread tilings.
+"""
+
+import functools
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import ptx_check
+import pytest
+from numba import cuda, float32, uint32
+from test_gemv import check_product, launch_case
+
+from numba_vllm.kernels import gemm_wgmma as gw
+from numba_vllm.kernels import matmul
+from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.wgmma import (
+    ATOM_BYTES,
+    DESC_K_STEP,
+    fence_proxy_async,
+    shared_address,
+    smem_descriptor,
+    wgmma_bf16,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_wait,
+)
+from numba_vllm.loading.bf16 import BF16
+
+PROBE_N = 16
+PROBE_K = 64
+PROBE_ACC = 8  # accumulators per thread (PROBE_N / 2): a literal, as a local array's size must be
+_probe_mma = wgmma_bf16(PROBE_N)
+_probe_fence = wgmma_fence(PROBE_N)
+_probe_wait = wgmma_wait(PROBE_N, 0)
+
+
+def run_gemm_wgmma(m, n, k, accumulate, seed=0, x_offset=0, launcher=gw.gemm_wgmma):
+    """Launch on fresh random data, check against the bf16-rounded reference. x_offset > 0 misaligns x."""
+    got, x, w, out0 = launch_case(m, n, k, accumulate, seed, x_offset, launcher)
+    check_product(got, x.astype(BF16).astype(np.float32), w, out0, accumulate)
+
+
+# ---- one wgmma, staged by hand ---------------------------------------------------------------------
+
+
+@kernel
+def _wgmma_probe_kernel(a_bits, b_bits, d):
+    # a_bits (64, 64) uint16: A[m, k] bf16 bits; b_bits (16, 64) uint16: B[k, n] at [n, k]; d (64, 16) f32
+    smem = cuda.shared.array(0, uint32)
+    tid = cuda.threadIdx.x
+    base = shared_address(smem, 0)
+    pad = (ATOM_BYTES - (base & (ATOM_BYTES - 1))) & (ATOM_BYTES - 1)
+    first = pad >> 2
+    for i in range(tid, (64 + PROBE_N) * 8, 128):  # 16-byte chunk c of row r, rows of A then of B
+        r = i // 8
+        c = i % 8
+        for j in range(4):
+            k = 8 * c + 2 * j
+            if r < 64:
+                word = uint32(a_bits[r, k]) | (uint32(a_bits[r, k + 1]) << uint32(16))
+            else:
+                word = uint32(b_bits[r - 64, k]) | (uint32(b_bits[r - 64, k + 1]) << uint32(16))
+            smem[first + r * 32 + (c ^ (r % 8)) * 4 + j] = word
+    fence_proxy_async()
+    cuda.syncthreads()
+    acc = cuda.local.array(PROBE_ACC, float32)
+    for i in range(PROBE_ACC):
+        acc[i] = float32(0.0)
+    desc_a = smem_descriptor(base + pad)
+    desc_b = smem_descriptor(base + pad + 64 * 128)
+    _probe_fence(acc)
+    for kk in range(PROBE_K // 16):
+        _probe_mma(acc, smem, desc_a + kk * DESC_K_STEP, desc_b + kk * DESC_K_STEP)
+    wgmma_commit()
+    _probe_wait(acc)
+    row = 16 * (tid // 32) + ((tid % 32) >> 2)  # acc[4j + 2h + e] = D[row + 8h, 8j + 2q + e]
+    col = 2 * (tid & 3)
+    d[row, col] = acc[0]
+    d[row, col + 1] = acc[1]
+    d[row + 8, col] = acc[2]
+    d[row + 8, col + 1] = acc[3]
+    d[row, col + 8] = acc[4]
+    d[row, col + 9] = acc[5]
+    d[row + 8, col + 8] = acc[6]
+    d[row + 8, col + 9] = acc[7]
+
+
+def _run_probe(a, b):
+    """D (64, 16) of the probe: A (64, 64) bf16 @ B (64, 16) bf16."""
+    d = cuda.to_device(np.full((64, PROBE_N), np.nan, np.float32))
+    a_bits = cuda.to_device(np.ascontiguousarray(a.view(np.uint16)))
+    b_bits = cuda.to_device(np.ascontiguousarray(b.T).view(np.uint16))
+    shared_bytes = (64 + PROBE_N) * 128 + ATOM_BYTES
+    _wgmma_probe_kernel[1, 128, 0, shared_bytes](a_bits, b_bits, d)
+    return d.copy_to_host()
+
+
+def test_wgmma_is_exact_on_small_integers():
+    """Small integers: exact in any order, so D must be A @ B exactly (layouts, descriptors, k-steps)."""
+    rng = np.random.default_rng(1)
+    a = rng.integers(-4, 5, (64, PROBE_K)).astype(BF16)
+    b = rng.integers(-4, 5, (PROBE_K, PROBE_N)).astype(BF16)
+    np.testing.assert_array_equal(_run_probe(a, b), a.astype(np.float64) @ b.astype(np.float64))
+
+
+def test_wgmma_reads_every_element_where_the_layout_says():
+    """A[m, k] = m (2m for odd k), B = identity: D[m, n] = A[m, n], so a misplaced row or column shows."""
+    a = (np.arange(64, dtype=np.float32)[:, None] * (1 + np.arange(PROBE_K) % 2)[None, :]).astype(BF16)  # odd k: 2m
+    b = np.eye(PROBE_K, PROBE_N, dtype=np.float32).astype(BF16)
+    np.testing.assert_array_equal(_run_probe(a, b), a.astype(np.float32)[:, :PROBE_N])
+
+
+# ---- the GEMM ------------------------------------------------------------------------------------
+
+SIM_CASES = [  # (M, N, K, accumulate)
+    (40, 72, 200, False),  # 4 K slices (more than the stages), the last partial; N not a multiple of 16
+    (40, 72, 200, True),
+    (1, 16, 8, True),  # one token, one 16-byte chunk of K
+    (3, 130, 64, False),  # 2 column tiles, the second with 2 columns
+]
+
+
+@pytest.mark.parametrize("m,n,k,accumulate", SIM_CASES)
+def test_gemm_wgmma_small_tiling(m, n, k, accumulate):
+    run_gemm_wgmma(m, n, k, accumulate, seed=m + k, launcher=functools.partial(gw.gemm_wgmma, config=gw.SMALL))
+
+
+def test_gemm_wgmma_tiny_tiling():
+    """64 x 64 tiles, 8 stages: two column tiles, the K loop wrapping the stages once (K = 584: 10 slices)."""
+    run_gemm_wgmma(9, 70, 584, True, launcher=functools.partial(gw.gemm_wgmma, config=gw.TINY))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", [gw.LARGE, gw.MEDIUM], ids=["large", "medium"])
+def test_gemm_wgmma_two_warpgroups(config):
+    """130 rows: two row tiles, the second warpgroup of the first holding rows 64..127."""
+    run_gemm_wgmma(130, 40, 136, True, launcher=functools.partial(gw.gemm_wgmma, config=config))
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_gemm_wgmma_split_k_sums_its_parts(accumulate):
+    """K = 264: five 64-wide slices, split 2 ways (3 + 2) and 3 ways (2 + 2 + 1)."""
+    for split in (2, 3):
+        launcher = functools.partial(gw.gemm_wgmma, config=gw.SMALL, split=split)
+        run_gemm_wgmma(5, 24, 264, accumulate, seed=split, launcher=launcher)
+
+
+def test_gemm_wgmma_converts_x_in_row_chunks():
+    """A workspace smaller than x: the product goes in chunks of rows (here 3 rows of K = 16), with
+    the split-K parts in the given workspace too (poisoned: a part no block wrote fails)."""
+    workspace = matmul.GemmWorkspace(
+        partials=cuda.to_device(np.full(2 * 3 * 9, np.nan, np.float32)), x_bf16=cuda.device_array(3 * 16, np.uint16)
+    )
+    launcher = functools.partial(gw.gemm_wgmma, config=gw.SMALL, workspace=workspace)
+    run_gemm_wgmma(7, 9, 16, True, launcher=launcher)
+
+
+def test_gemm_wgmma_misaligned_x():
+    """x is read element by element when rounded to bf16: any alignment works."""
+    run_gemm_wgmma(7, 9, 16, False, x_offset=1, launcher=functools.partial(gw.gemm_wgmma, config=gw.SMALL))
+
+
+def test_k_not_a_multiple_of_8_goes_to_gemm_tc():
+    """K = 20: no 16-byte copies of w rows; gemm_tc computes the product."""
+    run_gemm_wgmma(9, 5, 20, True)
+
+
+def test_linear_sends_prefill_to_gemm_wgmma_when_asked():
+    launcher = functools.partial(matmul.linear, gemm="wgmma")
+    run_gemm_wgmma(matmul.GEMV_MAX_TOKENS + 1, 33, 16, True, launcher=launcher)
+
+
+@pytest.mark.parametrize(
+    "m, n, sms, want",
+    [(4096, 8192, 132, gw.LARGE), (512, 8192, 132, gw.LARGE), (64, 128256, 132, gw.LARGE), (256, 8192, 132, gw.MEDIUM),
+     (128, 16384, 132, gw.MEDIUM), (512, 2048, 132, gw.SMALL), (128, 8192, 132, gw.SMALL), (256, 2048, 132, gw.TINY),
+     (64, 8192, 132, gw.TINY), (1, 1, 132, gw.TINY), (128, 256, 1, gw.LARGE)],
+)  # fmt: skip
+def test_the_largest_tiling_that_reaches_most_sms_is_picked(m, n, sms, want):
+    """The picks that were fastest on an H200 (gemm_wgmma's table): 128 LARGE tiles beat 256 SMALL ones."""
+    assert gw.pick_tile_config(m, n, num_sms=sms) == want
+
+
+@pytest.mark.parametrize(
+    "config, blocks, k, want",
+    [(gw.TINY, 32, 8192, 4), (gw.TINY, 64, 8192, 2), (gw.TINY, 128, 8192, 1), (gw.TINY, 32, 2048, 1),
+     (gw.SMALL, 128, 8192, 2), (gw.LARGE, 1024, 2048, 1), (gw.LARGE, 64, 2048, 1)],
+)  # fmt: skip
+def test_k_is_split_only_when_few_tiles_meet_a_long_k(config, blocks, k, want):
+    assert gw.pick_k_split(config, blocks, k, num_sms=132) == want
+
+
+def test_auto_is_gemm_wgmma_on_hopper_only(monkeypatch):
+    calls = []
+    monkeypatch.setattr(matmul, "gemm_tc", lambda *args, **kwargs: calls.append("gemm_tc"))
+    monkeypatch.setattr(matmul, "gemm_wgmma", lambda *args, **kwargs: calls.append("gemm_wgmma"))
+    matmul.gemm_auto(None, None, None)  # the simulator: no sm_90a
+    monkeypatch.setattr(matmul, "_hopper", lambda: True)
+    matmul.gemm_auto(None, None, None)
+    assert calls == ["gemm_tc", "gemm_wgmma"]
+
+
+def test_tilings_fit_in_shared_memory():
+    for config in gw.TILE_CONFIGS:
+        assert config.shared_bytes <= 227 * 1024
+        assert config.block_m * (config.block_n + gw.OUT_PAD_WORDS) * 4 + ATOM_BYTES <= config.shared_bytes
+
+
+# ---- PTX, no GPU ----------------------------------------------------------------------------------
+
+PTX_KERNELS = {
+    "gemm_wgmma_large": gw.LARGE, "gemm_wgmma_medium": gw.MEDIUM, "gemm_wgmma_small": gw.SMALL, "gemm_wgmma_tiny": gw.TINY
+}  # fmt: skip
+globals().update({name: gw.gemm_wgmma_kernel_for(config) for name, config in PTX_KERNELS.items()})  # for the compiler child
+x_to_bf16_kernel = gw._x_to_bf16_kernel
+KERNEL_SIG = "(types.Array(types.uint64, 1, 'C'), types.Array(types.uint64, 1, 'C'), u16(2), u16(2), f32(2), int64, int64, int64)"
+OTHER_KERNELS = {"_wgmma_probe_kernel": "(u16(2), u16(2), f32(2))", "x_to_bf16_kernel": "(f32(2), u32(2))"}
+
+
+@pytest.fixture(scope="module")
+def wgmma_ptx():
+    specs = [(__name__, name, KERNEL_SIG) for name in PTX_KERNELS] + [(__name__, n, sig) for n, sig in OTHER_KERNELS.items()]
+    return ptx_check.compile_ptx(specs)
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_KERNELS))
+def test_probe_and_conversion_compile(wgmma_ptx, name):
+    result = wgmma_ptx[f"{__name__}.{name}"]
+    assert "error" not in result, result.get("error")
+    assert ptx_check.ptx_problems(result["ptx"], hot=True) == []
+
+
+@pytest.mark.parametrize("name", sorted(PTX_KERNELS))
+def test_kernel_compiles_to_wgmma_and_tma(wgmma_ptx, name):
+    result = wgmma_ptx[f"{__name__}.{name}"]
+    assert "error" not in result, result.get("error")
+    text = result["ptx"]
+    assert ptx_check.ptx_problems(text, hot=True) == []
+    assert f"wgmma.mma_async.sync.aligned.m64n{PTX_KERNELS[name].block_n}k16.f32.bf16.bf16" in text
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
+    assert "mbarrier.try_wait.parity.shared::cta.b64" in text
+
+
+@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on the PATH")
+@pytest.mark.parametrize("name", sorted(PTX_KERNELS))
+def test_kernel_assembles_with_the_wgmma_pipeline_kept(wgmma_ptx, tmp_path, name):
+    version = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout)
+    if version and (int(version[1]), int(version[2])) < (13, 0):
+        pytest.skip("ptxas older than CUDA 13")
+    text = wgmma_ptx[f"{__name__}.{name}"]["ptx"]
+    # compiled for compute_90 here (no GPU to ask): wgmma needs the sm_90a target;
+    # NVVM may stamp a newer PTX ISA version than this ptxas knows, and nothing here is newer than 9.0
+    text = re.sub(r"^\.target sm_90\b", ".target sm_90a", text, count=1, flags=re.M)
+    path = tmp_path / f"{name}.ptx"
+    path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", text, count=1, flags=re.M))
+    proc = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / f"{name}.cubin")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "0 bytes spill stores" in proc.stderr, proc.stderr
+    assert "C7515" not in proc.stderr and "serialized" not in proc.stderr, proc.stderr[-2000:]
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_wgmma_gpu_random_values():
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((64, PROBE_K)).astype(BF16)
+    b = rng.standard_normal((PROBE_K, PROBE_N)).astype(BF16)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    assert np.all(np.abs(_run_probe(a, b) - a64 @ b64) <= 1e-5 * (np.abs(a64) @ np.abs(b64)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=["large", "medium", "small", "tiny"])
+@pytest.mark.parametrize("m,n,k,accumulate", [(256, 2048, 8192, True), (77, 3072, 2048, False), (333, 1003, 1000, True)])
+def test_gemm_wgmma_gpu_each_tiling(m, n, k, accumulate, config):
+    run_gemm_wgmma(m, n, k, accumulate, seed=m, launcher=functools.partial(gw.gemm_wgmma, config=config))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,n,k", [(64, 2048, 2048), (128, 8192, 2048), (512, 2048, 8192), (300, 128256, 2048)])
+def test_gemm_wgmma_gpu_decode_shapes(m, n, k):
+    run_gemm_wgmma(m, n, k, True, seed=n)
+
+
+@pytest.mark.gpu
+def test_gemm_wgmma_gpu_misaligned_x():
+    run_gemm_wgmma(200, 2048, 2048, True, x_offset=3)
