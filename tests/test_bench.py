@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from tiny_llama import tiny_config_dict
 
 from numba_vllm.bench.common import format_table, weight_bytes_per_decode_step
 from numba_vllm.bench.throughput import offline_workload
 from numba_vllm.cli import main
 from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import tiny_config_dict
 
 REPO = Path(__file__).resolve().parents[1]
 

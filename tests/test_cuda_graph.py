@@ -6,14 +6,13 @@ block tables widened, one upload. The tokens must be NumPy's.
 """
 
 import pytest
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.executor import kernel_runner
 from numba_vllm.executor.cuda_graph import MIN_TABLE_WIDTH, DecodeGraphs, batch_buckets, table_width
 from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.model import llama as model
-from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -44,9 +43,8 @@ GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 1-layer GQA model and its NumPy greedy tokens for PROMPTS."""
-    cfg = tiny_config_dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
-    path = write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    path = tiny_checkpoint(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
     return str(path), [o.token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
 
 

@@ -2,13 +2,12 @@
 simulator) agreeing with NumPy across page edges and with GQA."""
 
 import pytest
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.loading.checkpoint import load_checkpoint
-from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PAGE_EDGE_PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 20)), list(range(1, 34))]  # 1/15/16/17/33
@@ -16,8 +15,8 @@ PAGE_EDGE_PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    cfg = tiny_config_dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # GQA 2
-    return write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=128)  # GQA 2
 
 
 @pytest.fixture(scope="module")

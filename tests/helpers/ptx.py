@@ -4,7 +4,9 @@
 simulator, so compilation happens in a child process with the simulator off. Signatures are written
 as Python expressions over `types` (numba.cuda.types) and the shorthands below, e.g.
 `(f32(2), bf16(2), f32(2), int32)`: `f32(n)`, `bf16(n)`, `i32(n)`, `u32(n)`, `u16(n)` are
-C-contiguous arrays of n dimensions.
+C-contiguous arrays of n dimensions. A kernel is named by its module and attribute, so kernels that
+factories build are bound to names in tests/helpers/ptx_kernels.py, which lists every kernel the
+PTX tests compile.
 """
 
 from __future__ import annotations
@@ -42,16 +44,17 @@ print(json.dumps(out))
 F64_OP = re.compile(r"^\s*[a-z][\w.]*\.f64\b", re.M)  # an instruction working on doubles
 
 
-def compile_ptx(specs: list[tuple[str, str, str]], lineinfo: bool = False) -> dict[str, dict]:
-    """{'module.kernel': {'ptx': text} or {'error': message}} for (module, kernel attr, signature) specs.
+def compile_ptx(specs: list[tuple[str, str, str, bool]], lineinfo: bool = False) -> dict[str, dict]:
+    """{'module.kernel': {'ptx': text} or {'error': message}} for (module, kernel attr, signature, hot)
+    specs (``hot`` is for ptx_problems; compiling ignores it).
 
     lineinfo: compile as ``make profile`` does (``NUMBA_VLLM_LINEINFO=1``: line tables in every kernel
     and device function).
     """
-    tests_dir = os.path.dirname(os.path.abspath(__file__))  # kernels bound to names in test modules
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # imports tests.helpers
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", NUMBA_VLLM_LINEINFO="1" if lineinfo else "0")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, os.environ.get("PYTHONPATH")) if p)
-    request = json.dumps({"specs": specs, "lineinfo": lineinfo})
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+    request = json.dumps({"specs": [spec[:3] for spec in specs], "lineinfo": lineinfo})
     proc = subprocess.run([sys.executable, "-c", _CHILD], input=request, capture_output=True, text=True, env=env, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"PTX compilation child failed:\n{proc.stderr[-3000:]}")
@@ -64,3 +67,9 @@ def ptx_problems(ptx: str, hot: bool) -> list[str]:
     if hot and "__local_depot" in ptx:
         problems.append("uses local memory (__local_depot): a register array spilled or was indexed at run time")
     return problems
+
+
+def check_compiled_clean(result: dict, hot: bool) -> None:
+    """Assert that one kernel's compile_ptx result is PTX with none of ptx_problems."""
+    assert "error" not in result, result.get("error")
+    assert ptx_problems(result["ptx"], hot) == []

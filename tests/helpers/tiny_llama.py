@@ -32,6 +32,7 @@ TINY = {
 
 
 def tiny_config_dict(**overrides) -> dict:
+    """TINY with some entries replaced (hidden_size=..., num_key_value_heads=..., ...)."""
     d = dict(TINY)
     d.update(overrides)
     return d
@@ -57,3 +58,9 @@ def write_checkpoint(path: Path, config_dict: dict, weights: dict[str, np.ndarra
     (path / "config.json").write_text(json.dumps(config_dict))
     save_safetensors(path / "model.safetensors", weights, {"format": "pt"})
     return path
+
+
+def tiny_checkpoint(path: Path, **overrides) -> Path:
+    """A bf16 checkpoint of TINY (with `overrides`) and random_weights' seed-0 weights, written to `path`."""
+    cfg = tiny_config_dict(**overrides)
+    return write_checkpoint(path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
