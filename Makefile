@@ -18,7 +18,7 @@ NCU_FILTER ?= --launch-count 12
 # runs at, as the benchmarks do. NCU_CLOCKS=--clock-control base for steadier comparisons.
 NCU_CLOCKS ?= --clock-control none
 
-.PHONY: help setup run test test-gpu profile profile-nsys profile-ncu lint clean
+.PHONY: help setup run test test-fast test-gpu profile profile-nsys profile-ncu lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -35,8 +35,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 run: setup  ## run the default model on a sample question (pass more with ARGS="...")
 	$(VENV)/bin/numba-vllm run $(ARGS)
 
-test: setup  ## the CPU suite: kernels under the Numba CUDA simulator, engine on NumPy
-	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu"
+test: setup  ## the CPU suite, as CI runs it: kernels under the Numba CUDA simulator, engine on NumPy
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu" --durations=15
+
+test-fast: setup  ## the CPU suite without the `slow` tests (SmolLM2, PTX, whole-model simulation): under 2 minutes
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu and not slow"
 
 test-gpu:  ## the GPU-marked tests on a real NVIDIA GPU
 	NUMBA_VLLM_TEST_GPU=1 $(GPU_PY) -m pytest -q -m gpu

@@ -176,9 +176,9 @@ def record_grids(monkeypatch):
     "group, num_kv_heads, head_dim, pages_per_split, splits",
     [
         (4, 1, 64, 2, 4),  # 2 pages a split: up to 33 tokens leave splits empty, 100 fill all 4 (the last partly)
-        (1, 2, 64, 2, 4),  # the same over 2 kv heads: each block's rows of the partials
-        (4, 1, 64, 1, 8),  # a page a split
-        (2, 1, 8, 1, 8),  # HD 8: a step is two pages, so its second page lies past a one-page split
+        pytest.param(1, 2, 64, 2, 4, marks=pytest.mark.slow),  # the same over 2 kv heads: each block's rows of the partials
+        pytest.param(4, 1, 64, 1, 8, marks=pytest.mark.slow),  # a page a split
+        pytest.param(2, 1, 8, 1, 8, marks=pytest.mark.slow),  # HD 8: a step is two pages, its second past a one-page split
     ],
 )
 def test_decode_split(monkeypatch, group, num_kv_heads, head_dim, pages_per_split, splits):
@@ -190,6 +190,7 @@ def test_decode_split(monkeypatch, group, num_kv_heads, head_dim, pages_per_spli
     assert grids[1][0] == "decode_attention_merge_kernel"
 
 
+@pytest.mark.slow
 def test_decode_split_grid_depends_on_table_width_only(monkeypatch):
     """A CUDA graph replays a recorded launch with each step's context lengths: with the same
     shapes (a table 9 pages wide), other lengths give the same grids and still the right results."""
@@ -200,6 +201,7 @@ def test_decode_split_grid_depends_on_table_width_only(monkeypatch):
     assert {grid for _, grid in grids[::2]} == {(1, 2, 5)}  # ceil(9 / 2) = 5 splits of 2 pages
 
 
+@pytest.mark.slow
 def test_decode_split_is_bit_identical_in_a_wider_table(monkeypatch):
     """The engine's CUDA graphs run a step with its block table padded to a power of two: the extra
     (empty) splits add exact zeros, so the output is the same bits as in a table just wide enough."""
@@ -269,7 +271,8 @@ PREFILL_SEQS = [(0, 1), (0, 17), (15, 2), (16, 16), (5, 28), (0, 33)]
 
 @pytest.mark.parametrize(
     "group, num_kv_heads, head_dim",
-    [(1, 2, 16), (3, 1, 16), (4, 1, 64), (8, 1, 8), (2, 1, 128)],
+    [(1, 2, 16), (3, 1, 16), (8, 1, 8)]
+    + [pytest.param(4, 1, 64, marks=pytest.mark.slow), pytest.param(2, 1, 128, marks=pytest.mark.slow)],  # HD 64, 128
 )
 def test_prefill(group, num_kv_heads, head_dim):
     check_prefill(np.random.default_rng(3), PREFILL_SEQS, group, num_kv_heads, head_dim)

@@ -64,6 +64,7 @@ def test_corrupt_checkpoint(tiny_dir, tmp_path):
     assert r.exit_code == 1 and "truncated" in r.output and "Traceback" not in r.output
 
 
+@pytest.mark.slow  # runs SmolLM2 on the NumPy backend twice, 48 tokens each
 @needs_smollm2
 def test_default_model_streams_the_answer_and_json_matches_transformers():
     r = run("--max-tokens", "48")
@@ -77,6 +78,7 @@ def test_default_model_streams_the_answer_and_json_matches_transformers():
     assert out["text"] == "The answer to this classic math problem is 4." and out["finish_reason"] == "stop"
 
 
+@pytest.mark.slow  # runs SmolLM2 on the NumPy backend twice
 @needs_smollm2
 def test_no_chat_and_system_prompt(tmp_path):
     prompts = tmp_path / "p.txt"

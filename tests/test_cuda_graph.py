@@ -55,6 +55,7 @@ def _sim_with_emulated_graphs(path, **engine_args):
     return sim
 
 
+@pytest.mark.slow  # the whole model in the simulator, here and below
 def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     path, want = tiny
     sim = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8)
@@ -62,6 +63,7 @@ def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     assert set(sim.engine.runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
 
 
+@pytest.mark.slow
 def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny, monkeypatch):
     """Warm-up steps (decode of 1 .. GEMV_MAX_TOKENS + 1 tokens, a full prefill, every graph bucket)
     write only the null page: the requests that follow still give NumPy's tokens. (Decode warm-ups
@@ -82,6 +84,7 @@ def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny,
     assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
 
 
+@pytest.mark.slow
 def test_sampling_inside_the_graph_matches_the_eager_sampler(tiny):
     """A batch mixing greedy, seeded temperature and top-k rows: the graph path (sampler recorded with
     the step, its inputs packed as float32/uint32 bits) gives the eager path's tokens, and NumPy's

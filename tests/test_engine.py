@@ -83,6 +83,7 @@ def test_abort_frees_pages(tiny_dir):
     assert not engine.has_unfinished_requests()
 
 
+@pytest.mark.slow  # three prefill steps of the whole model in the simulator
 def test_simulated_chunk_steps_that_sample_nothing(tiny_dir, alone):
     """A prompt longer than the token budget, alone: its first chunks sample no token (no logits)."""
     sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=1, max_num_batched_tokens=16, num_pages=8)
@@ -90,6 +91,8 @@ def test_simulated_chunk_steps_that_sample_nothing(tiny_dir, alone):
     assert out.token_ids == alone[4][:1]  # 33 tokens: chunks of 16 and 16 (no sample), then 1
 
 
+@pytest.mark.slow  # five prompts through the whole model in the simulator: ~90 s on 2 cores
+@pytest.mark.timeout(900)
 def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alone):
     """The cuda code path, run in the simulator, gives NumPy's greedy tokens (bf16 KV cache)."""
     sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=8, num_pages=24)

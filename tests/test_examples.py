@@ -71,7 +71,7 @@ def test_continuous_batching_rejects_a_prompt_longer_than_the_cache(capsys):
     assert re.search(r"steps: \d+, preemptions: \d+", out)
 
 
-@pytest.mark.slow  # loads SmolLM2 and runs it on the NumPy backend: a few seconds
+@pytest.mark.slow  # loads SmolLM2 and runs five prompts on the NumPy backend: ~20 s
 @needs_smollm2
 def test_offline_batch_on_numpy(capsys):
     load_example("offline_batch").main(["--backend", "numpy", "--max-tokens", "4"])

@@ -162,7 +162,7 @@ SIM_CASES = [
     (40, 72, 48, False),  # one block; K: a 16-byte slice, then half a slice with zeros past K
     (40, 72, 48, True),
     (9, 5, 20, True),  # K % 8 != 0: every slice element by element
-    (129, 258, 8, False),  # 2 x 2 blocks, the second of each holding a single row / two columns
+    pytest.param(129, 258, 8, False, marks=pytest.mark.slow),  # 2 x 2 blocks, the second of each: a row / two columns
 ]
 
 

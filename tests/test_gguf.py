@@ -397,7 +397,7 @@ def test_convert_refuses_a_foreign_directory(tiny, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
-# ---- the real SmolLM2-135M-Instruct GGUF -----------------------------------------------------------
+# ---- the real SmolLM2-135M-Instruct GGUF: its weights are loaded (slow) ----------------------------
 @pytest.fixture(scope="module")
 def smollm2():
     path = smollm2_path()
@@ -406,6 +406,7 @@ def smollm2():
     return path, load_gguf(path)
 
 
+@pytest.mark.slow
 def test_smollm2_config(smollm2):
     cfg = smollm2[1].config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
@@ -414,6 +415,7 @@ def test_smollm2_config(smollm2):
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,) and cfg.max_position_embeddings == 8192
 
 
+@pytest.mark.slow
 def test_smollm2_weights(smollm2):
     path, model = smollm2
     assert set(model.weights) == set(model.config.tensor_shapes())
@@ -425,6 +427,7 @@ def test_smollm2_weights(smollm2):
     np.testing.assert_array_equal(norm, read_gguf(path).dequantize("blk.0.attn_norm.weight"))
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_and_template(smollm2):
     tok = smollm2[1].tokenizer()
     assert (tok.bos_token, tok.eos_token, tok.eos_token_id, tok.vocab_size) == ("<|im_start|>", "<|im_end|>", 2, 49152)
@@ -435,6 +438,7 @@ def test_smollm2_tokenizer_and_template(smollm2):
     assert tok.encode("Hello world") == [19556, 905]
 
 
+@pytest.mark.slow
 def test_smollm2_convert_round_trip(smollm2, tmp_path):
     path, model = smollm2
     out = convert_gguf(path, tmp_path / "smollm2")

@@ -57,6 +57,7 @@ def _checkpoint(tmp_path, heads, kv_heads, head_dim, hidden):
                            max_position_embeddings=64)  # fmt: skip
 
 
+@pytest.mark.slow  # the whole model in the simulator
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(3, 1, 16)])  # GQA 3 (the engine test covers GQA 2)
 def test_simulated_forward_matches_reference_op_by_op(tmp_path, heads, kv_heads, head_dim):
     assert first_disagreement(_checkpoint(tmp_path, heads, kv_heads, head_dim, 32), "sim") is None

@@ -11,6 +11,7 @@ import pytest
 from tests.helpers.ptx import check_compiled_clean
 from tests.helpers.ptx_kernels import ATTENTION, HERE
 
+pytestmark = pytest.mark.slow  # compiles 17 kernels through NVVM: about 20 s
 PTX_SPECS = ATTENTION  # compiled by conftest.py's ptx fixture
 
 

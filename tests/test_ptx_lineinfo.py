@@ -24,6 +24,7 @@ from tests.helpers.ptx import compile_ptx
 from tests.helpers.ptx_kernels import ATTENTION, MATMUL, POINTWISE
 
 
+@pytest.mark.slow  # compiles 34 kernels through NVVM with line tables: about 45 s
 def test_every_kernel_compiles_with_line_information():
     result = compile_ptx(ATTENTION + MATMUL + POINTWISE, lineinfo=True)
     failed = {name: r["error"] for name, r in result.items() if "error" in r}

@@ -20,6 +20,7 @@ import pytest
 from tests.helpers.ptx import check_compiled_clean
 from tests.helpers.ptx_kernels import GEMM, HERE, MATMUL
 
+pytestmark = pytest.mark.slow  # compiles 9 kernels through NVVM: about 30 s
 PTX_SPECS = MATMUL  # compiled by conftest.py's ptx fixture
 MMA_PER_STAGE = {"gemm_tc_large": 64, "gemm_tc_small": 16}  # warp's mma tiles (4 x 8, 2 x 4) x 2 k-steps, unrolled
 

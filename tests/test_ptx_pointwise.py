@@ -20,6 +20,7 @@ import pytest
 from tests.helpers.ptx import check_compiled_clean
 from tests.helpers.ptx_kernels import POINTWISE
 
+pytestmark = pytest.mark.slow  # compiles 8 kernels through NVVM: about 10 s
 PTX_SPECS = POINTWISE  # compiled by conftest.py's ptx fixture
 
 

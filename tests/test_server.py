@@ -302,6 +302,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # starts `numba-vllm serve` in a child process (imports numba and the server stack)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_admitting_aborts_what_runs_and_exits_0(tiny_dir, sig):
     port = _free_port()
@@ -361,6 +362,8 @@ def smol():
     server.close()
 
 
+@pytest.mark.slow  # SmolLM2 on the NumPy backend: the fixture's two requests, then these six tokens twice
+@pytest.mark.timeout(900)
 @needs_smollm2
 def test_chat_streamed_and_not_match_llm_chat(smol):
     server, conversation, want, _ = smol
@@ -379,6 +382,8 @@ def test_chat_streamed_and_not_match_llm_chat(smol):
     assert chunks[-1].usage.completion_tokens == 6 and all(c.id == chunks[0].id for c in chunks)
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # when run alone, it pays for the fixture
 @needs_smollm2
 def test_text_completion_on_smollm2(smol):
     server, _, _, want = smol

@@ -11,7 +11,7 @@ import pytest
 from numba_vllm import LLM, SamplingParams
 from tests.helpers.smollm2 import REF, needs_smollm2
 
-pytestmark = needs_smollm2
+pytestmark = [needs_smollm2, pytest.mark.slow]  # the real model on the NumPy backend: minutes
 GREEDY = SamplingParams(temperature=0, max_tokens=REF["max_new_tokens"])
 
 
@@ -33,6 +33,7 @@ def test_one_prompt_matches_transformers(llm, case):
     assert out.finish_reason == "stop" and out.text == llm.tokenizer.decode(out.token_ids)
 
 
+@pytest.mark.timeout(900)  # every reference prompt to its end: ~100 s on 2 cores
 def test_all_prompts_batched_match_transformers(llm):
     outs = llm.chat([_conversation(c) for c in REF["prompts"]], GREEDY)
     for out, case in zip(outs, REF["prompts"], strict=True):
