@@ -6,7 +6,6 @@ block tables widened, one upload. The tokens must be NumPy's.
 """
 
 import pytest
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.engine.config import EngineConfig
@@ -14,7 +13,7 @@ from numba_vllm.executor import kernel_runner
 from numba_vllm.executor.cuda_graph import DecodeGraphs, batch_buckets
 from numba_vllm.executor.inputs import MIN_TABLE_WIDTH
 from numba_vllm.model import llama as model
-from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -40,9 +39,8 @@ GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 1-layer GQA model and its NumPy greedy tokens for PROMPTS."""
-    cfg = tiny_config_dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
-    path = write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    path = tiny_checkpoint(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
     return str(path), [o.token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
 
 
@@ -53,6 +51,7 @@ def _sim_with_emulated_graphs(path, **engine_args):
     return sim
 
 
+@pytest.mark.slow  # the whole model in the simulator, here and below
 def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     path, want = tiny
     sim = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8)
@@ -60,6 +59,7 @@ def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     assert set(sim.engine.runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
 
 
+@pytest.mark.slow
 def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny, monkeypatch):
     """Warm-up steps (decode of 1 .. GEMV_MAX_TOKENS + 1 tokens, a full prefill, every graph bucket)
     write only the null page: the requests that follow still give NumPy's tokens. (Decode warm-ups
@@ -82,6 +82,7 @@ def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny,
     assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
 
 
+@pytest.mark.slow
 def test_sampling_inside_the_graph_matches_the_eager_sampler(tiny):
     """A batch mixing greedy, seeded temperature and top-k rows: the graph path (sampler recorded with
     the step, its inputs packed as float32/uint32 bits) gives the eager path's tokens, and NumPy's
