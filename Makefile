@@ -20,7 +20,7 @@ NCU_CLOCKS ?= --clock-control none
 
 FUZZ_EXAMPLES ?= 500
 
-.PHONY: help setup run test test-gpu fuzz profile profile-nsys profile-ncu lint clean
+.PHONY: help setup run test test-fast test-gpu fuzz profile profile-nsys profile-ncu lint clean
 .PHONY: browser-deps test-browser
 
 help:  ## list the targets
@@ -38,8 +38,11 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 run: setup  ## run the default model on a sample question (pass more with ARGS="...")
 	$(VENV)/bin/numba-vllm run $(ARGS)
 
-test: setup  ## the CPU suite: kernels under the Numba CUDA simulator, engine on NumPy
-	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu"
+test: setup  ## the CPU suite, as CI runs it: kernels under the Numba CUDA simulator, engine on NumPy
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu" --durations=15
+
+test-fast: setup  ## the CPU suite without the `slow` tests (SmolLM2, PTX, whole-model simulation): under 2 minutes
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu and not slow"
 
 # The dashboard's browser test drives Debian's Chromium. `browser-deps` installs it where it is missing and
 # apt-get can (as root); elsewhere the test is skipped, with the reason.

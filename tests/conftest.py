@@ -3,6 +3,7 @@
 ``NUMBA_ENABLE_CUDASIM`` must be set before ``numba.cuda`` is first imported, so it is set here,
 at conftest import. ``NUMBA_VLLM_TEST_GPU=1`` leaves it unset, to run the same tests on a GPU.
 Tests marked ``gpu`` (declared in setup.cfg) are skipped when no real GPU is usable.
+Fixtures shared by several test modules are here; shared functions and data are in tests/helpers/.
 """
 
 import os
@@ -28,3 +29,16 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="no usable GPU (set NUMBA_VLLM_TEST_GPU=1 on a GPU host)")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm2_tok():
+    """SmolLM2's tokenizer, read from the default model's GGUF (its metadata only: quick); skips the
+    test when the model is not installed."""
+    from numba_vllm.loading.gguf.importer import load_gguf_tokenizer
+    from tests.helpers.smollm2 import NOT_INSTALLED, smollm2_path
+
+    path = smollm2_path()
+    if path is None:
+        pytest.skip(NOT_INSTALLED)
+    return load_gguf_tokenizer(path)

@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import pytest
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator
@@ -24,15 +23,15 @@ from numba_vllm.engine.request import Request
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
 from numba_vllm.loading.checkpoint import load_checkpoint
-from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import tiny_checkpoint, write_chat_checkpoint
 
 PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 20)), list(range(1, 34)), [7, 8, 9], list(range(40, 61))]
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    cfg = tiny_config_dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    return write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=128)
 
 
 class FakeStep:
@@ -276,3 +275,21 @@ def test_an_interrupt_while_collecting_keeps_the_step_in_flight_and_loses_no_tok
         engine.scheduler.check_invariants()
     assert {rid: o.token_ids for rid, o in outputs.items()} == want
     assert len(engine.runner.abandoned) == 1 and engine.num_failed_steps == 0 and _all_pages_back(engine)
+
+
+def test_stop_strings_stop_where_the_serial_engine_stops(tmp_path):
+    """A stop string is found in the text only once the step that completes it is collected: by then
+    the next step has a token for the request in flight, which is dropped."""
+    path = write_chat_checkpoint(tmp_path)
+    prompts = ["hello there", "a b c d e f", "xyz"]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    serial, _ = engines(path, modes=(), max_num_seqs=2)
+    texts = [o.text for o in run(serial, [(f"r{i}", p, greedy) for i, p in enumerate(prompts)]).values()]
+    stops = [t[len(t) // 2 : len(t) // 2 + 2] for t in texts]  # two characters from the middle of each output
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[stop]) for stop in stops]
+    arrivals = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, params, strict=True))]
+    serial_stop, (engine_stop,) = engines(path, modes=("thread",), max_num_seqs=2)
+    want = {rid: (o.text, o.token_ids, o.finish_reason) for rid, o in run(serial_stop, arrivals).items()}
+    assert [reason for _, _, reason in want.values()] == ["stop"] * 3
+    assert {rid: (o.text, o.token_ids, o.finish_reason) for rid, o in run(engine_stop, arrivals).items()} == want
+    assert _all_pages_back(engine_stop)

@@ -32,60 +32,16 @@ from numba_vllm.kernels.decode_attention import decode_attention
 from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.kernels.rope import rope_and_cache_write
 from numba_vllm.loading.bf16 import to_bf16, upload_bf16
-from numba_vllm.model import reference
 from numba_vllm.model.config import PAGE_SIZE
-
-RTOL = 1e-5  # float32 kernel vs float64 reference on the same bf16 K/V
-ATOL = 1e-5  # outputs are averages of N(0, 1) values: O(0.1 .. 1)
+from tests.helpers.attention import ATOL, PREFILL_SEQS, RTOL, PagedCache, nan_device, reference_attention
 
 EDGE_LENGTHS = [1, 15, 16, 17, 33]  # around page edges, all in one launch
 
 
-class PagedCache:
-    """K/V of several sequences in a bf16 page pool with shuffled page ids, plus the same K/V
-    contiguous in float32 (after bf16 rounding) for the reference."""
-
-    def __init__(self, rng, seq_lens, num_kv_heads, head_dim, spare_pages=2, unwritten=np.nan):
-        self.seq_lens = list(seq_lens)
-        pages = [-(-n // PAGE_SIZE) for n in self.seq_lens]
-        self.num_pages = 1 + sum(pages) + spare_pages  # page 0 is the null page
-        page_ids = rng.permutation(np.arange(1, self.num_pages)).astype(np.int32)
-        shape = (self.num_pages, PAGE_SIZE, num_kv_heads, head_dim)
-        self.k_pool = np.full(shape, unwritten, np.float32)  # NaN (or `unwritten`) wherever no token lives
-        self.v_pool = np.full(shape, unwritten, np.float32)
-        self.block_tables = np.zeros((len(self.seq_lens), max(pages) + 1), np.int32)  # padded with 0
-        self.k, self.v = [], []  # per sequence (n, KVH, HD) float32, bf16-exact
-        used = 0
-        for s, n in enumerate(self.seq_lens):
-            self.block_tables[s, : pages[s]] = page_ids[used : used + pages[s]]
-            used += pages[s]
-            k = to_bf16(rng.standard_normal((n, num_kv_heads, head_dim))).astype(np.float32)
-            v = to_bf16(rng.standard_normal((n, num_kv_heads, head_dim))).astype(np.float32)
-            self.k.append(k)
-            self.v.append(v)
-            pos = np.arange(n)
-            self.k_pool[self.block_tables[s, pos // PAGE_SIZE], pos % PAGE_SIZE] = k
-            self.v_pool[self.block_tables[s, pos // PAGE_SIZE], pos % PAGE_SIZE] = v
-
-    def kv_indices(self, s, positions):
-        """kv indices (page_id * PAGE_SIZE + offset) of sequence s's positions, int32."""
-        positions = np.asarray(positions)
-        return (self.block_tables[s, positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE).astype(np.int32)
-
-    def device(self):
-        """(k_cache, v_cache, block_tables) on the device."""
-        return upload_bf16(self.k_pool), upload_bf16(self.v_pool), cuda.to_device(self.block_tables)
 
 
-def nan_device(shape):
-    return cuda.to_device(np.full(shape, np.nan, np.float32))
 
 
-def reference_attention(q, k, v, positions, scale):
-    """reference.attention in float64 with an arbitrary scale (it uses 1/sqrt(HD): rescale q)."""
-    head_dim = q.shape[-1]
-    q64 = q.astype(np.float64) * (scale * np.sqrt(head_dim))
-    return reference.attention(q64, k.astype(np.float64), v.astype(np.float64), np.asarray(positions))
 
 
 # ---- decode --------------------------------------------------------------------------------------
@@ -183,9 +139,9 @@ def record_grids(monkeypatch):
     "group, num_kv_heads, head_dim, pages_per_split, splits",
     [
         (4, 1, 64, 2, 4),  # 2 pages a split: up to 33 tokens leave splits empty, 100 fill all 4 (the last partly)
-        (1, 2, 64, 2, 4),  # the same over 2 kv heads: each block's rows of the partials
-        (4, 1, 64, 1, 8),  # a page a split
-        (2, 1, 8, 1, 8),  # HD 8: a step is two pages, so its second page lies past a one-page split
+        pytest.param(1, 2, 64, 2, 4, marks=pytest.mark.slow),  # the same over 2 kv heads: each block's rows of the partials
+        pytest.param(4, 1, 64, 1, 8, marks=pytest.mark.slow),  # a page a split
+        pytest.param(2, 1, 8, 1, 8, marks=pytest.mark.slow),  # HD 8: a step is two pages, its second past a one-page split
     ],
 )
 def test_decode_split(monkeypatch, group, num_kv_heads, head_dim, pages_per_split, splits):
@@ -197,6 +153,7 @@ def test_decode_split(monkeypatch, group, num_kv_heads, head_dim, pages_per_spli
     assert grids[1][0] == "decode_attention_merge_kernel"
 
 
+@pytest.mark.slow
 def test_decode_split_grid_depends_on_table_width_only(monkeypatch):
     """A CUDA graph replays a recorded launch with each step's context lengths: with the same
     shapes (a table 9 pages wide), other lengths give the same grids and still the right results."""
@@ -207,6 +164,7 @@ def test_decode_split_grid_depends_on_table_width_only(monkeypatch):
     assert {grid for _, grid in grids[::2]} == {(1, 2, 5)}  # ceil(9 / 2) = 5 splits of 2 pages
 
 
+@pytest.mark.slow
 def test_decode_split_is_bit_identical_in_a_wider_table(monkeypatch):
     """The engine's CUDA graphs run a step with its block table padded to a power of two: the extra
     (empty) splits add exact zeros, so the output is the same bits as in a table just wide enough."""
@@ -269,14 +227,12 @@ def check_prefill(rng, seqs, group, num_kv_heads, head_dim, scale=None):
         np.testing.assert_allclose(got[rows], want, rtol=RTOL, atol=ATOL, err_msg=f"sequence {s}: {start} cached + {n} new")
 
 
-# (start_pos, new tokens): whole prompts of 1, 17 and 33 tokens; chunks after a cached prefix,
-# ending at 17 (15 + 2), 32 (16 + 16) and 33 (5 + 28) tokens.
-PREFILL_SEQS = [(0, 1), (0, 17), (15, 2), (16, 16), (5, 28), (0, 33)]
 
 
 @pytest.mark.parametrize(
     "group, num_kv_heads, head_dim",
-    [(1, 2, 16), (3, 1, 16), (4, 1, 64), (8, 1, 8), (2, 1, 128)],
+    [(1, 2, 16), (3, 1, 16), (8, 1, 8)]
+    + [pytest.param(4, 1, 64, marks=pytest.mark.slow), pytest.param(2, 1, 128, marks=pytest.mark.slow)],  # HD 64, 128
 )
 def test_prefill(group, num_kv_heads, head_dim):
     check_prefill(np.random.default_rng(3), PREFILL_SEQS, group, num_kv_heads, head_dim)

@@ -7,9 +7,9 @@ import json
 
 import pytest
 from click.testing import CliRunner
-from tiny_llama import tiny_config_dict
 
 from numba_vllm.cli import main
+from tests.helpers.tiny_llama import tiny_config_dict
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib (the plot extra) is missing")
 

@@ -6,18 +6,15 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from test_smollm2 import HAVE_MODEL, REF
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm.cli import main
-from numba_vllm.model.config import ModelConfig
+from tests.helpers.smollm2 import REF, needs_smollm2
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    cfg = tiny_config_dict()
-    path = tmp_path_factory.mktemp("tiny")
-    return write_checkpoint(path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
 
 
 def run(*args):
@@ -194,7 +191,8 @@ def test_corrupt_checkpoint(tiny_dir, tmp_path):
     assert r.exit_code == 1 and "truncated" in r.output and "Traceback" not in r.output
 
 
-@pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed")
+@pytest.mark.slow  # runs SmolLM2 on the NumPy backend twice, 48 tokens each
+@needs_smollm2
 def test_default_model_streams_the_answer_and_json_matches_transformers():
     r = run("--max-tokens", "48")
     assert r.exit_code == 0, r.output
@@ -207,7 +205,8 @@ def test_default_model_streams_the_answer_and_json_matches_transformers():
     assert out["text"] == "The answer to this classic math problem is 4." and out["finish_reason"] == "stop"
 
 
-@pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed")
+@pytest.mark.slow  # runs SmolLM2 on the NumPy backend twice
+@needs_smollm2
 def test_no_chat_and_system_prompt(tmp_path):
     prompts = tmp_path / "p.txt"
     prompts.write_text("The capital of France is\n\n")

@@ -8,7 +8,6 @@ attention between them, one packed upload. The tokens must be NumPy's, and the e
 
 import numpy as np
 import pytest
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.engine.config import EngineConfig
@@ -18,7 +17,8 @@ from numba_vllm.executor.inputs import MIN_TABLE_WIDTH, batch_buckets
 from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model import llama as model
-from numba_vllm.model.config import PAGE_SIZE, ModelConfig
+from numba_vllm.model.config import PAGE_SIZE
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 
 @pytest.mark.parametrize(
@@ -44,9 +44,8 @@ GREEDY3 = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A 1-layer GQA model and its NumPy greedy tokens for PROMPTS."""
-    cfg = tiny_config_dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
-    path = write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    path = tiny_checkpoint(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
     return str(path), [o.token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
 
 
@@ -60,6 +59,7 @@ def _sim_with_emulated_graphs(path, **engine_args):
     return sim
 
 
+@pytest.mark.slow  # the whole model in the simulator, here and below
 def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     path, want = tiny
     sim = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8)
@@ -69,6 +69,7 @@ def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     assert runner.piecewise_graphs.token_counts == {40}  # the 33-token prefill, padded to a token bucket
 
 
+@pytest.mark.slow
 def test_mixed_steps_in_pieces_give_the_eager_and_numpy_tokens(tiny):
     """An 8-token budget chunks a prompt while others decode: a step mixing a prefill chunk with two
     decodes (whose tokens, overlapped, come from the previous step on the device) runs in pieces, and
@@ -86,6 +87,7 @@ def test_mixed_steps_in_pieces_give_the_eager_and_numpy_tokens(tiny):
     assert graph.engine.runner.piecewise_graphs.token_counts == {8, 2}
 
 
+@pytest.mark.slow
 def test_padding_writes_only_the_null_page(tiny):
     """One step of 33 prompt tokens padded to 40: the K/V pools change only at the prompts' kv indices
     and in the null page."""
@@ -105,6 +107,7 @@ def test_padding_writes_only_the_null_page(tiny):
     assert engine.runner.piecewise_graphs.token_counts == {40}
 
 
+@pytest.mark.slow
 def test_warm_up_runs_every_bucket_on_the_null_page_and_changes_no_output(tiny, monkeypatch):
     """Warm-up steps (one per token bucket, a prompt beside max_num_seqs - 1 decodes; then every
     decode graph) write only the null page: the requests that follow still give NumPy's tokens."""
@@ -128,6 +131,7 @@ def test_warm_up_runs_every_bucket_on_the_null_page_and_changes_no_output(tiny, 
     assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
 
 
+@pytest.mark.slow
 def test_sampling_inside_the_graph_matches_the_eager_sampler(tiny):
     """A batch mixing greedy, seeded temperature and top-k rows: the graph path (sampler recorded with
     the step, its inputs packed as float32/uint32 bits) gives the eager path's tokens, and NumPy's

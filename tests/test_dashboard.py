@@ -18,12 +18,11 @@ pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
 
-from dashboard_server import KEY, DashboardServer, start_requests  # noqa: E402
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
-
 from numba_vllm import LLM  # noqa: E402
 from numba_vllm.engine.kv_cache import pages_for_tokens  # noqa: E402
 from numba_vllm.model.config import ModelConfig  # noqa: E402
+from tests.helpers.dashboard_server import KEY, DashboardServer, start_requests  # noqa: E402
+from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 NUM_SLOTS = 3
 NUM_PAGES = 40  # 39 usable

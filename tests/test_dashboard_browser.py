@@ -20,13 +20,13 @@ pytestmark = pytest.mark.browser
 pytest.importorskip("fastapi")
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed (pip install 'numba-vllm[dev]')")
 
-from dashboard_server import KEY, DashboardServer, start_requests  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 from numba_vllm import LLM  # noqa: E402
 from numba_vllm.model.config import ModelConfig  # noqa: E402
+from tests.helpers.dashboard_server import KEY, DashboardServer, start_requests  # noqa: E402
+from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 NUM_SLOTS = 4
 NUM_PAGES = 97  # 96 usable: 8 rows of 12 cells

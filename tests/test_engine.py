@@ -6,13 +6,12 @@ import re
 import sys
 
 import pytest
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import LLMEngine, StepFailedError
 from numba_vllm.loading.checkpoint import load_checkpoint
-from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 PAGE_EDGE_PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 20)), list(range(1, 34))]  # 1/15/16/17/33
@@ -20,8 +19,8 @@ PAGE_EDGE_PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    cfg = tiny_config_dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # GQA 2
-    return write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=128)  # GQA 2
 
 
 @pytest.fixture(scope="module")
@@ -91,9 +90,8 @@ def test_abort_frees_pages(tiny_dir):
 
 
 def test_a_short_request_interleaves_with_a_long_prefill_on_numpy(tmp_path):
-    cfg = tiny_config_dict(max_position_embeddings=4096)
     engine = LLMEngine(
-        load_checkpoint(write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))),
+        load_checkpoint(tiny_checkpoint(tmp_path, max_position_embeddings=4096)),
         EngineConfig(backend="numpy"),  # the defaults: the CPU backends' small step budget
     )
     long = engine.add_request("long", [3] * 3000, GREEDY)
@@ -195,6 +193,7 @@ def test_a_tiny_temperature_is_greedy(tiny_dir, alone):
     assert [o.token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:2], params, use_tqdm=False)] == alone[:2]
 
 
+@pytest.mark.slow  # three prefill steps of the whole model in the simulator
 def test_simulated_chunk_steps_that_sample_nothing(tiny_dir, alone):
     """A prompt longer than the token budget, alone: its first chunks sample no token (no logits)."""
     sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=1, max_num_batched_tokens=16, num_pages=8)
@@ -202,6 +201,8 @@ def test_simulated_chunk_steps_that_sample_nothing(tiny_dir, alone):
     assert out.token_ids == alone[4][:1]  # 33 tokens: chunks of 16 and 16 (no sample), then 1
 
 
+@pytest.mark.slow  # five prompts through the whole model in the simulator: ~90 s on 2 cores
+@pytest.mark.timeout(900)
 def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alone):
     """The cuda code path, run in the simulator, gives NumPy's greedy tokens (bf16 KV cache)."""
     sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=8, num_pages=24)

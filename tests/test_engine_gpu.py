@@ -13,16 +13,14 @@ rounding of activations and K/V, move logits by ~1e-3 relative: far below those 
 
 import numpy as np
 import pytest
-from test_smollm2 import HAVE_MODEL, REF
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.loading.checkpoint import load_checkpoint
-from numba_vllm.model.config import ModelConfig
 from numba_vllm.model.reference import KVCache, ReferenceModel
+from tests.helpers.smollm2 import REF, needs_smollm2
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
-needs_smollm2 = pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed")
 FIRST = 20
 LOGIT_RTOL = 2e-2  # bf16 weights and K/V against float32: measured ~4e-3 relative (by norm) on every step
 PAGE_EDGE_PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 20)), list(range(1, 34)), list(range(2, 300))]
@@ -37,9 +35,8 @@ def test_tiny_model_on_cuda_follows_the_reference(tmp_path, heads, kv_heads, hea
     logits are sometimes within 1e-3 of each other, and bf16 rounding then legitimately flips the pick.
     The prompts cross page edges (1, 15-17, 33 tokens) and one is chunked (298 tokens, 64-token budget).
     """
-    cfg = tiny_config_dict(hidden_size=256, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
+    path = tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                            intermediate_size=512, vocab_size=512, max_position_embeddings=512)  # fmt: skip
-    path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
     gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
     logits = _record_sampled_logits(gpu.engine.runner)
     outs = gpu.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
@@ -51,9 +48,8 @@ def test_prefix_cache_on_cuda_follows_the_reference(tmp_path):
     together; all but the first reuse the 3 cached pages, so their prefill chunks start at position 48
     (the last, a repeat of the first, prefills only its last token). Every sampled step's logits still
     match the float32 reference over the whole sequence, as in the test above."""
-    cfg = tiny_config_dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+    path = tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                            intermediate_size=512, vocab_size=512, max_position_embeddings=512)  # fmt: skip
-    path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
     gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
     logits = _record_sampled_logits(gpu.engine.runner)
     shared = list(range(2, 50))  # 48 tokens: 3 full pages
@@ -85,9 +81,8 @@ def test_cuda_graph_replay_equals_eager_launches(tmp_path):
     """Steps replayed from CUDA graphs (whole decode steps, and the first step's prompts in pieces)
     give the eager path's logits and tokens, as the batch shrinks through the buckets (outputs of
     different lengths) and contexts cross page widths."""
-    cfg = tiny_config_dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+    path = tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                            intermediate_size=512, vocab_size=512, max_position_embeddings=1024)  # fmt: skip
-    path = write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
     prompts = [list(range(1, 2 + 13 * i)) for i in range(11)]  # 1 .. 131 tokens
     params = [SamplingParams(temperature=0, max_tokens=4 + 3 * i, ignore_eos=True) for i in range(11)]
     runs = {}

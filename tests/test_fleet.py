@@ -28,12 +28,12 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from click.testing import CliRunner  # noqa: E402
-from tiny_llama import write_chat_checkpoint  # noqa: E402
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.cli import main  # noqa: E402
 from numba_vllm.fleet import Fleet, FleetSpec, http_status  # noqa: E402
 from numba_vllm.server.metrics import parse_metrics  # noqa: E402
+from tests.helpers.tiny_llama import write_chat_checkpoint  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "tiny"

@@ -19,11 +19,11 @@ pytest.importorskip("fastapi")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from schemathesis.generation.modes import GenerationMode  # noqa: E402
 from schemathesis.specs.openapi.checks import positive_data_acceptance  # noqa: E402
-from test_server import TINY_NAME, M, ServerThread  # noqa: E402
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.model.config import ModelConfig  # noqa: E402
+from tests.helpers.server import TINY_NAME, M, ServerThread  # noqa: E402
+from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 FUZZ_EXAMPLES = int(os.environ.get("NUMBA_VLLM_FUZZ_EXAMPLES", "20"))  # cases per operation in the fuzzing phase
 MAX_LEN = 256

@@ -1,7 +1,7 @@
 """gemm (prefill-sized x @ w.T) against float64 NumPy on the bf16-rounded weights.
 
-Tolerance as in test_gemv.py: |out - ref| <= 1e-5 * (|x| @ |w|.T) per element (+ |out before| when
-accumulating). The output is poisoned with NaN before the launch.
+Reference and tolerance: tests/helpers/products.py, as for gemv: |out - ref| <= 1e-5 * (|x| @ |w|.T)
+per element (+ |out before| when accumulating), the output poisoned with NaN before the launch.
 
 Simulator cases (each block is 256 simulated threads, ~1-2 s): K = 72 (four full 16-wide slices on
 the 16-byte path, then a half slice loaded element by element), K = 100 (K % 8 != 0: every slice
@@ -10,9 +10,9 @@ tests run Llama 3.2 1B prefill shapes with fresh random inputs.
 """
 
 import pytest
-from test_gemv import run_gemv
 
 from numba_vllm.kernels.gemm import gemm
+from tests.helpers.products import PREFILL_GPU_CASES, run_product
 
 SIM_CASES = [
     (17, 33, 72, False),
@@ -24,30 +24,19 @@ SIM_CASES = [
 
 @pytest.mark.parametrize("m,n,k,accumulate", SIM_CASES)
 def test_gemm_small(m, n, k, accumulate):
-    run_gemv(m, n, k, accumulate, launcher=gemm)
+    run_product(m, n, k, accumulate, launcher=gemm)
 
 
 def test_gemm_misaligned_x():
-    run_gemv(5, 9, 40, True, x_offset=1, launcher=gemm)
-
-
-GPU_CASES = [
-    (512, 2048, 2048, False),  # q_proj / o_proj
-    (512, 2048, 2048, True),  # o_proj + residual
-    (300, 8192, 2048, False),  # gate / up, M not a multiple of 128
-    (257, 2048, 8192, True),  # down_proj + residual
-    (4096, 8192, 2048, False),  # the benchmark shape
-    (100, 1000, 2050, False),  # K % 8 != 0 at size
-    (65, 128256, 2048, False),  # vocabulary head over many tokens
-]
+    run_product(5, 9, 40, True, x_offset=1, launcher=gemm)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,n,k,accumulate", GPU_CASES)
+@pytest.mark.parametrize("m,n,k,accumulate", PREFILL_GPU_CASES)
 def test_gemm_gpu(m, n, k, accumulate):
-    run_gemv(m, n, k, accumulate, seed=m + k, launcher=gemm)
+    run_product(m, n, k, accumulate, seed=m + k, launcher=gemm)
 
 
 @pytest.mark.gpu
 def test_gemm_gpu_misaligned_x():
-    run_gemv(200, 2048, 2048, True, x_offset=3, launcher=gemm)
+    run_product(200, 2048, 2048, True, x_offset=3, launcher=gemm)

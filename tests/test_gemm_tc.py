@@ -2,7 +2,7 @@
 
 The reference for gemm_tc is float64 NumPy on the bf16-rounded inputs: x rounded to bf16 (nearest
 even, as the kernel stages it) and w (already bf16). What is left is the fp32 accumulation, so the
-tolerance is test_gemv's: |out - ref| <= 1e-5 * (|x_bf16| @ |w|.T) (+ |out before| when
+tolerance is tests/helpers/products.py's: |out - ref| <= 1e-5 * (|x_bf16| @ |w|.T) (+ |out before| when
 accumulating) per element, ~100 float32 ulps of the sum of the products' magnitudes. (Tensor cores
 may truncate addends as they align them, up to ~1 ulp of the largest addend per mma step; on random
 data the error stays far below the bound.) The output is poisoned with NaN before the launch, so an
@@ -23,8 +23,6 @@ import functools
 import numpy as np
 import pytest
 from numba import cuda, uint32
-from test_gemm import GPU_CASES as GEMM_GPU_CASES
-from test_gemv import check_product, launch_case
 
 from numba_vllm.kernels import matmul
 from numba_vllm.kernels.gemm_tc import LARGE, SMALL, TILE_CONFIGS, gemm_tc, pick_k_split, pick_tile_config
@@ -32,6 +30,7 @@ from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import ldmatrix_x4, mma_bf16_16816, pack_bf16x2
 from numba_vllm.kernels.vector_load import SHARED_ALIGN
 from numba_vllm.loading.bf16 import BF16
+from tests.helpers.products import PREFILL_GPU_CASES, check_product, launch_case
 
 # One mma of random values against float64: 16 products + C, each addend may lose up to ~1 ulp
 # (2^-23) of the largest one on a tensor core: 17 * 2^-23 ~ 2e-6 of the sum of magnitudes.
@@ -163,7 +162,7 @@ SIM_CASES = [
     (40, 72, 48, False),  # one block; K: a 16-byte slice, then half a slice with zeros past K
     (40, 72, 48, True),
     (9, 5, 20, True),  # K % 8 != 0: every slice element by element
-    (129, 258, 8, False),  # 2 x 2 blocks, the second of each holding a single row / two columns
+    pytest.param(129, 258, 8, False, marks=pytest.mark.slow),  # 2 x 2 blocks, the second of each: a row / two columns
 ]
 
 
@@ -204,7 +203,7 @@ def test_linear_sends_prefill_to_gemm_tc():
     run_gemm_tc(matmul.GEMV_MAX_TOKENS + 1, 33, 16, True, launcher=matmul.linear)
 
 
-GPU_CASES = GEMM_GPU_CASES + [(333, 1003, 1000, True)]  # the fp32 gemm's shapes, and ragged M, N and K (K % 32 != 0)
+GPU_CASES = PREFILL_GPU_CASES + [(333, 1003, 1000, True)]  # the fp32 gemm's shapes, and ragged M, N and K (K % 32 != 0)
 
 
 @pytest.mark.gpu

@@ -21,15 +21,13 @@ tiling once; ``slow`` marks the 256-thread tilings.
 
 import functools
 import re
-import shutil
 import subprocess
 
 import numpy as np
-import ptx_check
 import pytest
 from numba import cuda, float32, uint32
-from test_gemv import check_product, launch_case
 
+from numba_vllm.bench.kernel_report import ReportError, find_ptxas, select
 from numba_vllm.kernels import gemm_wgmma as gw
 from numba_vllm.kernels import matmul
 from numba_vllm.kernels.jit import kernel
@@ -45,6 +43,8 @@ from numba_vllm.kernels.wgmma import (
     wgmma_wait,
 )
 from numba_vllm.loading.bf16 import BF16
+from tests.helpers import ptx as ptx_check
+from tests.helpers.products import check_product, launch_case
 
 PROBE_N = 16
 PROBE_K = 64
@@ -228,52 +228,48 @@ def test_tilings_fit_in_shared_memory():
 
 # ---- PTX, no GPU ----------------------------------------------------------------------------------
 
-PTX_KERNELS = {
-    "gemm_wgmma_large": gw.LARGE, "gemm_wgmma_medium": gw.MEDIUM, "gemm_wgmma_small": gw.SMALL, "gemm_wgmma_tiny": gw.TINY
-}  # fmt: skip
-globals().update({name: gw.gemm_wgmma_kernel_for(config) for name, config in PTX_KERNELS.items()})  # for the compiler child
-x_to_bf16_kernel = gw._x_to_bf16_kernel
-KERNEL_SIG = "(types.Array(types.uint64, 1, 'C'), types.Array(types.uint64, 1, 'C'), u16(2), u16(2), f32(2), int64, int64, int64)"
-OTHER_KERNELS = {"_wgmma_probe_kernel": "(u16(2), u16(2), f32(2))", "x_to_bf16_kernel": "(f32(2), u32(2))"}
+VARIANTS = select(("gemm_wgmma", "x_to_bf16"))  # the kernel registry's builds (numba_vllm/bench/kernel_report.py)
+TILINGS = [v for v in VARIANTS if v.name == "gemm_wgmma"]
 
 
 @pytest.fixture(scope="module")
 def wgmma_ptx():
-    specs = [(__name__, name, KERNEL_SIG) for name in PTX_KERNELS] + [(__name__, n, sig) for n, sig in OTHER_KERNELS.items()]
-    return ptx_check.compile_ptx(specs)
+    return ptx_check.compile_ptx(VARIANTS)
 
 
-@pytest.mark.parametrize("name", sorted(OTHER_KERNELS))
-def test_probe_and_conversion_compile(wgmma_ptx, name):
-    result = wgmma_ptx[f"{__name__}.{name}"]
+@pytest.mark.slow  # compiles through NVVM
+def test_conversion_compiles(wgmma_ptx):
+    result = wgmma_ptx["x_to_bf16"]
     assert "error" not in result, result.get("error")
     assert ptx_check.ptx_problems(result["ptx"], hot=True) == []
 
 
-@pytest.mark.parametrize("name", sorted(PTX_KERNELS))
-def test_kernel_compiles_to_wgmma_and_tma(wgmma_ptx, name):
-    result = wgmma_ptx[f"{__name__}.{name}"]
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", TILINGS, ids=[v.key for v in TILINGS])
+def test_kernel_compiles_to_wgmma_and_tma(wgmma_ptx, variant):
+    result = wgmma_ptx[variant.key]
     assert "error" not in result, result.get("error")
     text = result["ptx"]
     assert ptx_check.ptx_problems(text, hot=True) == []
-    assert f"wgmma.mma_async.sync.aligned.m64n{PTX_KERNELS[name].block_n}k16.f32.bf16.bf16" in text
+    block_n = int(variant.variant.split("x")[1])
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16" in text
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
     assert "mbarrier.try_wait.parity.shared::cta.b64" in text
 
 
-@pytest.mark.skipif(shutil.which("ptxas") is None, reason="no ptxas on the PATH")
-@pytest.mark.parametrize("name", sorted(PTX_KERNELS))
-def test_kernel_assembles_with_the_wgmma_pipeline_kept(wgmma_ptx, tmp_path, name):
-    version = re.search(r"release (\d+)\.(\d+)", subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout)
-    if version and (int(version[1]), int(version[2])) < (13, 0):
-        pytest.skip("ptxas older than CUDA 13")
-    text = wgmma_ptx[f"{__name__}.{name}"]["ptx"]
-    # compiled for compute_90 here (no GPU to ask): wgmma needs the sm_90a target;
-    # NVVM may stamp a newer PTX ISA version than this ptxas knows, and nothing here is newer than 9.0
-    text = re.sub(r"^\.target sm_90\b", ".target sm_90a", text, count=1, flags=re.M)
-    path = tmp_path / f"{name}.ptx"
-    path.write_text(re.sub(r"^\.version \d+\.\d+", ".version 9.0", text, count=1, flags=re.M))
-    proc = subprocess.run(["ptxas", "-arch=sm_90a", "-v", str(path), "-o", str(tmp_path / f"{name}.cubin")],
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", TILINGS, ids=[v.key for v in TILINGS])
+def test_kernel_assembles_with_the_wgmma_pipeline_kept(wgmma_ptx, tmp_path, variant):
+    """ptxas for sm_90a (the target wgmma needs; the PTX was built without a GPU for sm_90): no spills,
+    and no C7515 ("wgmma serialized": each wgmma would wait for the one before)."""
+    try:
+        ptxas = find_ptxas()
+    except ReportError as e:
+        pytest.skip(str(e))
+    text = re.sub(r"^\.target sm_90\b", ".target sm_90a", wgmma_ptx[variant.key]["ptx"], count=1, flags=re.M)
+    path = tmp_path / "kernel.ptx"
+    path.write_text(text)
+    proc = subprocess.run([ptxas.path, "--gpu-name=sm_90a", "-v", str(path), "-o", str(tmp_path / "kernel.cubin")],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "0 bytes spill stores" in proc.stderr, proc.stderr

@@ -1,15 +1,12 @@
 """gemv (decode-sized x @ w.T), the ``linear`` dispatcher, and the 16-byte load helpers under them.
 
-Reference: NumPy in float64 on the same inputs (the bf16-rounded weights), so the only error left
-is the kernel's float32 accumulation. Tolerance, per element: |out - ref| <= RTOL * (|x| @ |w|.T)
-(+ |out before| when accumulating), i.e. relative to the sum of the magnitudes of the products,
-which bounds the rounding error of any summation order; RTOL = 1e-5 is ~100 float32 ulps.
+Reference and tolerance: tests/helpers/products.py (float64 NumPy on the same bf16-rounded inputs,
+1e-5 of the sum of the products' magnitudes per element).
 
 Simulator cases are small and awkward: M in {1, 2, 3, 5, 17} (every token tile, and several token
 blocks), N not a multiple of the rows per block, K = 40/72 (fast path: K % 8 == 0 but not a multiple
 of the 256 elements a warp covers) and K = 48 via a misaligned view, K = 100 (K % 8 != 0: the
-unaligned kernel). The output is poisoned with NaN, so an unwritten element fails. ``gpu`` tests
-run Llama 3.2 1B shapes with fresh random inputs.
+unaligned kernel). ``gpu`` tests run Llama 3.2 1B shapes with fresh random inputs.
 """
 
 import functools
@@ -32,53 +29,7 @@ from numba_vllm.kernels.vector_load import (
     load_u32x4,
 )
 from numba_vllm.loading.bf16 import BF16, upload_bf16
-
-RTOL = 1e-5
-
-
-def random_case(rng, m, n, k, accumulate):
-    """Host inputs: x (m, k) f32, w (n, k) bf16, out0 (m, n) f32 (NaN unless accumulating)."""
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    w = (rng.standard_normal((n, k)) * 0.05).astype(BF16)
-    out0 = rng.standard_normal((m, n)).astype(np.float32) if accumulate else np.full((m, n), np.nan, np.float32)
-    return x, w, out0
-
-
-def check_product(got, x, w, out0, accumulate):
-    """Compare a kernel's out with float64 NumPy on the same (bf16-rounded) inputs."""
-    x64, w64 = x.astype(np.float64), w.astype(np.float32).astype(np.float64)
-    ref = x64 @ w64.T
-    scale = np.abs(x64) @ np.abs(w64).T
-    if accumulate:
-        ref += out0
-        scale += np.abs(out0)
-    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} outputs unwritten (NaN)"
-    err = np.abs(got - ref)
-    worst = np.unravel_index(np.argmax(err / (scale + 1e-30)), err.shape)
-    assert np.all(err <= RTOL * scale + 1e-30), f"at {worst}: got {got[worst]}, want {ref[worst]}"
-
-
-def launch_case(m, n, k, accumulate, seed, x_offset, launcher):
-    """Run `launcher(x, w, out, accumulate)` on fresh random data; returns (out, x, w, out0) on the host.
-    x_offset > 0 views x at a misaligned address."""
-    rng = np.random.default_rng(seed)
-    x, w, out0 = random_case(rng, m, n, k, accumulate)
-    if x_offset:
-        x_big = np.zeros(m * k + x_offset, np.float32)
-        x_big[x_offset:] = x.ravel()
-        d_x = cuda.to_device(x_big)[x_offset:].reshape(m, k)
-    else:
-        d_x = cuda.to_device(x)
-    d_out = cuda.to_device(out0)
-    launcher(d_x, upload_bf16(w), d_out, accumulate)
-    return d_out.copy_to_host(), x, w, out0
-
-
-def run_gemv(m, n, k, accumulate, seed=0, x_offset=0, launcher=gemv):
-    """Launch on fresh random data and check against the float64 product."""
-    got, x, w, out0 = launch_case(m, n, k, accumulate, seed, x_offset, launcher)
-    check_product(got, x, w, out0, accumulate)
-
+from tests.helpers.products import run_product
 
 # (M, N, K, accumulate): N = 33, 70 are not multiples of 32 or 16 rows per block.
 SIM_CASES = [
@@ -86,7 +37,7 @@ SIM_CASES = [
     (1, 70, 40, True),
     (2, 33, 40, True),  # 2 tokens a block
     (3, 70, 72, False),  # 4 tokens a block, token 3 clamped
-    (17, 33, 40, True),  # 4 tokens a block, 5 token blocks, the last one has 1 token
+    pytest.param(17, 33, 40, True, marks=pytest.mark.slow),  # 4 tokens a block, 5 token blocks, the last with 1 token
     (3, 33, 100, True),  # K % 8 != 0: unaligned kernel
     (5, 70, 100, False),
 ]
@@ -94,23 +45,23 @@ SIM_CASES = [
 
 @pytest.mark.parametrize("m,n,k,accumulate", SIM_CASES)
 def test_gemv_small(m, n, k, accumulate):
-    run_gemv(m, n, k, accumulate)
+    run_product(m, n, k, accumulate)
 
 
 def test_gemv_misaligned_x_uses_unaligned_kernel():
-    run_gemv(2, 33, 48, True, x_offset=1)
+    run_product(2, 33, 48, True, x_offset=1)
 
 
 def test_gemv_splits_k_across_warps():
     """A long row with few rows: the launcher splits K over warps; the cross-warp sum is tested."""
     assert plan_gemv(1, 5, 512)[1] == 2
-    run_gemv(1, 5, 512, False)
+    run_product(1, 5, 512, False)
 
 
 def test_linear_dispatches_both_ways():
-    run_gemv(2, 33, 40, False, launcher=linear)  # gemv
+    run_product(2, 33, 40, False, launcher=linear)  # gemv
     # the fp32 gemm: the tensor-core path rounds x (tests/test_gemm_tc.py)
-    run_gemv(65, 33, 40, True, launcher=functools.partial(linear, gemm="fp32"))
+    run_product(65, 33, 40, True, launcher=functools.partial(linear, gemm="fp32"))
 
 
 def fused_reference(x, w, g, eps, silu_mul):
@@ -248,12 +199,12 @@ GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("m,n,k,accumulate", GPU_CASES)
 def test_gemv_gpu(m, n, k, accumulate):
-    run_gemv(m, n, k, accumulate, seed=m * 7 + k)
+    run_product(m, n, k, accumulate, seed=m * 7 + k)
 
 
 @pytest.mark.gpu
 def test_gemv_gpu_misaligned_x():
-    run_gemv(4, 2048, 2048, True, x_offset=2)
+    run_product(4, 2048, 2048, True, x_offset=2)
 
 
 @pytest.mark.gpu

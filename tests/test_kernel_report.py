@@ -11,11 +11,11 @@ units of 256; 233472 bytes of shared memory, 1024 reserved per block, in units o
 import re
 from pathlib import Path
 
-import ptx_check
 import pytest
 
 from numba_vllm.bench import kernel_report
 from numba_vllm.bench.kernel_report import REGISTRY, Resources, occupancy, parse_ptxas
+from tests.helpers import ptx as ptx_check
 
 
 @pytest.mark.parametrize(

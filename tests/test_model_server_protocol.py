@@ -85,11 +85,11 @@ def chat_server(tmp_path_factory):
     tokenizer itself, straight from the `tokenizers` library."""
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
-    from tiny_llama import write_chat_checkpoint
     from tokenizers import Tokenizer as HFTokenizer
 
     from numba_vllm import LLM
     from numba_vllm.server import create_app
+    from tests.helpers.tiny_llama import write_chat_checkpoint
 
     path = write_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat"))
     llm = LLM(str(path), backend="numpy")

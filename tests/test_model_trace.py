@@ -10,14 +10,13 @@ device stores K/V in bf16 and accumulates in a different order, so each intermed
 
 import numpy as np
 import pytest
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.loading.checkpoint import load_checkpoint
-from numba_vllm.model.config import ModelConfig
 from numba_vllm.model.reference import TRACE_POINTS, KVCache, ReferenceModel
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 PROMPTS = [[5], list(range(3, 18)), list(range(3, 20))]  # 1, 15 and 17 tokens: one page, a page edge, two pages
 
@@ -54,11 +53,12 @@ def first_disagreement(path, backend: str) -> tuple[str, int | None, float] | No
 
 
 def _checkpoint(tmp_path, heads, kv_heads, head_dim, hidden):
-    cfg = tiny_config_dict(hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-                           intermediate_size=64, vocab_size=64, num_hidden_layers=1, max_position_embeddings=64)  # fmt: skip
-    return write_checkpoint(tmp_path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    return tiny_checkpoint(tmp_path, hidden_size=hidden, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                           head_dim=head_dim, intermediate_size=64, vocab_size=64, num_hidden_layers=1,
+                           max_position_embeddings=64)  # fmt: skip
 
 
+@pytest.mark.slow  # the whole model in the simulator
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(3, 1, 16)])  # GQA 3 (the engine test covers GQA 2)
 def test_simulated_forward_matches_reference_op_by_op(tmp_path, heads, kv_heads, head_dim):
     assert first_disagreement(_checkpoint(tmp_path, heads, kv_heads, head_dim, 32), "sim") is None

@@ -1,13 +1,11 @@
 """Stop rules and streamed text of one request (OutputBuilder), on SmolLM2's real tokenizer."""
 
-import pytest
-from test_smollm2 import HAVE_MODEL
-from tiny_llama import tiny_config_dict
 
 from numba_vllm.engine.lengths import LengthPolicy
 from numba_vllm.engine.output import OutputBuilder, RequestOutput
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import tiny_config_dict
 
 CONFIG = ModelConfig.from_dict(tiny_config_dict(eos_token_id=2))
 
@@ -39,25 +37,18 @@ def test_stop_token_ids_and_length_limit_of_the_model():
     assert out.finish_reason == "length" and len(out.token_ids) == 3
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from numba_vllm.loading.checkpoint import default_model_path
-    from numba_vllm.loading.gguf.importer import load_gguf_tokenizer
-
-    return load_gguf_tokenizer(default_model_path())
-
-
-@pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed")
 class TestWithTokenizer:
-    def test_stream_concatenates_to_the_full_decode(self, tok):
-        ids = tok.encode("Héllo wörld 🚀 and more text", add_special_tokens=False)
-        out, b = builder(SamplingParams(max_tokens=len(ids)), tok)
-        pieces = [b.add(t) for t in ids]
-        assert "".join(pieces) == out.text == tok.decode(ids) and out.finish_reason == "length"
+    """On SmolLM2's tokenizer (conftest.py's smollm2_tok: skipped when the model is not installed)."""
 
-    def test_stop_string_cuts_the_text_and_holds_back_partial_matches(self, tok):
-        ids = tok.encode("one two three four five", add_special_tokens=False)
-        out, b = builder(SamplingParams(max_tokens=50, stop=["three f"]), tok)
+    def test_stream_concatenates_to_the_full_decode(self, smollm2_tok):
+        ids = smollm2_tok.encode("Héllo wörld 🚀 and more text", add_special_tokens=False)
+        out, b = builder(SamplingParams(max_tokens=len(ids)), smollm2_tok)
+        pieces = [b.add(t) for t in ids]
+        assert "".join(pieces) == out.text == smollm2_tok.decode(ids) and out.finish_reason == "length"
+
+    def test_stop_string_cuts_the_text_and_holds_back_partial_matches(self, smollm2_tok):
+        ids = smollm2_tok.encode("one two three four five", add_special_tokens=False)
+        out, b = builder(SamplingParams(max_tokens=50, stop=["three f"]), smollm2_tok)
         pieces = []
         for t in ids:
             pieces.append(b.add(t))

@@ -25,10 +25,8 @@ instructions present (tests/test_kernel_report.py assembles the registry's and c
 from __future__ import annotations
 
 import numpy as np
-import ptx_check
 import pytest
 from numba import cuda, uint32
-from test_attention import PREFILL_SEQS, PagedCache, nan_device, reference_attention
 
 from numba_vllm.bench.kernel_report import PREFILL_SIG, KernelVariant, select
 from numba_vllm.kernels._launch import KernelError
@@ -38,6 +36,8 @@ from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
 from numba_vllm.kernels.vector_load import SHARED_ALIGN
 from numba_vllm.loading.bf16 import BF16, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
+from tests.helpers import ptx as ptx_check
+from tests.helpers.attention import PREFILL_SEQS, PagedCache, nan_device, reference_attention
 
 P_BOUND = 1.1 * 2.0**-8  # relative error of a bf16-rounded weight (8 significant bits), plus fp32 slack
 ATOL = 2e-6

@@ -8,8 +8,6 @@ import hashlib
 
 import numpy as np
 import pytest
-from test_scheduler import FakeModel, next_token, step, summary
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm import LLM
 from numba_vllm.engine.config import EngineConfig
@@ -21,6 +19,8 @@ from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
+from tests.helpers.scheduling import FakeModel, next_token, step, summary
+from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 
 def request(request_id: str, prompt: list[int], max_tokens: int = 16) -> Request:

@@ -7,12 +7,10 @@ local memory in the PTX means the per-lane register arrays were fully unrolled. 
 type-checks the GPU-only paths (the 16-byte ``load_u32x4`` intrinsic), which the simulator never runs.
 """
 
-from __future__ import annotations
-
-import ptx_check
 import pytest
 
 from numba_vllm.bench.kernel_report import select
+from tests.helpers import ptx as ptx_check
 
 pytestmark = pytest.mark.slow  # compiles every variant (seconds each)
 

@@ -19,10 +19,10 @@ registry's (``numba_vllm/bench/kernel_report.py``).
 import re
 import types
 
-import ptx_check
 import pytest
 
 from numba_vllm.bench.kernel_report import REGISTRY
+from tests.helpers import ptx as ptx_check
 
 NVVM_REJECTS = {"gemv t2 norm", "gemv t4 norm"}  # "ERROR_COMPILATION" with line tables (numba-cuda 0.30, NVVM 13.5)
 

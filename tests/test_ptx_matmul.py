@@ -12,10 +12,10 @@ gemm_tc's 128 accumulators per lane) is checked by ``test_kernel_report.py`` aft
 
 import re
 
-import ptx_check
 import pytest
 
 from numba_vllm.bench.kernel_report import select
+from tests.helpers import ptx as ptx_check
 
 pytestmark = pytest.mark.slow  # compiles every variant (seconds each)
 

@@ -15,9 +15,9 @@ Every kernel here is on the per-token path, so all count as hot.
 import re
 
 import pytest
-from ptx_check import compile_ptx, ptx_problems
 
 from numba_vllm.bench.kernel_report import select
+from tests.helpers.ptx import compile_ptx, ptx_problems
 
 pytestmark = pytest.mark.slow  # compiles every kernel (seconds each)
 

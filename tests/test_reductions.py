@@ -84,7 +84,7 @@ def test_warp_reductions(block_size):
     np.testing.assert_array_equal(maxes, x.max(axis=1))
 
 
-@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+@pytest.mark.parametrize("block_size", [b if b < 256 else pytest.param(b, marks=pytest.mark.slow) for b in BLOCK_SIZES])
 def test_block_reductions(block_size):
     x = make_rows(block_size)
     sums, maxes = run_rows(block_rows_kernel, 2, block_size, x)  # 2 blocks for 5 rows

@@ -2,9 +2,9 @@
 
 import numpy as np
 import pytest
-from hf_tiny import hf_tiny_case
 
 from numba_vllm.model.reference import KVCache, ReferenceModel, apply_rope, attention, rms_norm
+from tests.helpers.hf_tiny import hf_tiny_case
 
 
 @pytest.mark.parametrize("case", ["a", "b", "c"])  # MHA-ish + tied; GQA 3 + llama3 rope + untied; MQA

@@ -24,6 +24,7 @@ from numba_vllm.kernels.sample import argmax, gumbel_noise, sample_gumbel
 from numba_vllm.sim.warp import simulator_enabled
 
 gpu = pytest.mark.gpu
+slow = pytest.mark.slow  # the larger simulated launches: `make test` runs them, `make test-fast` does not
 VOCAB = 128256
 
 
@@ -67,7 +68,7 @@ GREEDY = [pytest.param(_argmax, id="argmax"), pytest.param(_greedy_sample, id="s
         (1, 37),
         (5, 100),
         (2, 1000),  # 8 warps
-        (1, 5000),  # 32 warps, two tiles
+        pytest.param(1, 5000, marks=slow),  # 32 warps, two tiles
         pytest.param(1, VOCAB, marks=gpu),
         pytest.param(3, VOCAB, marks=gpu),
         pytest.param(64, VOCAB, marks=gpu),
@@ -95,7 +96,7 @@ def _tie_rows(vocab_size):
 
 
 @pytest.mark.parametrize("pick", GREEDY)
-@pytest.mark.parametrize("vocab_size", [100, 1000])  # 1000: ties across warps
+@pytest.mark.parametrize("vocab_size", [100, pytest.param(1000, marks=slow)])  # 1000: ties across warps
 def test_ties_go_to_the_lowest_index_and_nan_wins(pick, vocab_size):
     rows = _tie_rows(vocab_size)
     np.testing.assert_array_equal(pick(rows), np.argmax(rows, axis=1))
@@ -174,7 +175,7 @@ def _softmax(z):
     return p / p.sum()
 
 
-@pytest.mark.parametrize("num_draws", [400, pytest.param(200_000, marks=gpu)])
+@pytest.mark.parametrize("num_draws", [pytest.param(400, marks=slow), pytest.param(200_000, marks=gpu)])
 def test_kernel_draws_follow_softmax(num_draws):
     """num_draws rows of the same logits and seed, steps 0..N-1: one draw each."""
     seed = int(_rng().integers(0, 2**32))
@@ -246,7 +247,7 @@ def _force_parts(monkeypatch, parts):
     "num_rows, vocab_size, parts",
     [
         (2, 1000, 3),  # 352 columns a part (rounded up to 32): the last part has 296
-        (1, 3000, 7),  # 448 columns a part, the last 312
+        pytest.param(1, 3000, 7, marks=slow),  # 448 columns a part, the last 312
         (1, 1300, 41),  # 32 columns a part: 41 winners, two for some lanes of the second pass
     ],
 )
@@ -277,6 +278,7 @@ def _split_tie_rows():
     return rows
 
 
+@slow
 @pytest.mark.parametrize("pick", GREEDY)
 def test_split_ties_go_to_the_lowest_index_and_nan_wins(pick, monkeypatch):
     _force_parts(monkeypatch, 3)
@@ -307,6 +309,7 @@ def _check_mirror(tokens, logits, temperatures, seeds, steps):
             assert abs(values[tokens[b]] - values[expected]) < 1e-5 * max(1.0, abs(values[expected])), b
 
 
+@slow
 def test_split_sampling_of_a_mixed_batch(monkeypatch):
     """Greedy and sampled rows in one launch: the same tokens split or not, and as the host mirror."""
     batch = _mixed_batch(1000)
@@ -318,6 +321,7 @@ def test_split_sampling_of_a_mixed_batch(monkeypatch):
     _check_mirror(split, *batch)
 
 
+@slow
 @pytest.mark.skipif(not simulator_enabled(), reason="replaces a device function, which only the simulator looks up at run time")
 def test_greedy_rows_compute_no_noise(monkeypatch):
     def no_noise(*args):

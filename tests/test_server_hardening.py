@@ -23,13 +23,12 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
-from test_server import MAX_LEN, TINY_NAME, M, ServerThread, _free_port  # noqa: E402
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
-
 from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.model.config import ModelConfig  # noqa: E402
 from numba_vllm.server import ServerLimits, listen  # noqa: E402
 from numba_vllm.server.log_limits import RateLimitFilter  # noqa: E402
+from tests.helpers.server import MAX_LEN, TINY_NAME, M, ServerThread, _free_port  # noqa: E402
+from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 JSON = {"content-type": "application/json"}
 PROBE = [4, 5, 6]  # the greedy request that must come out the same after anything else

@@ -314,10 +314,9 @@ def test_syncthreads_reductions_drop_exited_threads():
 
 @pytest.mark.parametrize("k", [split_warp_kernel, missing_lane_kernel])
 def test_deadlock_is_detected_at_once(k):
-    start = time.perf_counter()
-    with pytest.raises(SimulatorDeadlockError, match="deadlock"):
+    """Found when every live thread waits (the deadlock message), not by the hang timeout ("waited more than")."""
+    with pytest.raises(SimulatorDeadlockError, match="deadlock: every live thread waits"):
         launch(k, 32, np.zeros(32, np.float32))
-    assert time.perf_counter() - start < 5  # exact detection, not the 30 s hang timeout
 
 
 def test_a_wait_longer_than_the_hang_timeout_raises(monkeypatch):
@@ -336,20 +335,3 @@ def test_errors_name_the_thread_and_the_pool_recovers():
     out = launch(raising_kernel, 4, np.zeros(4, np.int32))[0]  # thread 5 does not exist here
     np.testing.assert_array_equal(out, np.ones(4))
 
-
-def test_speed_report():
-    """Not an assertion: prints the simulator's costs (run pytest with -s to see them)."""
-    zeros = np.zeros(128, np.float32)  # (num_threads,) outputs of one block
-    launch(rotate_kernel, 128, zeros, 0)
-    t0 = time.perf_counter()
-    launch(rotate_kernel, 128, zeros, 0)
-    t1 = time.perf_counter()
-    launch(rotate_kernel, 128, zeros, 10)  # 20 syncthreads
-    t2 = time.perf_counter()
-    launch(many_rounds_kernel, 128, np.zeros(128, np.int64), 20)
-    t3 = time.perf_counter()
-    print(
-        f"\nsimulator: {(t1 - t0) / 128 * 1e6:.0f} us/thread (launch cost included), "
-        f"{(t2 - t1 - (t1 - t0)) / 20 * 1e3:.2f} ms/syncthreads (128 threads), "
-        f"{(t3 - t2 - (t1 - t0)) / 20 * 1e3:.2f} ms/shuffle round (4 warps)"
-    )

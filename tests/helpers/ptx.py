@@ -34,3 +34,9 @@ def ptx_problems(ptx: str, hot: bool) -> list[str]:
     if hot and "__local_depot" in ptx:
         problems.append("uses local memory (__local_depot): a register array spilled or was indexed at run time")
     return problems
+
+
+def check_compiled_clean(result: dict, hot: bool) -> None:
+    """Assert that one kernel's compile_ptx result is PTX with none of ptx_problems."""
+    assert "error" not in result, result.get("error")
+    assert ptx_problems(result["ptx"], hot) == []

@@ -32,6 +32,7 @@ TINY = {
 
 
 def tiny_config_dict(**overrides) -> dict:
+    """TINY with some entries replaced (hidden_size=..., num_key_value_heads=..., ...)."""
     d = dict(TINY)
     d.update(overrides)
     return d
@@ -59,10 +60,16 @@ def write_checkpoint(path: Path, config_dict: dict, weights: dict[str, np.ndarra
     return path
 
 
+def tiny_checkpoint(path: Path, **overrides) -> Path:
+    """A bf16 checkpoint of TINY (with `overrides`) and random_weights' seed-0 weights, written to `path`."""
+    cfg = tiny_config_dict(**overrides)
+    return write_checkpoint(path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
+
+
 def write_chat_checkpoint(path: Path, **overrides) -> Path:
     """A tiny random checkpoint that takes text: test_tokenizer's byte-level BPE (268 ids, its ChatML
     template, <|im_end|> as EOS) and a model whose vocabulary matches it."""
-    from test_tokenizer import CHATML, byte_level_json
+    from tests.helpers.tokenizers import CHATML, byte_level_json
 
     cfg = tiny_config_dict(vocab_size=268, bos_token_id=262, eos_token_id=267, **overrides)
     write_checkpoint(path, cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))

@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 
 from numba_vllm.model.config import ModelConfig
+from tests.helpers import DATA
 
-DATA = Path(__file__).parent / "data"
 SEQ_LEN = 37
 _LAYER_ORDER = (
     "input_layernorm",

@@ -1,0 +1,12 @@
+"""Code shared by the test modules: they import it from here, never from one another.
+
+- ``tiny_llama``: tiny random Llama configs, weights and checkpoints built on the fly;
+- ``hf_tiny``: three tiny random Llamas with logits computed by Hugging Face transformers;
+- ``smollm2``: the default model (SmolLM2-135M-Instruct) and transformers' answers for it;
+- ``products``: random matrix products checked against float64 NumPy (gemv, gemm, gemm_tc);
+- ``ptx``: compiling the kernel registry's variants to PTX without a GPU, and what PTX must not hold.
+"""
+
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data: reference outputs and configs

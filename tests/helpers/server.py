@@ -1,0 +1,66 @@
+"""A server on a tiny model in a background thread of the test process, for the server, hardening and fuzz tests."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import httpx
+import openai
+
+from numba_vllm.server import Server, create_app, server_config
+from numba_vllm.server.metrics import parse_metrics
+
+TINY_NAME = "tiny"
+
+
+MAX_LEN = 16384  # the tiny test model's max_position_embeddings: long enough to disconnect (or stop) mid-request
+
+
+M = "numba_vllm:"
+
+
+class ServerThread:
+    """uvicorn + the app in a thread of this process, on an OS-chosen loopback port."""
+
+    def __init__(self, engine, names, sock=None, **app_args):
+        config = server_config(create_app(engine, names, **app_args), "127.0.0.1", 0, log_level="warning")
+        self.server = Server(config, shutdown_timeout=5)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock] if sock else None}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+
+    def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics").text)
+
+    def wait_idle(self, timeout: float = 10) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds a page."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m[M + "num_requests_running"] == 0 and m[M + "num_requests_waiting"] == 0 and m[M + "kv_cache_pages_used"] == 0
+            if idle or time.monotonic() > deadline:
+                return m
+            time.sleep(0.02)
+
+    def close(self) -> None:
+        self.server.begin_shutdown()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+
+
+# ---- shutdown ------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
