@@ -59,9 +59,11 @@ class FakeDevice:
             threading.Thread(target=self._work, daemon=True).start()
 
     def launch(self, plan, previous=None):
-        if previous is None:  # the engine waits for nothing launched before: it dropped what it did not collect
-            self.abandoned += self.uncollected
-            self.uncollected = []
+        # Steps the engine will not collect: all launched before, when it feeds from none; any whose
+        # requests have all finished (nothing of it is used).
+        dropped = [s for s in self.uncollected if previous is None or all(q.request.is_finished for q in s.plan.sequences)]
+        self.abandoned += dropped
+        self.uncollected = [s for s in self.uncollected if s not in dropped]
         assert len(self.uncollected) < 2, "more than two steps outstanding"
         assert previous is None or previous is self.launched[-1], "fed from a step other than the one just before"
         assert previous is None or previous.feeds_next, "fed from a step whose tokens the host samples"

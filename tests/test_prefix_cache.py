@@ -366,7 +366,8 @@ def test_simulated_kernels_read_a_cached_prefix(tiny_dir):
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     numpy = LLM(str(tiny_dir), backend="numpy", enable_prefix_caching=False)
     want = [numpy.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
-    sim = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="sim", max_num_seqs=2, num_pages=16))
+    config = EngineConfig(backend="sim", max_num_seqs=2, num_pages=16, async_scheduling=False)  # serial: 2 calls, 2 steps
+    sim = LLMEngine(load_checkpoint(tiny_dir), config)
     outs = [sim.add_request("first", prompts[0], params)]
     sim.step()  # computes (and caches) the first two pages
     outs += [sim.add_request(f"r{i}", p, params) for i, p in enumerate(prompts[1:])]

@@ -206,8 +206,9 @@ class LLMEngine:
 
     def _complete(self, flight: _Flight) -> list[RequestOutput]:
         """Collect a launched step's tokens; stop checks and output for each request that got one (a
-        collect that raises fails the step's requests)."""
-        if flight.handle is None:
+        collect that raises fails the step's requests). A step whose requests have all finished
+        meanwhile (a stop string, an abort) is not waited for: nothing of it is used."""
+        if flight.handle is None or all(s.request.is_finished for s in flight.plan.sequences):
             return []
         try:
             sampled = self.runner.collect(flight.handle)
