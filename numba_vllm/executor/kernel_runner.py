@@ -67,15 +67,18 @@ class KernelRunner:
         pay for it (a second or so per kernel). Each run is a dummy step whose tokens all read and
         write the null page; the KV cache of real sequences is not touched.
 
-        Variants: gemv per token count 1 .. GEMV_MAX_TOKENS, the tensor-core tilings (a full prefill
-        step uses the large one, small batches the small one and split K), both attention kernels, the
-        samplers.
+        Variants: gemv per token count 1 .. GEMV_MAX_TOKENS; the tensor-core GEMM's tilings and K splits,
+        which it picks by the product's shape (prefill steps of 16, 32, 64, ... tokens up to a full
+        token budget: every tiling the step sizes can reach, a cached prefix's short chunks included);
+        both attention kernels; the samplers.
         """
-        for num_tokens in range(1, min(GEMV_MAX_TOKENS + 1, self.max_step_tokens) + 1):  # every gemv, then gemm_tc
+        for num_tokens in range(1, min(GEMV_MAX_TOKENS + 1, self.max_step_tokens) + 1):  # every gemv, then the GEMM
             step = null_decode_step(num_tokens, min(num_tokens, self.max_num_seqs))
             self._sample_all(self.model.forward(upload_inputs(step, 0, 0)))
-        num_tokens = self.max_step_tokens - self.max_num_seqs  # a full token budget of one prompt
-        self._sample_all(self.model.forward(upload_inputs(null_prefill_step(num_tokens), num_tokens, num_tokens)))
+        full = self.max_step_tokens - self.max_num_seqs  # a full token budget of one prompt
+        sizes = [n for n in (2 << k for k in range(3, 20)) if n < full] + [full]  # 16, 32, ... and the full budget
+        for num_tokens in sizes:
+            self._sample_all(self.model.forward(upload_inputs(null_prefill_step(num_tokens), num_tokens, num_tokens)))
         if self.decode_graphs is not None:
             self.decode_graphs.record_all(max_pages)
 
