@@ -3,8 +3,9 @@
 For each batch size B, B requests with random prompts of `prompt_len` token ids are submitted at
 once (greedy, EOS ignored, `output_len` new tokens each) to an engine that has been warmed up: first
 a short run that compiles the kernels (`warmup_s`), then, per batch size, `warmup_runs` untimed runs
-of the very workload that is then timed (on the GPU this records the CUDA graphs of its decode
-steps, a one-time cost like compilation; `warmup_runs_s` in each row). Neither is in the figures.
+of the same shapes with other random prompts (on the GPU this records the CUDA graphs of its decode
+steps, a one-time cost like compilation; `warmup_runs_s` in each row; other prompts, so the prefix
+cache cannot serve the timed prompts from the rehearsal). Neither is in the figures.
 Every step is timed with `time.perf_counter()`; `LLMEngine.step()` returns once the sampled tokens
 are on the host, so a step's wall time includes its device work.
 
@@ -100,8 +101,10 @@ def run_latency(
     rows = []
     for b in batch_sizes:
         t = time.perf_counter()
-        for r in range(warmup_runs):  # the same run, untimed: CUDA graphs of its shapes are recorded now
-            _measure_batch(engine, b, prompts[b], output_len, tag=f"warmup{r}")
+        for r in range(warmup_runs):  # the same shapes, untimed: CUDA graphs of its shapes are recorded now
+            # other prompts (their own seed): the prefix cache must not serve the timed run's prompts
+            rehearsal = latency_prompts([b], prompt_len, seed + 1 + r, config.vocab_size)[b]
+            _measure_batch(engine, b, rehearsal, output_len, tag=f"warmup{r}")
         rehearsal_s = time.perf_counter() - t
         row = _measure_batch(engine, b, prompts[b], output_len)
         row["warmup_runs_s"] = rehearsal_s

@@ -163,9 +163,11 @@ class KernelRunner:
         Each run is a dummy step whose tokens all read and write the null page (`null_sequences`);
         the KV cache of real sequences is not touched.
 
-        One step per token bucket (a prompt and up to max_num_seqs - 1 decodes: every product's gemv
-        or tensor-core variant, both attention kernels, the sampler; with graphs, its pieces and head
-        are recorded), then the decode graphs of sequences up to `max_pages` pages.
+        One step per token bucket (a prompt and up to max_num_seqs - 1 decodes). Every step is padded
+        to a bucket, so these are all the shapes a product can have: every gemv variant, every tiling
+        and K split the tensor-core GEMMs pick (a cached prefix's short chunk included), both
+        attention kernels, the sampler; with graphs, each bucket's pieces and head are recorded. Then
+        the decode graphs of sequences up to `max_pages` pages.
         """
         for num_tokens in self.layout.token_sizes:
             num_decodes = min(num_tokens, self.max_num_seqs) - 1
