@@ -42,8 +42,9 @@ class ServerThread:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics").text)
 
-    def wait_idle(self, timeout: float = 10) -> dict[str, float]:
-        """Metrics once nothing runs, waits or holds a page."""
+    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds a page (or at `timeout`: generous, since on a
+        loaded 2-core machine a disconnect can take seconds to be noticed)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
