@@ -191,18 +191,8 @@ def test_32_concurrent_requests_match_their_outputs_alone(tiny, ref):
 
 
 # ---- disconnects ---------------------------------------------------------------------------------
-@pytest.fixture
-def fresh(tiny_dir):
-    """A server of its own (the module's shared one has served other tests)."""
-    llm = LLM(str(tiny_dir), backend="numpy", max_model_len=MAX_LEN, max_num_seqs=8)
-    server = ServerThread(llm.engine, [TINY_NAME])
-    yield server
-    server.close()
-
-
-@pytest.mark.xfail(reason="open bug: a streamed request's client disconnect is sometimes not noticed (the request runs on)")
-def test_a_client_that_disconnects_mid_stream_frees_its_pages(fresh):
-    tiny = fresh
+def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny):
+    """On the module's shared server, after other requests (a disconnect there once went unnoticed)."""
     before = tiny.wait_idle()
     body = {"model": TINY_NAME, "prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=tiny.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
