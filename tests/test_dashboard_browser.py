@@ -78,7 +78,9 @@ def browser():
 def server(tmp_path):
     cfg = tiny_config_dict(max_position_embeddings=512)
     path = write_checkpoint(tmp_path / "tiny", cfg, random_weights(ModelConfig.from_dict(cfg), dtype="bf16"))
-    llm = LLM(str(path), backend="numpy", max_num_seqs=NUM_SLOTS, num_pages=NUM_PAGES, max_model_len=512)
+    llm = LLM(  # caching off: the page counts below assume no page is shared (the prompts share a beginning)
+        str(path), backend="numpy", max_num_seqs=NUM_SLOTS, num_pages=NUM_PAGES, max_model_len=512, enable_prefix_caching=False
+    )
     s = DashboardServer(llm.engine, KEY)
     yield s
     s.close()

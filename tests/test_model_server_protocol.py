@@ -134,3 +134,21 @@ def test_tokenize_errors(chat_server):
     ]:
         r = client.post("/tokenize", json=body)
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), body
+
+
+def test_the_fields_routers_add_are_accepted_at_their_defaults_only(chat_server):
+    """vllm-router forwards every request with its own defaults added (seen on the fleet test): those
+    values are what this server does anyway; any other value is a 400 naming the field."""
+    client, _ = chat_server
+    added = {"no_stop_trim": False, "return_hidden_states": False, "skip_special_tokens": True}
+    r = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, **added})
+    assert r.status_code == 200, r.text
+    chat_added = {
+        "continue_final_message": False, "include_reasoning": True, "separate_reasoning": True, "stream_reasoning": True
+    }  # fmt: skip
+    hi = [{"role": "user", "content": "hi"}]
+    r = client.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 1, **added, **chat_added})
+    assert r.status_code == 200, r.text
+    for field, value in [("no_stop_trim", True), ("skip_special_tokens", False), ("separate_reasoning", False)]:
+        r = client.post("/v1/chat/completions", json={"messages": hi, "max_tokens": 1, field: value})
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -9,11 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -29,7 +26,7 @@ from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.cli import main  # noqa: E402
 from numba_vllm.engine.stats import EngineStats  # noqa: E402
 from numba_vllm.server.metrics import ServerMetrics, parse_metrics  # noqa: E402
-from tests.helpers.server import MAX_LEN, TINY_NAME, M, ServerThread, _free_port  # noqa: E402
+from tests.helpers.server import MAX_LEN, TINY_NAME, M, ServerThread, start_serve  # noqa: E402
 from tests.helpers.smollm2 import needs_smollm2  # noqa: E402
 from tests.helpers.tiny_llama import tiny_checkpoint  # noqa: E402
 
@@ -195,6 +192,7 @@ def test_32_concurrent_requests_match_their_outputs_alone(tiny, ref):
 
 # ---- disconnects ---------------------------------------------------------------------------------
 def test_a_client_that_disconnects_mid_stream_frees_its_pages(tiny):
+    """On the module's shared server, after other requests (a disconnect there once went unnoticed)."""
     before = tiny.wait_idle()
     body = {"model": TINY_NAME, "prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}
     with httpx.Client(base_url=tiny.url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
@@ -312,23 +310,8 @@ def test_api_key(tiny_dir):
 @pytest.mark.slow  # starts `numba-vllm serve` in a child process (imports numba and the server stack)
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_signal_stops_admitting_aborts_what_runs_and_exits_0(tiny_dir, sig):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "numba_vllm.cli", "serve", "--model", str(tiny_dir), "--backend", "numpy", "--port", str(port)]
-    cmd += ["--served-model-name", TINY_NAME, "--max-model-len", str(MAX_LEN), "--shutdown-timeout", "2"]
-    cmd += ["--log-level", "warning"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[1])
+    proc, url = start_serve(tiny_dir, "--shutdown-timeout", "2", "--log-level", "warning")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
         body = {"prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()

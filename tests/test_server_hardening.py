@@ -12,11 +12,8 @@ import json
 import logging
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -27,7 +24,7 @@ from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.model.config import ModelConfig  # noqa: E402
 from numba_vllm.server import ServerLimits, listen  # noqa: E402
 from numba_vllm.server.log_limits import RateLimitFilter  # noqa: E402
-from tests.helpers.server import MAX_LEN, TINY_NAME, M, ServerThread, _free_port  # noqa: E402
+from tests.helpers.server import MAX_LEN, TINY_NAME, M, ServerThread, start_serve  # noqa: E402
 from tests.helpers.tiny_llama import random_weights, tiny_config_dict, write_checkpoint  # noqa: E402
 
 JSON = {"content-type": "application/json"}
@@ -358,22 +355,8 @@ def test_repeated_log_records_are_rate_limited():
 
 # ---- 5. a second signal stops at once --------------------------------------------------------------
 def test_a_second_signal_ends_every_stream_and_exits_within_a_second(tiny_dir):
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [sys.executable, "-m", "numba_vllm.cli", "serve", "--model", str(tiny_dir), "--backend", "numpy", "--port", str(port)]
-    cmd += ["--served-model-name", TINY_NAME, "--max-model-len", str(MAX_LEN), "--shutdown-timeout", "60"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[1])
+    proc, url = start_serve(tiny_dir, "--shutdown-timeout", "60")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stdout.read()
-            try:
-                if httpx.get(url + "/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "the server did not come up"
-            time.sleep(0.1)
         body = {"prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}
         with httpx.Client(base_url=url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
             lines = r.iter_lines()

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import cuda, float32
@@ -215,6 +216,41 @@ def prefill_attention_kernel_for(group: int, head_dim: int):
     return prefill_attention_kernel
 
 
+class PrefillShape(NamedTuple):
+    """What a prefill attention launch is sized by."""
+
+    group: int  # query heads per kv head
+    head_dim: int
+    num_kv_heads: int
+    num_seqs: int
+    max_new_tokens: int  # the most new tokens of any sequence
+
+
+def check_prefill_args(
+    name, q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out, max_new_tokens
+) -> PrefillShape | None:
+    """The checks both prefill attention launchers make (`prefill_attention`'s argument contract);
+    None when there is nothing to launch. `max_new_tokens` None is read from cu_seqlens (a copy to the host)."""
+    check_array("q", q, "float32", ndim=3)
+    num_tokens, num_heads, head_dim = q.shape
+    check_array("k_cache", k_cache, BF16, (None, PAGE_SIZE, None, head_dim))
+    num_kv_heads = k_cache.shape[2]
+    check_array("v_cache", v_cache, BF16, tuple(k_cache.shape))
+    check_array("block_tables", block_tables, "int32", ndim=2)
+    num_seqs = block_tables.shape[0]
+    check_array("cu_seqlens", cu_seqlens, "int32", (num_seqs + 1,))
+    check_array("start_pos", start_pos, "int32", (num_seqs,))
+    check_array("out", out, "float32", (num_tokens, num_heads, head_dim))
+    if num_kv_heads == 0 or num_heads % num_kv_heads:
+        raise KernelError(f"{name}: {num_heads} query heads not a multiple of {num_kv_heads} kv heads")
+    if max_new_tokens is None:
+        cu = cu_seqlens.copy_to_host() if hasattr(cu_seqlens, "copy_to_host") else np.asarray(cu_seqlens)
+        max_new_tokens = int(np.max(np.diff(cu))) if num_seqs else 0
+    if num_tokens == 0 or num_seqs == 0 or max_new_tokens <= 0:
+        return None
+    return PrefillShape(num_heads // num_kv_heads, head_dim, num_kv_heads, num_seqs, max_new_tokens)
+
+
 def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,
                       max_new_tokens: int | None = None) -> None:
     """Causal attention of a ragged batch of new tokens over their sequences' cached K/V.
@@ -227,24 +263,10 @@ def prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, 
     max_new_tokens: the most new tokens of any sequence (sizes the grid); when None it is read
     from cu_seqlens, which copies it to the host.
     """
-    check_array("q", q, "float32", ndim=3)
-    num_tokens, num_heads, head_dim = q.shape
-    check_array("k_cache", k_cache, BF16, (None, PAGE_SIZE, None, head_dim))
-    num_kv_heads = k_cache.shape[2]
-    check_array("v_cache", v_cache, BF16, tuple(k_cache.shape))
-    check_array("block_tables", block_tables, "int32", ndim=2)
-    num_seqs = block_tables.shape[0]
-    check_array("cu_seqlens", cu_seqlens, "int32", (num_seqs + 1,))
-    check_array("start_pos", start_pos, "int32", (num_seqs,))
-    check_array("out", out, "float32", (num_tokens, num_heads, head_dim))
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise KernelError(f"prefill_attention: {num_heads} query heads not a multiple of {num_kv_heads} kv heads")
-    group = num_heads // num_kv_heads
-    if max_new_tokens is None:
-        cu = cu_seqlens.copy_to_host() if hasattr(cu_seqlens, "copy_to_host") else np.asarray(cu_seqlens)
-        max_new_tokens = int(np.max(np.diff(cu))) if num_seqs else 0
-    if num_tokens == 0 or num_seqs == 0 or max_new_tokens <= 0:
+    shape = check_prefill_args("prefill_attention", q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out, max_new_tokens)
+    if shape is None:
         return
+    group, head_dim, num_kv_heads, num_seqs, max_new_tokens = shape
     kernel_ = prefill_attention_kernel_for(group, head_dim)
     block_rows, _ = tile_sizes(head_dim)
     num_row_tiles = -(-max_new_tokens * group // block_rows)

@@ -85,7 +85,7 @@ import math
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from numba_vllm.kernels._launch import KernelError, check_array, launch
+from numba_vllm.kernels._launch import KernelError, launch
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import (
     MMA_K,
@@ -100,9 +100,9 @@ from numba_vllm.kernels.mma import (
     pack_bf16x2,
     store_shared_u32x4,
 )
+from numba_vllm.kernels.prefill_attention import check_prefill_args
 from numba_vllm.kernels.reductions import FULL_MASK
 from numba_vllm.kernels.vector_load import BF16_PER_VECTOR, SHARED_ALIGN
-from numba_vllm.loading.bf16 import BF16
 from numba_vllm.model.config import PAGE_SIZE
 
 NUM_WARPS = 4
@@ -419,24 +419,11 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens, start_po
     int32; start_pos: (S,) int32; out: (T, H, HD) f32; max_new_tokens: the longest sequence's new
     tokens, read from cu_seqlens when None); ``tiling`` (warp_m_tiles, block_keys, q_shared) forces a tiling
     (tests, benchmarks), else ``default_tiling(head_dim)``."""
-    check_array("q", q, "float32", ndim=3)
-    num_tokens, num_heads, head_dim = q.shape
-    check_array("k_cache", k_cache, BF16, (None, PAGE_SIZE, None, head_dim))
-    num_kv_heads = k_cache.shape[2]
-    check_array("v_cache", v_cache, BF16, tuple(k_cache.shape))
-    check_array("block_tables", block_tables, "int32", ndim=2)
-    num_seqs = block_tables.shape[0]
-    check_array("cu_seqlens", cu_seqlens, "int32", (num_seqs + 1,))
-    check_array("start_pos", start_pos, "int32", (num_seqs,))
-    check_array("out", out, "float32", (num_tokens, num_heads, head_dim))
-    if num_kv_heads == 0 or num_heads % num_kv_heads:
-        raise KernelError(f"prefill_attention_tc: {num_heads} query heads not a multiple of {num_kv_heads} kv heads")
-    group = num_heads // num_kv_heads
-    if max_new_tokens is None:
-        cu = cu_seqlens.copy_to_host() if hasattr(cu_seqlens, "copy_to_host") else np.asarray(cu_seqlens)
-        max_new_tokens = int(np.max(np.diff(cu))) if num_seqs else 0
-    if num_tokens == 0 or num_seqs == 0 or max_new_tokens <= 0:
+    shape = check_prefill_args("prefill_attention_tc", q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out,
+                               max_new_tokens)  # fmt: skip
+    if shape is None:
         return
+    group, head_dim, num_kv_heads, num_seqs, max_new_tokens = shape
     warp_m_tiles, block_keys, q_shared = tiling or default_tiling(head_dim)
     kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys, q_shared)
     num_row_tiles = -(-max_new_tokens * group // block_rows_for(warp_m_tiles))

@@ -89,6 +89,12 @@ class _GenerationRequest(_Body):
     repetition_penalty: float | None = None  # vLLM's extensions, not implemented yet: only their neutral values
     min_p: float | None = None
     min_tokens: int | None = None
+    # What routers (vllm-router) add to every request they forward, at these values: accepted there,
+    # since they are what this server does anyway (stop strings cut, no hidden states, special
+    # tokens left out of the text); any other value is refused.
+    no_stop_trim: bool = False
+    return_hidden_states: bool = False
+    skip_special_tokens: bool = True
 
 
 class CompletionRequest(_GenerationRequest):
@@ -122,6 +128,15 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension, as in vLLM
     chat_template_kwargs: dict[str, Any] | None = None  # extension: extra template variables
+    # routers' additions again (see _GenerationRequest): this model has no reasoning parser, so
+    # reasoning is neither split out nor streamed apart; the last message is never continued
+    continue_final_message: bool = False
+    include_reasoning: bool = True
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
+
+ROUTER_CHAT_FIELDS = (("continue_final_message", False), ("include_reasoning", True), ("separate_reasoning", True),
+                      ("stream_reasoning", True))  # fmt: skip
 
 
 # What a field must look like, for the union-typed ones whose pydantic errors are unreadable.
@@ -227,6 +242,13 @@ def check_supported(req: _GenerationRequest) -> None:
     for name, neutral in (("repetition_penalty", 1), ("min_p", 0), ("min_tokens", 0)):
         if getattr(req, name) not in (None, neutral):
             raise bad_request(f"{name} is not supported yet (only {neutral})", name)
+    for name, neutral in (("no_stop_trim", False), ("return_hidden_states", False), ("skip_special_tokens", True)):
+        if getattr(req, name) != neutral:
+            raise bad_request(f"{name} is not supported (only {str(neutral).lower()})", name)
+    if isinstance(req, ChatCompletionRequest):
+        for name, neutral in ROUTER_CHAT_FIELDS:
+            if getattr(req, name) != neutral:
+                raise bad_request(f"{name} is not supported (only {str(neutral).lower()})", name)
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):

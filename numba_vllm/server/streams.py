@@ -117,21 +117,29 @@ class EventStream(StreamingResponse):
 
     async def __call__(self, scope, receive, send) -> None:
         async def send_in_time(message) -> None:  # a client that stops reading stalls send(): give up on it
+            # asyncio.wait, not asyncio.wait_for: before Python 3.12 wait_for can swallow a cancellation
+            # that arrives as the send completes, and the stream would never learn that it was cancelled
+            sending = asyncio.ensure_future(send(message))
             try:
-                await asyncio.wait_for(send(message), self.write_timeout)
-            except TimeoutError:
+                await asyncio.wait({sending}, timeout=self.write_timeout)
+            finally:
+                sending.cancel()  # a no-op once sent
+            if not sending.done() or sending.cancelled():
                 logger.info("a stream's client stopped reading for %g s; aborted", self.write_timeout)
-                raise
+                raise TimeoutError
+            sending.result()
 
         stream = asyncio.ensure_future(self.stream_response(send_in_time))
         listen = asyncio.ensure_future(self.listen_for_disconnect(receive))
         try:
             await asyncio.wait({stream, listen}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            # abort first: the engine stops generating for a client that is gone, whatever the
+            # cancelled tasks still do while they unwind
+            self.submission.close()
             for task in (stream, listen):
                 task.cancel()
             await asyncio.gather(stream, listen, return_exceptions=True)
-            self.submission.close()
             error = None if stream.cancelled() else stream.exception()
             if error is not None and not isinstance(error, OSError):
                 logger.error("streaming a response failed", exc_info=error)

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -42,8 +45,9 @@ class ServerThread:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.url + "/metrics").text)
 
-    def wait_idle(self, timeout: float = 10) -> dict[str, float]:
-        """Metrics once nothing runs, waits or holds a page."""
+    def wait_idle(self, timeout: float = 60) -> dict[str, float]:
+        """Metrics once nothing runs, waits or holds a page (or at `timeout`: generous, since on a
+        loaded 2-core machine a disconnect can take seconds to be noticed)."""
         deadline = time.monotonic() + timeout
         while True:
             m = self.metrics()
@@ -64,3 +68,26 @@ def _free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
+
+
+def start_serve(model_dir, *extra: str) -> tuple[subprocess.Popen, str]:
+    """`numba-vllm serve` on the tiny model in a child process (numpy backend, a free port, TINY_NAME,
+    MAX_LEN, then `extra` options), once its /health answers 200: (the process, its base URL)."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "numba_vllm.cli", "serve", "--model", str(model_dir), "--backend", "numpy", "--port", str(port)]
+    cmd += ["--served-model-name", TINY_NAME, "--max-model-len", str(MAX_LEN), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=Path(__file__).parents[2])
+    deadline = time.monotonic() + 60
+    while True:
+        if proc.poll() is not None:
+            raise AssertionError(proc.stdout.read())
+        try:
+            if httpx.get(url + "/health").status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            pass
+        if time.monotonic() >= deadline:
+            proc.kill()
+            raise AssertionError("the server did not come up")
+        time.sleep(0.1)
