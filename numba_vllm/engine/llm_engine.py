@@ -216,8 +216,8 @@ class LLMEngine:
         for request_id, family in list(self._holding.items()):
             first = family.output.outputs[0]
             if first.token_ids or first.finished():
-                for request in family.held:
-                    self.scheduler.add(request)
+                for request in reversed(family.held):  # ahead of requests that arrived after theirs, in index order
+                    self.scheduler.add(request, front=True)
                 family.held = []
                 del self._holding[request_id]
 
