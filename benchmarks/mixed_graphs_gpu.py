@@ -69,7 +69,7 @@ def correctness(ckpt, backend: str, num_requests: int) -> dict:
             pieces = getattr(runner, "piecewise_graphs", None)
             decode = getattr(runner, "decode_graphs", None)
             runs[name] = {
-                "tokens": [o.token_ids for o in outs],
+                "tokens": [o.outputs[0].token_ids for o in outs],
                 "steps": engine.num_steps,
                 "seconds": elapsed,
                 "piecewise_graphs": pieces.num_graphs if pieces is not None else 0,

@@ -115,7 +115,8 @@ class FakeDevice:
 
 def run(engine, arrivals, abort_at=None):
     """Step until done; `arrivals`: (request id, prompt, params) added one per step() call;
-    `abort_at`: {call index: request id}. Checks the scheduler's accounting after every call."""
+    `abort_at`: {call index: request id}. Checks the scheduler's accounting after every call.
+    Returns each request's (only) sequence, its CompletionOutput."""
     outputs, arrivals, call = {}, list(arrivals), 0
     while arrivals or engine.has_unfinished_requests():
         if arrivals:
@@ -126,7 +127,7 @@ def run(engine, arrivals, abort_at=None):
         engine.step()
         engine.scheduler.check_invariants()
         call += 1
-    return outputs
+    return {rid: o.outputs[0] for rid, o in outputs.items()}
 
 
 def engines(tiny_dir, modes=("thread", "lazy"), **config):
@@ -208,9 +209,9 @@ def test_the_first_call_launches_and_the_next_returns_its_outputs(tiny_dir):
     _, (engine,) = engines(tiny_dir, modes=("lazy",))
     out = engine.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert engine.step() == [] and engine.num_steps == 1  # launched, in flight
-    assert engine.step() == [out] and len(out.token_ids) == 1 and engine.num_steps == 2
+    assert engine.step() == [out] and len(out.outputs[0].token_ids) == 1 and engine.num_steps == 2
     assert engine.step() == [out] and engine.num_steps == 3
-    assert engine.step() == [out] and out.finish_reason == "length" and engine.num_steps == 3  # held: nothing launched
+    assert engine.step() == [out] and out.outputs[0].finish_reason == "length" and engine.num_steps == 3  # held: nothing launched
     assert not engine.has_unfinished_requests() and _all_pages_back(engine)
 
 
@@ -275,7 +276,7 @@ def test_an_interrupt_while_collecting_keeps_the_step_in_flight_and_loses_no_tok
     while engine.has_unfinished_requests():
         engine.step()
         engine.scheduler.check_invariants()
-    assert {rid: o.token_ids for rid, o in outputs.items()} == want
+    assert {rid: o.outputs[0].token_ids for rid, o in outputs.items()} == want
     assert len(engine.runner.abandoned) == 1 and engine.num_failed_steps == 0 and _all_pages_back(engine)
 
 

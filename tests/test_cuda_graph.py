@@ -46,7 +46,7 @@ def tiny(tmp_path_factory):
     """A 1-layer GQA model and its NumPy greedy tokens for PROMPTS."""
     path = tiny_checkpoint(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
-    return str(path), [o.token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
+    return str(path), [o.outputs[0].token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
 
 
 def _emulate_graphs(runner):
@@ -63,7 +63,7 @@ def _sim_with_emulated_graphs(path, **engine_args):
 def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     path, want = tiny
     sim = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8)
-    assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
+    assert [o.outputs[0].token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
     runner = sim.engine.runner
     assert set(runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
     assert runner.piecewise_graphs.token_counts == {40}  # the 33-token prefill, padded to a token bucket
@@ -76,12 +76,12 @@ def test_mixed_steps_in_pieces_give_the_eager_and_numpy_tokens(tiny):
     the tokens are the eager path's (same padding, launch by launch) and NumPy's."""
     path, _ = tiny
     prompts, params = [[5], list(range(3, 9)), list(range(3, 12))], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    want = [o.token_ids for o in LLM(path, backend="numpy").generate(prompts, params)]
+    want = [o.outputs[0].token_ids for o in LLM(path, backend="numpy").generate(prompts, params)]
     args = dict(max_num_seqs=4, num_pages=8, max_num_batched_tokens=8)
     graph = _sim_with_emulated_graphs(path, **args)
-    graph_tokens = [o.token_ids for o in graph.generate(prompts, params)]
+    graph_tokens = [o.outputs[0].token_ids for o in graph.generate(prompts, params)]
     eager = LLM(path, backend="sim", **args)
-    assert [o.token_ids for o in eager.generate(prompts, params)] == graph_tokens == want
+    assert [o.outputs[0].token_ids for o in eager.generate(prompts, params)] == graph_tokens == want
     assert eager.engine.runner.piecewise_graphs is None
     # 1 + 6 + 1 prompt tokens; 2 decodes beside 6 more of the third prompt; its last 2 (the others held: finishing)
     assert graph.engine.runner.piecewise_graphs.token_counts == {8, 2}
@@ -128,7 +128,7 @@ def test_warm_up_runs_every_bucket_on_the_null_page_and_changes_no_output(tiny, 
     assert prefill_rows == [1, 1, 3, 7, 15, 17]  # one layer: each bucket's prompt, beside one decode from 2 tokens on
     assert runner.piecewise_graphs.token_counts == {1, 2, 4, 8, 16, 18}
     assert set(runner.decode_graphs._graphs) == {(1, MIN_TABLE_WIDTH), (2, MIN_TABLE_WIDTH)}
-    assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
+    assert [o.outputs[0].token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
 
 
 @pytest.mark.slow
@@ -144,5 +144,5 @@ def test_sampling_inside_the_graph_matches_the_eager_sampler(tiny):
     ]
     graph = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8).generate(PROMPTS[:3], params)
     eager = LLM(path, backend="sim", max_num_seqs=4, num_pages=8).generate(PROMPTS[:3], params)
-    assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
-    assert graph[0].token_ids == want[0]
+    assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
+    assert graph[0].outputs[0].token_ids == want[0]
