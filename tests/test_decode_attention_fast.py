@@ -82,7 +82,7 @@ def test_decode_fast_split(monkeypatch, group, num_kv_heads, head_dim, warps):
     pretend_sms(monkeypatch, warps=warps)
     grids = record_grids(monkeypatch)
     check_fast(np.random.default_rng(14), LENGTHS, group, num_kv_heads, head_dim)
-    splits, _ = fast.pick_split(len(LENGTHS) * num_kv_heads, 8, head_dim)  # a table of 7 pages + 1 column
+    splits, _ = fast.pick_split(len(LENGTHS) * num_kv_heads, 8, fast.min_split_pages(head_dim))  # a table of 7 pages + 1 column
     assert splits > 1
     assert grids[0] == ("decode_attention_fast_kernel", (num_kv_heads, len(LENGTHS), splits))
     assert grids[1][0] == "decode_attention_fast_merge_kernel"
@@ -115,7 +115,9 @@ def test_pick_split_rule(monkeypatch):
     lists; a full grid is not split; ranges are powers of two pages, at most MAX_SPLITS of them and
     at most MAX_SPLIT_BLOCKS blocks; padding a table to the next power of two keeps the ranges."""
     pretend_sms(monkeypatch)
-    pick = fast.pick_split
+    def pick(blocks, width, head_dim):
+        return fast.pick_split(blocks, width, fast.min_split_pages(head_dim))
+
     assert pick(8, 65, 64) == (17, 4)  # batch 1, 1,024 tokens (+ the engine's spare column)
     assert pick(8, 1024, 64) == (64, 16)  # batch 1, 16,384 tokens
     assert pick(4 * 8, 256, 64) == (16, 16)  # batch 4, 4,096 tokens

@@ -15,7 +15,7 @@ from tests.helpers import ptx as ptx_check
 pytestmark = pytest.mark.slow  # compiles every variant (seconds each)
 
 VARIANTS = select(("decode_attention", "decode_attention_merge", "decode_attention_fast", "decode_attention_fast_merge",
-                   "prefill_attention"))  # fmt: skip
+                   "decode_attention_tc", "prefill_attention"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -44,3 +44,10 @@ def test_kv_reads_use_16_byte_loads(ptx, key):
 def test_fast_decode_uses_hardware_exp2_and_l2_prefetch(ptx, key):
     assert "ex2.approx.ftz.f32" in ptx[key]["ptx"]  # one MUFU per probability, no expf range reduction
     assert "prefetch.global.L2" in ptx[key]["ptx"]  # the next step's K/V rows requested while computing
+
+
+@pytest.mark.parametrize("key", ["decode_attention_tc g4 hd64", "decode_attention_tc g4 hd64 split",
+                                 "decode_attention_tc g8 hd128"])  # fmt: skip
+def test_tensor_core_decode_uses_mma_and_16_byte_loads(ptx, key):
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx[key]["ptx"]
+    assert "ld.global.nc.v4.u32" in ptx[key]["ptx"]

@@ -144,6 +144,13 @@ REGISTRY: tuple[KernelVariant, ...] = (
         for split in (False, True)
         if not split or (g, hd) == (4, 64)
     ),
+    *(  # the tensor-core build, for 8 kv heads, at the head dims it serves
+        KernelVariant("decode_attention_tc", f"g{g} hd{hd}{' split' if split else ''}",
+                      f"decode_attention_tc:launched_kernel({g}, {hd}, 8, {split})", DECODE_FAST_SIG, "NUM_WARPS * WARP_SIZE")
+        for g, hd in DECODE_CONFIGS
+        for split in (False, True)
+        if hd in (64, 128) and (not split or (g, hd) == (4, 64))
+    ),  # fmt: skip
     KernelVariant("decode_attention_fast_merge", "", "decode_attention_fast:decode_attention_fast_merge_kernel",
                   "(f32(3), f32(3))", "MERGE_THREADS"),  # fmt: skip
     *(

@@ -327,18 +327,22 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def pick_split(num_blocks: int, width: int, head_dim: int) -> tuple[int, int]:
+def pick_split(num_blocks: int, width: int, min_pages: int) -> tuple[int, int]:
     """(splits, pages_per_split) for ``num_blocks = B * KVH`` blocks over a block table ``width``
-    pages wide (module docstring: the rule). (1, width) means no split. Shapes only."""
+    pages wide, ranges of at least ``min_pages`` pages (a step for every warp of a block; module
+    docstring: the rule). (1, width) means no split. Shapes only."""
     if num_blocks >= BLOCKS_PER_SM * num_sms():
         return 1, width
-    _, step, _ = step_tokens(head_dim)
-    min_pages = max(1, NUM_WARPS * step // PAGE_SIZE)  # every warp gets a step
     pages = min_pages * _pow2_at_least(-(-num_blocks // SPLIT_REF_BLOCKS))
     max_splits = 1 << (max(1, min(MAX_SPLITS, MAX_SPLIT_BLOCKS // num_blocks)).bit_length() - 1)  # a power of two
     pages = max(pages, _pow2_at_least(-(-width // max_splits)))
     splits = -(-width // pages)
     return (1, width) if splits == 1 else (splits, pages)
+
+
+def min_split_pages(head_dim: int) -> int:
+    """The shortest range for this kernel: a step for every warp (``NUM_WARPS`` pages at HD 64)."""
+    return max(1, NUM_WARPS * step_tokens(head_dim)[1] // PAGE_SIZE)
 
 
 def split_workspace_floats(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -368,22 +372,30 @@ def decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale
     if batch == 0:
         return
     group = num_heads // num_kv_heads
-    splits, pages_per_split = pick_split(batch * num_kv_heads, block_tables.shape[1], head_dim)
+    splits, pages_per_split = pick_split(batch * num_kv_heads, block_tables.shape[1], min_split_pages(head_dim))
     attention = launched_kernel(group, head_dim, num_kv_heads, splits > 1)
-    # The kernel reads the caches 16 bytes at a time through their raw uint16 bits, flattened.
-    size = k_cache.size
+    size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
     args = (q, k_cache.view(np.uint16).reshape(size), v_cache.view(np.uint16).reshape(size), block_tables, context_lens,
             np.float32(scale * LOG2E), np.int32(pages_per_split))  # fmt: skip
     threads = NUM_WARPS * WARP_SIZE
     if splits == 1:
         launch(attention, (num_kv_heads, batch), threads, *args, out)
         return
+    launch_split_merge(attention, (num_kv_heads, batch, splits), threads, args, out, workspace)
+
+
+def launch_split_merge(attention, grid, threads: int, args, out, workspace) -> None:
+    """Run a split build of an attention kernel over ``grid = (KVH, B, splits)`` with ``args`` (all
+    but the output) into partials carved from ``workspace`` (allocated if None), then the merge into
+    ``out`` (B, H, HD)."""
+    splits = grid[2]
+    batch, num_heads, head_dim = out.shape
     size = splits * batch * num_heads * (head_dim + 2)
     if workspace is None:
         workspace = cuda.device_array(size, np.float32)
     if size > workspace.shape[0]:  # pick_split keeps splits x B x KVH within MAX_SPLIT_BLOCKS
-        raise KernelError(f"decode_attention_fast: a {splits}-way split of {batch} x {num_heads} heads exceeds the workspace")
+        raise KernelError(f"decode attention: a {splits}-way split of {batch} x {num_heads} heads exceeds the workspace")
     partials = workspace[:size].reshape(splits * batch, num_heads, head_dim + 2)
-    launch(attention, (num_kv_heads, batch, splits), threads, *args, partials)
+    launch(attention, grid, threads, *args, partials)
     outputs = batch * num_heads * head_dim
     launch(decode_attention_fast_merge_kernel, (-(-outputs // MERGE_THREADS),), MERGE_THREADS, partials, out)
