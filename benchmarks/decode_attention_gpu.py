@@ -17,11 +17,15 @@ the events time the GPU's work only (launch gaps between a split's two kernels i
 into contiguous tensors beforehand (the best case a paged kernel is compared with). TB/s counts
 the K/V bytes.
 
-    python benchmarks/decode_attention_gpu.py               # checks, then the table
-    python benchmarks/decode_attention_gpu.py --sweep       # also the tuning variants
+    python benchmarks/decode_attention_gpu.py [--json out.json]   # checks, then the table (~1 min)
+    python benchmarks/decode_attention_gpu.py --sweep             # also the tuning variants
 
-Variants (``--sweep``) set a module's knobs: ``tc_p1`` one page a step, capped at 128 registers (4
-blocks per SM); ``tc_nopf`` no L2 prefetch; ``tc_nocap`` no register cap.
+(On the H200 machine, from a copy of the checkout with numpy < 2.5 first on the path, as for any
+kernel there.) The GPU tests of the same kernels: ``NUMBA_VLLM_TEST_GPU=1 python -m pytest -m gpu
+tests/test_decode_attention_tc.py tests/test_decode_attention_fast.py``.
+
+Variants (``--sweep``) set a module's knobs: ``tc_p1`` one page a step at 128 registers (4 blocks per
+SM) whatever the grid; ``tc_nopf`` no L2 prefetch; ``tc_nocap`` no register cap.
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ remains is P rounded to bf16 for the ``P V`` product, bounded per element as in
 Simulator shapes are small (every ``mma`` is a warp rendezvous): context lengths 1/15/16/17/33/100
 around the page edges in one launch, GQA groups 1/3/4/8, head dims 64 and 128; splits pretend an
 H200-sized GPU (``pretend_sms``) with one-warp blocks and one page a step, so ranges are one page.
+The simulator reports one multiprocessor, so a grid of 3+ blocks counts as full there and runs the
+one-page-a-step build (``FULL_GRID_*``); smaller grids run the two-page one.
 """
 
 from __future__ import annotations
@@ -90,6 +92,15 @@ def test_decode_tc_masks_unwritten_slots_before_any_mma():
     """inf in the slots past each context: their K and V words must be zeroed before the mma (inf x 0
     in a padding row would be NaN)."""
     check_tc(np.random.default_rng(22), [1, 17, 40], 2, 1, 64, unwritten=np.inf)
+
+
+def test_full_grids_take_a_page_a_step():
+    assert tc.launched_kernel(4, 64, 8, full_grid=True) is tc.decode_attention_tc_kernel_for(
+        4, 64, 8, tc.NUM_WARPS, False, tc.FULL_GRID_PAGES_PER_STEP, tc.PREFETCH, tc.FULL_GRID_MAX_REGISTERS
+    )
+    assert tc.launched_kernel(4, 64, 8) is tc.decode_attention_tc_kernel_for(
+        4, 64, 8, tc.NUM_WARPS, False, tc.PAGES_PER_STEP, tc.PREFETCH, tc.MAX_REGISTERS
+    )  # two pages a step, 168 registers
 
 
 def test_decode_tc_several_steps_per_warp_and_scale():

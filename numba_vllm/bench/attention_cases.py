@@ -9,8 +9,10 @@ Q K^T and of P V (causal: only the visible keys). The ``torch`` callables run Py
 ``scaled_dot_product_attention`` (flash kernels, tensor cores) in bf16 on K/V gathered into
 contiguous tensors beforehand (gather not timed): the best case a paged kernel is compared with.
 
-Decode cases run each of ``DECODE_ATTENTIONS`` (``fast``: ``decode_attention_fast``, the model's,
-named ``decode_attention_fast_*``; ``reference``: ``decode_attention``) on the same inputs.
+Decode cases run each of ``DECODE_ATTENTIONS`` (``tensor_cores``: ``decode_attention_tc``, the
+model's, named ``decode_attention_tc_*``; ``fast``: ``decode_attention_fast``, ``decode_attention_fast_*``;
+``reference``: ``decode_attention``) on the same inputs, at batch 1 (256, 1,024 and 16,384 tokens),
+32 x 4,096, 64 x 1,024 and 256 x 512.
 
 Prefill cases run each of ``PREFILL_ATTENTIONS`` (``cuda_cores``: ``prefill_attention``;
 ``tensor_cores``: ``prefill_attention_tc``, named ``prefill_attention_tc_*``) on the same inputs:
@@ -26,8 +28,10 @@ import numpy as np
 from numba import cuda
 
 from numba_vllm.bench.kernels import torch_or_none
+from numba_vllm.kernels import decode_attention as decode_attention_module
 from numba_vllm.kernels import decode_attention_fast
 from numba_vllm.kernels.decode_attention import decode_attention
+from numba_vllm.kernels.decode_attention_tc import decode_attention_tc
 from numba_vllm.loading.bf16 import bf16_from_bits, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
 from numba_vllm.model.llama import PREFILL_ATTENTIONS
@@ -65,10 +69,12 @@ def _gathered_torch(torch, k_cache, v_cache, block_tables, seq_len):
     return gather(k_cache), gather(v_cache)
 
 
-DECODE_ATTENTIONS = ("fast", "reference")  # decode_attention_fast (the model's), decode_attention (the readable one)
+# decode_attention_tc (tensor cores, the model's), decode_attention_fast (CUDA cores), decode_attention (the readable one)
+DECODE_ATTENTIONS = {"tensor_cores": decode_attention_tc, "fast": decode_attention_fast.decode_attention_fast,
+                     "reference": decode_attention}  # fmt: skip
 
 
-def decode_case(batch: int, context: int, kernel: str = "fast", seed: int = 0) -> dict:
+def decode_case(batch: int, context: int, kernel: str = "tensor_cores", seed: int = 0) -> dict:
     """``batch`` sequences of ``context`` cached tokens, one query each, attended by ``kernel`` (one
     of ``DECODE_ATTENTIONS``)."""
     rng = np.random.default_rng(seed)
@@ -78,14 +84,13 @@ def decode_case(batch: int, context: int, kernel: str = "fast", seed: int = 0) -
     block_tables = cuda.to_device(tables)
     context_lens = cuda.to_device(np.full(batch, context, np.int32))
     scale = 1.0 / np.sqrt(HEAD_DIM)
-    floats = decode_attention_fast.split_workspace_floats(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
-    workspace = cuda.device_array(floats, np.float32)
+    sizes = (decode_attention_fast.split_workspace_floats, decode_attention_module.split_workspace_floats)
+    workspace = cuda.device_array(max(size(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM) for size in sizes), np.float32)
+
+    attention = DECODE_ATTENTIONS[kernel]
 
     def run():
-        if kernel == "fast":
-            decode_attention_fast.decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale, out, workspace)
-        else:
-            decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+        attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, workspace)
 
     torch_run = None
     torch = torch_or_none()
@@ -98,7 +103,7 @@ def decode_case(batch: int, context: int, kernel: str = "fast", seed: int = 0) -
 
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     return {
-        "name": f"decode_attention{'_fast' if kernel == 'fast' else ''}_{batch}x{context}",
+        "name": f"decode_attention{ {'tensor_cores': '_tc', 'fast': '_fast'}.get(kernel, '')}_{batch}x{context}",
         "shape": f"B{batch} ctx{context} H{NUM_HEADS}/{NUM_KV_HEADS} HD{HEAD_DIM}",
         "run": run,
         "bytes": kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * 4,

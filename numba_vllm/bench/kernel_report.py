@@ -146,11 +146,14 @@ REGISTRY: tuple[KernelVariant, ...] = (
     ),
     *(  # the tensor-core build, for 8 kv heads, at the head dims it serves
         KernelVariant("decode_attention_tc", f"g{g} hd{hd}{' split' if split else ''}",
-                      f"decode_attention_tc:launched_kernel({g}, {hd}, 8, {split})", DECODE_FAST_SIG, "NUM_WARPS * WARP_SIZE")
+                      f"decode_attention_tc:launched_kernel({g}, {hd}, 8, {split})", DECODE_FAST_SIG, "NUM_WARPS * WARP_SIZE",
+                      spill_budget=DECODE_SPILL_BUDGET)
         for g, hd in DECODE_CONFIGS
         for split in (False, True)
         if hd in (64, 128) and (not split or (g, hd) == (4, 64))
     ),  # fmt: skip
+    KernelVariant("decode_attention_tc", "g4 hd64 full grid", "decode_attention_tc:launched_kernel(4, 64, 8, False, True)",
+                  DECODE_FAST_SIG, "NUM_WARPS * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET),  # fmt: skip
     KernelVariant("decode_attention_fast_merge", "", "decode_attention_fast:decode_attention_fast_merge_kernel",
                   "(f32(3), f32(3))", "MERGE_THREADS"),  # fmt: skip
     *(

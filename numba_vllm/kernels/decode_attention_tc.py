@@ -15,7 +15,8 @@ so the kernel waits on memory only.
 
 Mapping (``g = lane >> 2``, ``t = lane & 3``, the fragment layout of ``kernels/mma.py``). A block
 per (kv head, sequence[, range of pages]), ``NUM_WARPS`` warps; warp ``w`` takes steps ``w, w +
-NUM_WARPS, ...`` of ``PAGES_PER_STEP`` pages, all their loads issued before the first ``mma``.
+NUM_WARPS, ...`` of ``PAGES_PER_STEP`` pages (one in a full unsplit grid: ``FULL_GRID_*``), all their
+loads issued before the first ``mma``.
 
 - ``S = Q K^T`` per page: M = the group's query heads (rows ``g < group``; rows 8..15 and
   ``group..7`` are zero padding), N = 8 tokens (two n tiles a page), K = the head dim in chunks of
@@ -43,6 +44,26 @@ states meet in shared memory; a split block writes its state (``sum p * V``, ``m
 ``decode_attention_fast.pick_split`` (shapes only: CUDA graphs, and bit-identical results when the
 table is padded to the next power of two).
 
+Measured on an H200 (``benchmarks/decode_attention_gpu.py --sweep``: Llama 3.2 1B heads, L2 flushed
+before each call, CUDA events around the call with the host's launches hidden behind a sleeping
+kernel, median of 30; us; torch: ``scaled_dot_product_attention`` on contiguous bf16 K/V; the
+events add ~3-4 us to every call against ``bench kernels``' profiler times, which weighs on the
+small cases)::
+
+    batch x context   decode_attention   decode_attention_fast   this kernel   torch
+    1 x 256                 12.8                 10.5                 9.8         7.9
+    1 x 1,024               17.6                 16.4                13.1        10.0
+    1 x 16,384              50.3                 45.7                47.7        20.8
+    4 x 4,096               39.7                 29.3                24.2        19.8
+    32 x 4,096             220.3                 95.2                83.3        76.5   (3.2 TB/s)
+    64 x 1,024              68.7                 52.9                49.4        45.1   (full grid)
+    256 x 512              139.6                 96.8                87.3        77.4   (full grid)
+
+Large batches run at 2.7-3.2 TB/s of K/V, 1.09-1.13x torch. Batch 1 at 16,384 tokens is 2.3x torch
+(every kernel here alike): 64 ranges of 16 pages make 512 blocks, 1.3 waves at 3 blocks per SM, and
+the merge kernel reads 64 partial states per output one after another; fewer ranges per sequence
+with more warps each, or a merge that spreads a row's splits over a warp, are the next steps.
+
 Head dims 64 and 128, groups up to 8 (the M rows of one mma); other shapes run
 ``decode_attention_fast``. Numerics: q and P in bf16 (8 significant bits): each weight is off by a
 relative 2^-8 at most, the bound ``tests/test_decode_attention_tc.py`` checks (the same as
@@ -58,7 +79,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from numba_vllm.kernels import decode_attention_fast as fast
-from numba_vllm.kernels._launch import KernelError, check_array, launch
+from numba_vllm.kernels._launch import KernelError, check_array, launch, num_sms
 from numba_vllm.kernels.approx_math import exp2_approx
 from numba_vllm.kernels.jit import kernel
 from numba_vllm.kernels.mma import mma_bf16_16816, pack_bf16x2
@@ -70,6 +91,11 @@ from numba_vllm.model.config import PAGE_SIZE
 NUM_WARPS = 4  # warps per block
 PAGES_PER_STEP = 2  # pages a warp loads before computing them at HD 64 (8 KiB in flight per warp); HD 128: half
 MAX_REGISTERS = 168  # per thread at HD 64: 3 blocks of 4 warps per multiprocessor (65536 / 384 = 170); HD 128: no cap
+# A grid of 3+ blocks per multiprocessor that is not split runs a page a step at 128 registers instead
+# (4 blocks, 16 warps per SM): H200, Llama 3.2 1B heads, 64 x 1,024 tokens 49.4 us against 55.4, 256 x
+# 512 87.3 against 89.0; smaller grids keep two pages a step (32 x 4,096 unsplit: 83.3 against 91.3).
+FULL_GRID_BLOCKS_PER_SM = 3
+FULL_GRID_PAGES_PER_STEP, FULL_GRID_MAX_REGISTERS = 1, 128
 PREFETCH = True  # ask L2 for the next step's K/V rows while computing the current step
 MAX_GROUP = 8  # query heads per kv head: the rows 0..7 of an mma's M
 SUPPORTED_HEAD_DIMS = (64, 128)  # a lane's share of a K row and of a V row are whole 16-byte loads
@@ -300,8 +326,12 @@ def pages_per_step(head_dim: int) -> int:
     return max(1, PAGES_PER_STEP * 64 // head_dim)
 
 
-def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = False):
-    """The build the launcher runs for these heads (the module's warps, pages per step, prefetch, cap)."""
+def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = False, full_grid: bool = False):
+    """The build the launcher runs for these heads (the module's warps, pages per step, prefetch, cap);
+    ``full_grid``: an unsplit grid of ``FULL_GRID_BLOCKS_PER_SM`` blocks per SM or more (HD 64 only)."""
+    if full_grid and not split and head_dim <= 64:
+        return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, NUM_WARPS, False, FULL_GRID_PAGES_PER_STEP,
+                                              PREFETCH, FULL_GRID_MAX_REGISTERS)  # fmt: skip
     registers = MAX_REGISTERS if head_dim <= 64 else None  # HD 128 needs ~210 (2 blocks per SM)
     return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, NUM_WARPS, split, pages_per_step(head_dim),
                                           PREFETCH, registers)  # fmt: skip
@@ -329,8 +359,10 @@ def decode_attention_tc(q, k_cache, v_cache, block_tables, context_lens, scale: 
     if batch == 0:
         return
     group = num_heads // num_kv_heads
-    splits, pages_per_split = fast.pick_split(batch * num_kv_heads, block_tables.shape[1], NUM_WARPS * pages_per_step(head_dim))
-    attention = launched_kernel(group, head_dim, num_kv_heads, splits > 1)
+    num_blocks = batch * num_kv_heads
+    splits, pages_per_split = fast.pick_split(num_blocks, block_tables.shape[1], NUM_WARPS * pages_per_step(head_dim))
+    full_grid = num_blocks >= FULL_GRID_BLOCKS_PER_SM * num_sms()
+    attention = launched_kernel(group, head_dim, num_kv_heads, splits > 1, full_grid)
     size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
     args = (q, k_cache.view(np.uint16).reshape(size), v_cache.view(np.uint16).reshape(size), block_tables, context_lens,
             np.float32(scale * fast.LOG2E), np.int32(pages_per_split))  # fmt: skip
