@@ -25,7 +25,9 @@ kernel there.) The GPU tests of the same kernels: ``NUMBA_VLLM_TEST_GPU=1 python
 tests/test_decode_attention_tc.py tests/test_decode_attention_fast.py``.
 
 Variants (``--sweep``) set a module's knobs: ``tc_p1`` one page a step at 128 registers (4 blocks per
-SM) whatever the grid; ``tc_nopf`` no L2 prefetch; ``tc_nocap`` no register cap.
+SM) whatever the grid; ``tc_nopf`` no L2 prefetch; ``tc_nocap`` no register cap; ``tc_s64`` /
+``tc_s16`` at most 64 / 16 ranges per sequence (``MAX_SPLITS`` is 32; it matters past 4,096 tokens
+at batch 1, e.g. 1 x 16,384).
 """
 
 from __future__ import annotations
@@ -55,23 +57,25 @@ from tests.test_decode_attention_tc import P_BOUND  # noqa: E402
 SCALE = 1.0 / np.sqrt(HEAD_DIM)
 GROUP = NUM_HEADS // NUM_KV_HEADS
 SHAPES = [(1, 256), (1, 1024), (1, 16384), (4, 4096), (32, 4096), (64, 1024), (256, 512)]  # (batch, context)
-KNOBS = {fast: ("PREFETCH", "MAX_REGISTERS", "BLOCKS_PER_SM", "SPLIT_REF_BLOCKS", "NUM_WARPS"),
+KNOBS = {fast: ("PREFETCH", "MAX_REGISTERS", "BLOCKS_PER_SM", "SPLIT_REF_BLOCKS", "NUM_WARPS", "MAX_SPLITS"),
          tc: ("PREFETCH", "MAX_REGISTERS", "PAGES_PER_STEP", "NUM_WARPS")}
 DEFAULTS = {module: {name: getattr(module, name) for name in names} for module, names in KNOBS.items()}
-VARIANTS = {  # name: (module, knobs)
+VARIANTS = {  # name: (the module whose launcher runs, {module: knobs})
     "fast": (fast, {}),
     "tc": (tc, {}),
-    "tc_p1": (tc, {"PAGES_PER_STEP": 1, "MAX_REGISTERS": 128}),
-    "tc_nopf": (tc, {"PREFETCH": False}),
-    "tc_nocap": (tc, {"MAX_REGISTERS": None}),
+    "tc_p1": (tc, {tc: {"PAGES_PER_STEP": 1, "MAX_REGISTERS": 128}}),
+    "tc_nopf": (tc, {tc: {"PREFETCH": False}}),
+    "tc_nocap": (tc, {tc: {"MAX_REGISTERS": None}}),
+    "tc_s64": (tc, {fast: {"MAX_SPLITS": 64}}),  # the split rule lives in decode_attention_fast
+    "tc_s16": (tc, {fast: {"MAX_SPLITS": 16}}),
 }
 
 
 def use_variant(name: str):
-    """Set the knobs of variant ``name`` (the others' modules back to their defaults); its launcher."""
+    """Set the knobs of variant ``name`` (every other knob back to its default); its launcher."""
     module, knobs = VARIANTS[name]
     for mod, defaults in DEFAULTS.items():
-        for key, value in {**defaults, **(knobs if mod is module else {})}.items():
+        for key, value in {**defaults, **knobs.get(mod, {})}.items():
             setattr(mod, key, value)
     return fast.decode_attention_fast if module is fast else tc.decode_attention_tc
 

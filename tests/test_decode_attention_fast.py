@@ -119,7 +119,7 @@ def test_pick_split_rule(monkeypatch):
         return fast.pick_split(blocks, width, fast.min_split_pages(head_dim))
 
     assert pick(8, 65, 64) == (17, 4)  # batch 1, 1,024 tokens (+ the engine's spare column)
-    assert pick(8, 1024, 64) == (64, 16)  # batch 1, 16,384 tokens
+    assert pick(8, 1024, 64) == (32, 32)  # batch 1, 16,384 tokens
     assert pick(4 * 8, 256, 64) == (16, 16)  # batch 4, 4,096 tokens
     assert pick(32 * 8, 256, 64) == (2, 128)  # batch 32, 4,096 tokens
     assert pick(64 * 8, 64, 64) == (1, 64)  # batch 64: the grid is nearly full; one range anyway

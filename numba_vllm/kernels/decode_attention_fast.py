@@ -40,7 +40,7 @@ past ``SPLIT_REF_BLOCKS`` blocks (a larger batch needs fewer splits to fill the 
 powers of two) until there are at most ``max_splits`` ranges: ``MAX_SPLITS``, fewer when
 ``splits * B * KVH`` would pass ``MAX_SPLIT_BLOCKS`` (which bounds the workspace). Llama 3.2 1B on
 an H200 (132 SMs): batch 1 at 1,024 tokens, 16 ranges of 4 pages (128 blocks); batch 1 at 16,384,
-64 ranges of 16 pages; batch 4 at 4,096, 16 ranges of 16 pages; batch 32 at 4,096, 2 ranges of 128
+32 ranges of 32 pages; batch 4 at 4,096, 16 ranges of 16 pages; batch 32 at 4,096, 2 ranges of 128
 pages; batch 64 and up, no split. (Measured on an H200 at Llama 3.2 1B's heads: half as many
 ranges as with ``SPLIT_REF_BLOCKS`` 16 was as fast or faster at every batch, up to 13% at 4 x 4,096;
 fewer, longer ranges let the L2 prefetch run ahead and cost the merge less.)
@@ -87,7 +87,7 @@ MAX_REGISTERS = 128  # per thread when group <= 4 (65536 / (4 blocks x 128 threa
 PREFETCH = True  # ask L2 for the next step's K/V rows while computing the current step
 RESCALE_THRESHOLD = float32(8.0)  # log2 units: the running max moves when a step's max passes it by this much
 SPLIT_REF_BLOCKS = 8  # grids up to this many blocks get the shortest ranges; pages per range double per doubling past it
-MAX_SPLITS = 64  # ranges per sequence at most ...
+MAX_SPLITS = 32  # ranges per sequence at most (see decode_attention_tc's docstring for why not 64) ...
 MAX_SPLIT_BLOCKS = 4096  # ... and splits x B x KVH at most (bounds the workspace)
 MERGE_THREADS = 128  # threads per block of the merge kernel, one per (b, h, d) output
 VEC = BF16_PER_VECTOR  # bf16 values per lane per 16-byte load

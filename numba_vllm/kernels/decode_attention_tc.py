@@ -53,16 +53,19 @@ small cases)::
     batch x context   decode_attention   decode_attention_fast   this kernel   torch
     1 x 256                 12.8                 10.5                 9.8         7.9
     1 x 1,024               17.6                 16.4                13.1        10.0
-    1 x 16,384              50.3                 45.7                47.7        20.8
+    1 x 16,384              50.3                 45.7                47.7        20.8   (64 ranges)
     4 x 4,096               39.7                 29.3                24.2        19.8
     32 x 4,096             220.3                 95.2                83.3        76.5   (3.2 TB/s)
     64 x 1,024              68.7                 52.9                49.4        45.1   (full grid)
     256 x 512              139.6                 96.8                87.3        77.4   (full grid)
 
-Large batches run at 2.7-3.2 TB/s of K/V, 1.09-1.13x torch. Batch 1 at 16,384 tokens is 2.3x torch
-(every kernel here alike): 64 ranges of 16 pages make 512 blocks, 1.3 waves at 3 blocks per SM, and
-the merge kernel reads 64 partial states per output one after another; fewer ranges per sequence
-with more warps each, or a merge that spreads a row's splits over a warp, are the next steps.
+Large batches run at 2.7-3.2 TB/s of K/V, 1.09-1.13x torch. Batch 1 at 16,384 tokens was 2.3x torch
+(every kernel alike) with up to 64 ranges a sequence: 64 ranges of 16 pages, 512 blocks (1.3 waves
+at 3 blocks per SM), and a merge whose threads each read 64 partial states one after another.
+Batch 4 at 4,096 tokens moves the same 33.5 MB in 24.2 us with 8 ranges of 32 pages (256 blocks, 4
+steps a warp), so ``MAX_SPLITS`` is now 32, which gives batch 1 at 16,384 exactly that grid: 32
+ranges of 32 pages. (Derived from those two measurements, not yet measured itself:
+``benchmarks/decode_attention_gpu.py --sweep`` times it beside 64 and 16 ranges.)
 
 Head dims 64 and 128, groups up to 8 (the M rows of one mma); other shapes run
 ``decode_attention_fast``. Numerics: q and P in bf16 (8 significant bits): each weight is off by a
