@@ -47,10 +47,12 @@ EDGE_LENGTHS = [1, 15, 16, 17, 33]  # around page edges, all in one launch
 # ---- decode --------------------------------------------------------------------------------------
 
 
-def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, context_lens=None, extra_columns=0, unwritten=np.nan):
+def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, context_lens=None, extra_columns=0, unwritten=np.nan,
+                 attention=decode_attention, workspace_floats=decode_attention_module.split_workspace_floats):  # fmt: skip
     """Decode one query per sequence over a cache of `seq_lens` tokens, attending to the first
     `context_lens` of them (default all): the same block tables with shorter contexts; the tables
-    get `extra_columns` more (unused) pages. Returns the output (B, H, HD) on the host."""
+    get `extra_columns` more (unused) pages. Returns the output (B, H, HD) on the host. `attention`:
+    the launcher under test, `workspace_floats` its split workspace's size."""
     num_heads = group * num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     context_lens = seq_lens if context_lens is None else context_lens
@@ -63,8 +65,8 @@ def check_decode(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, conte
     out = nan_device(q.shape)
     k_cache, v_cache, block_tables = cache.device()
     lens = cuda.to_device(np.array(context_lens, np.int32))
-    workspace = nan_device(decode_attention_module.split_workspace_floats(num_heads, num_kv_heads, head_dim))
-    decode_attention(cuda.to_device(q), k_cache, v_cache, block_tables, lens, scale, out, workspace)
+    workspace = nan_device(workspace_floats(num_heads, num_kv_heads, head_dim))
+    attention(cuda.to_device(q), k_cache, v_cache, block_tables, lens, scale, out, workspace)
     got = out.copy_to_host()
     for s, n in enumerate(context_lens):
         want = reference_attention(q[s : s + 1], cache.k[s], cache.v[s], [n - 1], scale)

@@ -14,7 +14,8 @@ from tests.helpers import ptx as ptx_check
 
 pytestmark = pytest.mark.slow  # compiles every variant (seconds each)
 
-VARIANTS = select(("decode_attention", "decode_attention_merge", "prefill_attention"))
+VARIANTS = select(("decode_attention", "decode_attention_merge", "decode_attention_fast", "decode_attention_fast_merge",
+                   "decode_attention_tc", "prefill_attention"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +33,21 @@ def test_kernel_compiles_clean(ptx, variant):
 @pytest.mark.parametrize(
     "key",
     ["decode_attention g4 hd64", "decode_attention g4 hd64 w8 split", "decode_attention g8 hd128",
+     "decode_attention_fast g4 hd64", "decode_attention_fast g4 hd64 split", "decode_attention_fast g8 hd128",
      "prefill_attention g4 hd64", "prefill_attention g2 hd8"],
 )  # fmt: skip
 def test_kv_reads_use_16_byte_loads(ptx, key):
     assert "ld.global.nc.v4.u32" in ptx[key]["ptx"]  # 8 bf16 of K or V per load
+
+
+@pytest.mark.parametrize("key", ["decode_attention_fast g4 hd64", "decode_attention_fast g4 hd64 split"])
+def test_fast_decode_uses_hardware_exp2_and_l2_prefetch(ptx, key):
+    assert "ex2.approx.ftz.f32" in ptx[key]["ptx"]  # one MUFU per probability, no expf range reduction
+    assert "prefetch.global.L2" in ptx[key]["ptx"]  # the next step's K/V rows requested while computing
+
+
+@pytest.mark.parametrize("key", ["decode_attention_tc g4 hd64", "decode_attention_tc g4 hd64 split",
+                                 "decode_attention_tc g8 hd128"])  # fmt: skip
+def test_tensor_core_decode_uses_mma_and_16_byte_loads(ptx, key):
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx[key]["ptx"]
+    assert "ld.global.nc.v4.u32" in ptx[key]["ptx"]

@@ -9,6 +9,11 @@ Q K^T and of P V (causal: only the visible keys). The ``torch`` callables run Py
 ``scaled_dot_product_attention`` (flash kernels, tensor cores) in bf16 on K/V gathered into
 contiguous tensors beforehand (gather not timed): the best case a paged kernel is compared with.
 
+Decode cases run each of ``DECODE_ATTENTIONS`` (``tensor_cores``: ``decode_attention_tc``, the
+model's, named ``decode_attention_tc_*``; ``fast``: ``decode_attention_fast``, ``decode_attention_fast_*``;
+``reference``: ``decode_attention``) on the same inputs, at batch 1 (256, 1,024 and 16,384 tokens),
+32 x 4,096, 64 x 1,024 and 256 x 512.
+
 Prefill cases run each of ``PREFILL_ATTENTIONS`` (``cuda_cores``: ``prefill_attention``;
 ``tensor_cores``: ``prefill_attention_tc``, named ``prefill_attention_tc_*``) on the same inputs:
 prompts of 2048, 8 x 512 and 16384 tokens, and a 2048-token chunk after a 14,000-token cached
@@ -23,7 +28,10 @@ import numpy as np
 from numba import cuda
 
 from numba_vllm.bench.kernels import torch_or_none
+from numba_vllm.kernels import decode_attention as decode_attention_module
+from numba_vllm.kernels import decode_attention_fast
 from numba_vllm.kernels.decode_attention import decode_attention
+from numba_vllm.kernels.decode_attention_tc import decode_attention_tc
 from numba_vllm.loading.bf16 import bf16_from_bits, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
 from numba_vllm.model.llama import PREFILL_ATTENTIONS
@@ -61,7 +69,14 @@ def _gathered_torch(torch, k_cache, v_cache, block_tables, seq_len):
     return gather(k_cache), gather(v_cache)
 
 
-def decode_case(batch: int, context: int, seed: int = 0) -> dict:
+# decode_attention_tc (tensor cores, the model's), decode_attention_fast (CUDA cores), decode_attention (the readable one)
+DECODE_ATTENTIONS = {"tensor_cores": decode_attention_tc, "fast": decode_attention_fast.decode_attention_fast,
+                     "reference": decode_attention}  # fmt: skip
+
+
+def decode_case(batch: int, context: int, kernel: str = "tensor_cores", seed: int = 0) -> dict:
+    """``batch`` sequences of ``context`` cached tokens, one query each, attended by ``kernel`` (one
+    of ``DECODE_ATTENTIONS``)."""
     rng = np.random.default_rng(seed)
     k_cache, v_cache, tables = _random_cache(rng, [context] * batch)
     q = cuda.to_device(rng.standard_normal((batch, NUM_HEADS, HEAD_DIM), np.float32))
@@ -69,9 +84,13 @@ def decode_case(batch: int, context: int, seed: int = 0) -> dict:
     block_tables = cuda.to_device(tables)
     context_lens = cuda.to_device(np.full(batch, context, np.int32))
     scale = 1.0 / np.sqrt(HEAD_DIM)
+    sizes = (decode_attention_fast.split_workspace_floats, decode_attention_module.split_workspace_floats)
+    workspace = cuda.device_array(max(size(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM) for size in sizes), np.float32)
+
+    attention = DECODE_ATTENTIONS[kernel]
 
     def run():
-        decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, out)
+        attention(q, k_cache, v_cache, block_tables, context_lens, scale, out, workspace)
 
     torch_run = None
     torch = torch_or_none()
@@ -84,7 +103,7 @@ def decode_case(batch: int, context: int, seed: int = 0) -> dict:
 
     kv_bytes = 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * 2
     return {
-        "name": f"decode_attention_{batch}x{context}",
+        "name": f"decode_attention{ {'tensor_cores': '_tc', 'fast': '_fast'}.get(kernel, '')}_{batch}x{context}",
         "shape": f"B{batch} ctx{context} H{NUM_HEADS}/{NUM_KV_HEADS} HD{HEAD_DIM}",
         "run": run,
         "bytes": kv_bytes + 2 * batch * NUM_HEADS * HEAD_DIM * 4,
@@ -145,13 +164,13 @@ def prefill_case(num_seqs: int, prompt: int, start: int = 0, kernel: str = "cuda
     }
 
 
+# (sequences, cached tokens): batch 1 short and long (a chat; a 16K context, split over the GPU), a mid
+# batch at 4K, full grids at 1K and 512
+DECODE_SHAPES = [(64, 1024), (1, 1024), (1, 256), (1, 16384), (32, 4096), (256, 512)]
 PREFILL_SHAPES = [(1, 2048, 0), (8, 512, 0), (1, 16384, 0), (1, 2048, 14000)]  # (sequences, new tokens, cached)
 
 
 def cases() -> list[dict]:
     return [
-        decode_case(64, 1024),
-        decode_case(1, 1024),
-        decode_case(1, 256),  # a short chat at batch 1: the context split over the GPU
-        decode_case(256, 512),
+        decode_case(*shape, kernel=kernel) for shape in DECODE_SHAPES for kernel in DECODE_ATTENTIONS
     ] + [prefill_case(*shape, kernel=kernel) for shape in PREFILL_SHAPES for kernel in PREFILL_ATTENTIONS]

@@ -84,6 +84,7 @@ GEMM_TC_SIG = "(f32(2), u16(2), f32(2), int64, int64, int64)"  # ... + K slices 
 TENSOR_MAP = "types.Array(types.uint64, 1, 'C')"  # a CUtensorMap's 16 words on the device
 GEMM_WGMMA_SIG = f"({TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), f32(2), int64, int64, int64)"
 DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"  # q, k/v caches, tables, lengths, scale, out
+DECODE_FAST_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), float32, int32, f32(3))"  # flat caches; + pages per split
 PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"  # ... cu_seqlens, start_pos ...
 ROPE_SIG = "(f32(3), i32(1), f32(1), i32(1), f32(3), u16(4), u16(4))"  # qkv, positions, inv_freq, kv indices, q, k/v caches
 PICK_TAIL = "int64, i32(1), f32(1), i32(1)"  # the samplers': part_cols, token_ids, the workspace's values and indices
@@ -135,6 +136,26 @@ REGISTRY: tuple[KernelVariant, ...] = (
                   "SMALL_GRID_WARPS * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET),  # fmt: skip
     KernelVariant("decode_attention_merge", "", "decode_attention:decode_attention_merge_kernel", "(f32(3), f32(3))",
                   "MERGE_THREADS"),  # fmt: skip
+    *(  # the bandwidth build the model runs, for 8 kv heads (Llama 3.2 1B's; the count only moves constant offsets)
+        KernelVariant("decode_attention_fast", f"g{g} hd{hd}{' split' if split else ''}",
+                      f"decode_attention_fast:launched_kernel({g}, {hd}, 8, {split})", DECODE_FAST_SIG,
+                      "NUM_WARPS * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET if g <= 4 else 0)  # fmt: skip
+        for g, hd in DECODE_CONFIGS
+        for split in (False, True)
+        if not split or (g, hd) == (4, 64)
+    ),
+    *(  # the tensor-core build, for 8 kv heads, at the head dims it serves
+        KernelVariant("decode_attention_tc", f"g{g} hd{hd}{' split' if split else ''}",
+                      f"decode_attention_tc:launched_kernel({g}, {hd}, 8, {split})", DECODE_FAST_SIG, "NUM_WARPS * WARP_SIZE",
+                      spill_budget=DECODE_SPILL_BUDGET)
+        for g, hd in DECODE_CONFIGS
+        for split in (False, True)
+        if hd in (64, 128) and (not split or (g, hd) == (4, 64))
+    ),  # fmt: skip
+    KernelVariant("decode_attention_tc", "g4 hd64 full grid", "decode_attention_tc:launched_kernel(4, 64, 8, False, True)",
+                  DECODE_FAST_SIG, "NUM_WARPS * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET),  # fmt: skip
+    KernelVariant("decode_attention_fast_merge", "", "decode_attention_fast:decode_attention_fast_merge_kernel",
+                  "(f32(3), f32(3))", "MERGE_THREADS"),  # fmt: skip
     *(
         KernelVariant("prefill_attention", f"g{g} hd{hd}", f"prefill_attention:prefill_attention_kernel_for({g}, {hd})",
                       PREFILL_SIG, "THREADS")  # fmt: skip

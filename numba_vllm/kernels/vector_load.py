@@ -20,6 +20,12 @@ Rules for callers:
 - ``load_f32x4(a, index)``: ``a`` is a float32 array; returns ``a[index .. index + 3]`` (the last
   axis) as 4 float32.
 
+L2 prefetch: ``prefetch_l2(a, index)`` asks for the cache line holding ``a[index]`` to be brought into
+L2 (``prefetch.global.L2``) and returns at once: no register waits for it. A kernel that will load an
+address one step later issues it now, so the later load finds the line in L2 (a few hundred cycles
+sooner than from memory) and more bytes are on their way per warp than its registers could hold.
+Under the simulator it does nothing.
+
 Shared memory: ``load_shared_f32x4(a, index)`` reads 4 float32 of a shared array as one 16-byte
 ``ld.shared.v4.f32`` (a plain load of a 4-vector in the shared address space, which the compiler
 schedules like any load). The shared array must be declared with ``SHARED_ALIGN`` as its alignment
@@ -72,6 +78,9 @@ if simulator_enabled():
         return tuple(np.float32(array[(*lead, col + j)]) for j in range(4))
 
     load_shared_f32x4 = load_f32x4
+
+    def prefetch_l2(array, index):
+        """Nothing (simulator version of the L2 prefetch hint)."""
 
     def u32_as_f32(bits):
         """The float32 whose bits are the low 32 bits of ``bits`` (simulator version)."""
@@ -160,6 +169,23 @@ else:
             vector = builder.load(builder.bitcast(shared_ptr, ir.PointerType(vector_type, _SHARED_ADDRSPACE)), align=16)
             values = [builder.extract_element(vector, ir.Constant(ir.IntType(32), j)) for j in range(4)]
             return context.make_tuple(builder, sig.return_type, values)
+
+        return sig, codegen
+
+    @intrinsic
+    def prefetch_l2(typingctx, array, index):
+        """Bring the line holding ``array[index]`` into L2 (one ``prefetch.global.L2``, no result)."""
+        _check_array_and_index("prefetch_l2", array, index, (types.uint32, types.uint16, types.float32))
+        sig = types.void(array, index)
+
+        def codegen(context, builder, sig, args):
+            array_type, index_type = sig.args
+            array, index = args
+            ptr = _element_pointer(context, builder, array_type, array, index_type, index)
+            asm = ir.InlineAsm(ir.FunctionType(ir.VoidType(), [ptr.type]), "prefetch.global.L2 [$0];", "l",
+                               side_effect=True)  # fmt: skip
+            builder.call(asm, [ptr])
+            return context.get_dummy_value()
 
         return sig, codegen
 

@@ -39,8 +39,8 @@ from numba import cuda
 
 from numba_vllm.kernels import matmul
 from numba_vllm.kernels._launch import num_sms
-from numba_vllm.kernels.decode_attention import decode_attention
-from numba_vllm.kernels.decode_attention import split_workspace_floats as attention_workspace_floats
+from numba_vllm.kernels.decode_attention_fast import split_workspace_floats as attention_workspace_floats
+from numba_vllm.kernels.decode_attention_tc import decode_attention_tc as decode_attention
 from numba_vllm.kernels.embedding import embedding
 from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspace_floats

@@ -1,0 +1,41 @@
+"""``exp2_approx``: 2^x in one hardware instruction (``ex2.approx.ftz.f32``), for softmax kernels.
+
+Why: ``math.exp`` compiles to libdevice's accurate ``expf`` (range reduction, about eight
+instructions), ``math.exp2`` without fastmath to ``ex2.approx`` plus denormal fix-ups. A softmax
+written in base 2 (scores pre-multiplied by ``log2(e)``) needs only the hardware's ``ex2``: one
+MUFU instruction. Its error is about 2 ulp (relative 2^-22), far below what float32 sums of
+hundreds of terms carry anyway. ``fastmath=True`` would give the same instruction but also lets
+the compiler assume no infinities, and softmax kernels compare with ``-inf`` (an empty row).
+
+``ftz``: results below 2^-126 flush to 0, and ``exp2_approx(-inf) = 0`` (a masked score weighs
+nothing). Under the simulator it is NumPy's ``exp2`` in float32.
+"""
+
+import numpy as np
+
+from numba_vllm.sim.warp import simulator_enabled
+
+if simulator_enabled():
+
+    def exp2_approx(x):
+        """2^x in float32 (simulator version)."""
+        return np.float32(np.exp2(np.float32(x)))
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.core.errors import TypingError
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def exp2_approx(typingctx, x):
+        """2^x of a float32 (one ``ex2.approx.ftz.f32``)."""
+        if x != types.float32:
+            raise TypingError(f"exp2_approx: expected float32, got {x}")
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+            return builder.call(asm, args)
+
+        return sig, codegen

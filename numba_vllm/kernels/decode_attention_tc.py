@@ -1,0 +1,376 @@
+"""Paged decode attention on the tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 accumulate).
+
+It computes what ``decode_attention`` (the readable reference) and ``decode_attention_fast`` (the
+same on CUDA cores) compute, with q and the probabilities P rounded to bf16 for the two products,
+as FlashAttention-style kernels do:
+
+    out[b, h] = sum_j softmax_j(scale * q[b, h] . K[j]) * V[j],   j = 0 .. context_lens[b] - 1
+
+Why. With a GQA group of 4, every 4 bytes of K and V cost 8 fused multiply-adds on CUDA cores, plus
+the shuffles that add a token's partial dot products: ``decode_attention_fast`` spends ~600
+instructions per 4 KiB a warp reads and is issue-bound below the memory's bandwidth. On the tensor
+cores a page of 16 tokens costs 16 ``mma`` instructions for both products, no shuffles, and the K
+words go into the ``mma`` as loaded: a warp's work per page drops to about a hundred instructions,
+so the kernel waits on memory only.
+
+Mapping (``g = lane >> 2``, ``t = lane & 3``, the fragment layout of ``kernels/mma.py``). A block
+per (kv head, sequence[, range of pages]), ``NUM_WARPS`` warps; warp ``w`` takes steps ``w, w +
+NUM_WARPS, ...`` of ``PAGES_PER_STEP`` pages (one in a full unsplit grid: ``FULL_GRID_*``), all their
+loads issued before the first ``mma``.
+
+- ``S = Q K^T`` per page: M = the group's query heads (rows ``g < group``; rows 8..15 and
+  ``group..7`` are zero padding), N = 8 tokens (two n tiles a page), K = the head dim in chunks of
+  16. The dot product does not care in which order it visits the dims, so they are permuted to suit
+  the loads: lane ``(g, t)`` holds, of token ``8j + g``, the ``HD / 4`` contiguous dims starting at
+  ``t * HD / 4`` (two 16-byte loads at HD 64; the four lanes of a ``g`` read one whole 128-byte row),
+  and chunk ``c`` takes its words ``2c`` (as ``b0``) and ``2c + 1`` (``b1``). Q's A fragment uses the
+  same permutation: ``a0``/``a2`` of chunk ``c`` are q's dims ``t * HD / 4 + 4c + (0, 1)`` / ``(2, 3)``.
+- Softmax in base 2 on the S fragment: lane ``(g, t)`` holds head ``g``'s scores of tokens ``2t,
+  2t + 1`` of each n tile; a page's max per head is the max over the quad (two ``shfl_xor``). The
+  running max moves lazily (by more than ``RESCALE_THRESHOLD``, as in ``decode_attention_fast``);
+  sums of P are kept per lane (unrounded) and added over the quad at the end.
+- ``O += P V`` per page: M = heads, K = the page's 16 tokens, N = 8 dims per n tile (HD / 8 tiles).
+  The S fragment of the two token tiles *is* P's A fragment (rows g, columns 2t, 2t + 1 and 8 + 2t,
+  9 + 2t), packed to bf16. V's B fragment wants two tokens' values of one dim in a register, while a
+  row holds consecutive dims of one token, so the lane loads the rows of tokens ``2t, 2t + 1, 8 + 2t,
+  9 + 2t`` (dims ``g * HD / 8 ..``, one 16-byte load each at HD 64) and pairs their halves with two
+  integer ops per register. N is permuted too: n tile ``u``'s column ``n`` is dim ``n * HD / 8 + u``.
+- Tokens past the context: on a page that reaches past it (the last, warp-uniform) the K and V words
+  of those tokens are zeroed before any ``mma`` and their scores set to ``-inf``.
+
+Combination, split over the context and the merge kernel are ``decode_attention_fast``'s: the warps'
+states meet in shared memory; a split block writes its state (``sum p * V``, ``m`` in log2 units,
+``sum p``) to the partials, which ``decode_attention_fast_merge_kernel`` merges; the ranges come from
+``decode_attention_fast.pick_split`` (shapes only: CUDA graphs, and bit-identical results when the
+table is padded to the next power of two).
+
+Measured on an H200 (``benchmarks/decode_attention_gpu.py --sweep``: Llama 3.2 1B heads, L2 flushed
+before each call, CUDA events around the call with the host's launches hidden behind a sleeping
+kernel, median of 30; us; torch: ``scaled_dot_product_attention`` on contiguous bf16 K/V; the
+events add ~3-4 us to every call against ``bench kernels``' profiler times, which weighs on the
+small cases)::
+
+    batch x context   decode_attention   decode_attention_fast   this kernel   torch
+    1 x 256                 12.8                 10.5                 9.8         7.9
+    1 x 1,024               17.6                 16.4                13.1        10.0
+    1 x 16,384              50.3                 45.7                47.7        20.8   (64 ranges)
+    4 x 4,096               39.7                 29.3                24.2        19.8
+    32 x 4,096             220.3                 95.2                83.3        76.5   (3.2 TB/s)
+    64 x 1,024              68.7                 52.9                49.4        45.1   (full grid)
+    256 x 512              139.6                 96.8                87.3        77.4   (full grid)
+
+Large batches run at 2.7-3.2 TB/s of K/V, 1.09-1.13x torch. Batch 1 at 16,384 tokens was 2.3x torch
+(every kernel alike) with up to 64 ranges a sequence: 64 ranges of 16 pages, 512 blocks (1.3 waves
+at 3 blocks per SM), and a merge whose threads each read 64 partial states one after another.
+Batch 4 at 4,096 tokens moves the same 33.5 MB in 24.2 us with 8 ranges of 32 pages (256 blocks, 4
+steps a warp), so ``MAX_SPLITS`` is now 32, which gives batch 1 at 16,384 exactly that grid: 32
+ranges of 32 pages. (Derived from those two measurements, not yet measured itself:
+``benchmarks/decode_attention_gpu.py --sweep`` times it beside 64 and 16 ranges.)
+
+Head dims 64 and 128, groups up to 8 (the M rows of one mma); other shapes run
+``decode_attention_fast``. Numerics: q and P in bf16 (8 significant bits): each weight is off by a
+relative 2^-8 at most, the bound ``tests/test_decode_attention_tc.py`` checks (the same as
+``prefill_attention_tc``'s).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import numpy as np
+from numba import cuda, float32, uint32
+
+from numba_vllm.kernels import decode_attention_fast as fast
+from numba_vllm.kernels._launch import KernelError, check_array, launch, num_sms
+from numba_vllm.kernels.approx_math import exp2_approx
+from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.mma import mma_bf16_16816, pack_bf16x2
+from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
+from numba_vllm.kernels.vector_load import load_u32x4, prefetch_l2
+from numba_vllm.loading.bf16 import BF16
+from numba_vllm.model.config import PAGE_SIZE
+
+NUM_WARPS = 4  # warps per block
+PAGES_PER_STEP = 2  # pages a warp loads before computing them at HD 64 (8 KiB in flight per warp); HD 128: half
+MAX_REGISTERS = 168  # per thread at HD 64: 3 blocks of 4 warps per multiprocessor (65536 / 384 = 170); HD 128: no cap
+# A grid of 3+ blocks per multiprocessor that is not split runs a page a step at 128 registers instead
+# (4 blocks, 16 warps per SM): H200, Llama 3.2 1B heads, 64 x 1,024 tokens 49.4 us against 55.4, 256 x
+# 512 87.3 against 89.0; smaller grids keep two pages a step (32 x 4,096 unsplit: 83.3 against 91.3).
+FULL_GRID_BLOCKS_PER_SM = 3
+FULL_GRID_PAGES_PER_STEP, FULL_GRID_MAX_REGISTERS = 1, 128
+PREFETCH = True  # ask L2 for the next step's K/V rows while computing the current step
+MAX_GROUP = 8  # query heads per kv head: the rows 0..7 of an mma's M
+SUPPORTED_HEAD_DIMS = (64, 128)  # a lane's share of a K row and of a V row are whole 16-byte loads
+RESCALE_THRESHOLD = fast.RESCALE_THRESHOLD
+
+
+def supported(group: int, head_dim: int) -> bool:
+    """Whether the tensor-core kernel serves these heads (else the launcher runs decode_attention_fast)."""
+    return head_dim in SUPPORTED_HEAD_DIMS and 1 <= group <= MAX_GROUP
+
+
+@functools.cache
+def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int, num_warps: int = NUM_WARPS,
+                                   split: bool = False, pages_per_step: int = PAGES_PER_STEP,
+                                   prefetch: bool = PREFETCH, max_registers: int | None = MAX_REGISTERS):  # fmt: skip
+    """The kernel for ``group`` query heads per kv head, ``head_dim``, ``num_kv_heads`` (compile-time:
+    a step's addresses are one base plus constant offsets), blocks of ``num_warps`` warps taking
+    ``pages_per_step`` pages a step; ``split``: write the partial state of a page range; ``prefetch``:
+    ask L2 for the next step while computing this one; ``max_registers``: the cap (None: none)."""
+    if not supported(group, head_dim):
+        raise KernelError(f"decode_attention_tc: group {group}, head_dim {head_dim} not supported")
+    chunks = head_dim // 16  # k chunks of S = Q K^T
+    k_words = head_dim // 8  # words of a K row a lane holds (HD / 4 dims)
+    v_words = head_dim // 16  # words of a V row a lane holds (HD / 8 dims)
+    dim_tiles = head_dim // 8  # n tiles of O = P V
+    token_stride = num_kv_heads * head_dim  # elements from one token's row to the next in a page
+    page_stride = PAGE_SIZE * token_stride
+    step_tokens = pages_per_step * PAGE_SIZE
+    # per-lane register arrays need literal sizes
+    q_frag_len, o_len, s_len = 2 * chunks, 2 * dim_tiles, 4 * pages_per_step
+    kw_len, vw_len = pages_per_step * 2 * k_words, pages_per_step * 4 * v_words
+    threads = num_warps * WARP_SIZE
+    minus_inf = float32(-math.inf)
+    low_half = uint32(0xFFFF)
+    high_half = uint32(0xFFFF0000)
+
+    @kernel(max_registers=max_registers)
+    def decode_attention_tc_kernel(q, k_cache, v_cache, block_tables, context_lens, scale_log2, pages_per_split, out):
+        """q: (B, H, HD) f32; k_cache, v_cache: (P * PAGE_SIZE * KVH * HD,) uint16, the bf16 pools'
+        bits flattened; block_tables: (B, max_pages) int32; context_lens: (B,) int32; scale_log2:
+        f32, the softmax scale times log2(e); pages_per_split: int32 (split only); out: (B, H, HD)
+        f32, or with ``split`` the partial states (splits * B, H, HD + 2) f32."""
+        kv_head = cuda.blockIdx.x
+        b = cuda.blockIdx.y
+        warp = cuda.threadIdx.x // WARP_SIZE
+        lane = cuda.threadIdx.x % WARP_SIZE
+        g = lane >> 2  # the lane's head (S, O rows), K token within an n tile, V dims
+        t = lane & 3  # the lane's K dims, its tokens' pairs in S and V
+        context_len = context_lens[b]
+        if split:  # the tokens of pages [z * pages_per_split, (z + 1) * pages_per_split) in the context
+            start = cuda.blockIdx.z * pages_per_split * PAGE_SIZE
+            end = min(context_len, start + pages_per_split * PAGE_SIZE)
+        else:
+            start = 0
+            end = context_len
+        last_page = (end - 1) // PAGE_SIZE
+        num_steps = (end - start + step_tokens - 1) // step_tokens  # <= 0 for an empty split
+        head_offset = kv_head * head_dim
+        k_lane = head_offset + t * (head_dim // 4)  # the lane's first K element in a token row
+        v_lane = head_offset + g * (head_dim // 8)  # the lane's first V element in a token row
+
+        # Q's A fragment (rows g < group), in bf16, with K's dim permutation.
+        q_frag = cuda.local.array(q_frag_len, uint32)  # (chunk, a0 | a2)
+        for c in range(chunks):
+            q_frag[2 * c] = uint32(0)
+            q_frag[2 * c + 1] = uint32(0)
+            if g < group:
+                d = t * (head_dim // 4) + 4 * c
+                h = kv_head * group + g
+                q_frag[2 * c] = pack_bf16x2(q[b, h, d], q[b, h, d + 1])
+                q_frag[2 * c + 1] = pack_bf16x2(q[b, h, d + 2], q[b, h, d + 3])
+        # (dim tile, c0 | c1): O row g. Rows 8..15 of P are zero, so O's rows g + 8 (c2, c3) stay zero:
+        # they go into each mma as constant zeros and come out unused, holding no registers.
+        o = cuda.local.array(o_len, float32)
+        for i in range(o_len):
+            o[i] = float32(0.0)
+        m = minus_inf  # running max of head g's scores (log2 units), lazily raised; the same in the quad
+        sum_exp = float32(0.0)  # this lane's share of head g's sum of 2^(score - m)
+        kw = cuda.local.array(kw_len, uint32)  # (page, n tile, word): tokens 8j + g
+        vw = cuda.local.array(vw_len, uint32)  # (page, token r, word): tokens 2t, 2t+1, 8+2t, 9+2t
+        pages = cuda.local.array(pages_per_step, np.int64)  # this step's page ids
+        next_pages = cuda.local.array(pages_per_step, np.int64)  # the next step's
+        s = cuda.local.array(s_len, float32)  # (page, n tile, pair): head g's scores
+
+        si = warp
+        for p in range(pages_per_step):
+            pages[p] = 0
+            next_pages[p] = 0
+            if si < num_steps:
+                pages[p] = block_tables[b, min(start // PAGE_SIZE + si * pages_per_step + p, last_page)]
+            if si + num_warps < num_steps:
+                next_pages[p] = block_tables[b, min(start // PAGE_SIZE + (si + num_warps) * pages_per_step + p, last_page)]
+        while si < num_steps:  # warp-uniform: every lane takes part in every mma
+            nxt = si + num_warps
+            for p in range(pages_per_step):  # all the step's loads before the first mma
+                base = pages[p] * page_stride
+                for j in range(2):
+                    row = base + (8 * j + g) * token_stride + k_lane
+                    for i in range(k_words // 4):
+                        words = load_u32x4(k_cache, row + 8 * i)
+                        for e in range(4):
+                            kw[(p * 2 + j) * k_words + 4 * i + e] = words[e]
+                for r in range(4):
+                    row = base + (8 * (r // 2) + 2 * t + r % 2) * token_stride + v_lane
+                    for i in range(v_words // 4):
+                        words = load_u32x4(v_cache, row + 8 * i)
+                        for e in range(4):
+                            vw[(p * 4 + r) * v_words + 4 * i + e] = words[e]
+            if prefetch and nxt < num_steps:
+                for p in range(pages_per_step):
+                    base = next_pages[p] * page_stride
+                    for j in range(2):
+                        prefetch_l2(k_cache, base + (8 * j + g) * token_stride + k_lane)
+                    for r in range(4):
+                        prefetch_l2(v_cache, base + (8 * (r // 2) + 2 * t + r % 2) * token_stride + v_lane)
+            for p in range(pages_per_step):
+                pages[p] = next_pages[p]
+                if nxt + num_warps < num_steps:
+                    next_pages[p] = block_tables[b, min(start // PAGE_SIZE + (nxt + num_warps) * pages_per_step + p, last_page)]
+            first = start + si * step_tokens
+
+            if first + step_tokens > end:  # warp-uniform: the step reaches past the context
+                for p in range(pages_per_step):
+                    page_first = first + p * PAGE_SIZE
+                    for j in range(2):  # unwritten slots may hold any bits: zero them before any mma
+                        if page_first + 8 * j + g >= end:
+                            for w in range(k_words):
+                                kw[(p * 2 + j) * k_words + w] = uint32(0)
+                    for r in range(4):
+                        if page_first + 8 * (r // 2) + 2 * t + r % 2 >= end:
+                            for w in range(v_words):
+                                vw[(p * 4 + r) * v_words + w] = uint32(0)
+
+            # S = Q K^T: head g's scores of tokens 8j + 2t, 8j + 2t + 1 of each page, scaled to log2 units.
+            m_step = minus_inf
+            for p in range(pages_per_step):
+                page_first = first + p * PAGE_SIZE
+                for j in range(2):
+                    s0 = s1 = s2 = s3 = float32(0.0)
+                    for c in range(chunks):
+                        kb = (p * 2 + j) * k_words + 2 * c
+                        s0, s1, s2, s3 = mma_bf16_16816(q_frag[2 * c], uint32(0), q_frag[2 * c + 1], uint32(0),
+                                                        kw[kb], kw[kb + 1], s0, s1, s2, s3)  # fmt: skip
+                    pos = page_first + 8 * j + 2 * t
+                    s[(p * 2 + j) * 2] = s0 * scale_log2 if pos < end else minus_inf
+                    s[(p * 2 + j) * 2 + 1] = s1 * scale_log2 if pos + 1 < end else minus_inf
+                    m_step = max(m_step, max(s[(p * 2 + j) * 2], s[(p * 2 + j) * 2 + 1]))
+            m_step = max(m_step, cuda.shfl_xor_sync(FULL_MASK, m_step, 1))  # over the quad: head g's step max
+            m_step = max(m_step, cuda.shfl_xor_sync(FULL_MASK, m_step, 2))
+            if m_step > m + RESCALE_THRESHOLD:  # quad-uniform; true on the first step (m = -inf)
+                alpha = exp2_approx(m - m_step)  # 0 on the first step
+                sum_exp *= alpha
+                for i in range(o_len):
+                    o[i] *= alpha
+                m = m_step
+
+            # O += P V, a page at a time: P's A fragment is the S fragment, in bf16.
+            for p in range(pages_per_step):
+                a = cuda.local.array(2, uint32)  # P rows g: tokens (2t, 2t + 1), (8 + 2t, 9 + 2t)
+                for j in range(2):
+                    p0 = exp2_approx(s[(p * 2 + j) * 2] - m)  # 0 for a masked token (-inf)
+                    p1 = exp2_approx(s[(p * 2 + j) * 2 + 1] - m)
+                    sum_exp += p0 + p1
+                    a[j] = pack_bf16x2(p0, p1)
+                for u in range(dim_tiles):  # n tile u: dims n * HD / 8 + u
+                    w = u // 2
+                    v0 = vw[(p * 4) * v_words + w]  # token 2t
+                    v1 = vw[(p * 4 + 1) * v_words + w]  # token 2t + 1
+                    v2 = vw[(p * 4 + 2) * v_words + w]  # token 8 + 2t
+                    v3 = vw[(p * 4 + 3) * v_words + w]  # token 9 + 2t
+                    if u % 2 == 0:  # the low halves: dim 2w of the lane's share
+                        b0 = (v0 & low_half) | (v1 << uint32(16))
+                        b1 = (v2 & low_half) | (v3 << uint32(16))
+                    else:  # the high halves: dim 2w + 1
+                        b0 = (v0 >> uint32(16)) | (v1 & high_half)
+                        b1 = (v2 >> uint32(16)) | (v3 & high_half)
+                    d0, d1, _, _ = mma_bf16_16816(a[0], uint32(0), a[1], uint32(0), b0, b1, o[2 * u], o[2 * u + 1],
+                                                  float32(0.0), float32(0.0))  # fmt: skip
+                    o[2 * u] = d0
+                    o[2 * u + 1] = d1
+            si = nxt
+
+        # The warps' states meet in shared memory: per (warp, head) m and the sum, per dim sum p * V.
+        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 1)
+        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 2)
+        part_m = cuda.shared.array((num_warps, group), float32)
+        part_sum = cuda.shared.array((num_warps, group), float32)
+        part_acc = cuda.shared.array((num_warps, group, head_dim), float32)
+        if g < group:
+            if t == 0:
+                part_m[warp, g] = m
+                part_sum[warp, g] = sum_exp
+            for u in range(dim_tiles):  # columns 2t, 2t + 1 of n tile u: dims (2t) * HD / 8 + u, ...
+                part_acc[warp, g, 2 * t * (head_dim // 8) + u] = o[2 * u]
+                part_acc[warp, g, (2 * t + 1) * (head_dim // 8) + u] = o[2 * u + 1]
+        cuda.syncthreads()
+
+        i = cuda.threadIdx.x
+        while i < group * head_dim:  # each thread merges outputs (head gi, dim d) in turn
+            gi = i // head_dim
+            d = i % head_dim
+            m_all = minus_inf
+            for w in range(num_warps):
+                m_all = max(m_all, part_m[w, gi])
+            total_sum = float32(0.0)
+            total = float32(0.0)
+            for w in range(num_warps):
+                if part_m[w, gi] > minus_inf:  # warps that saw no token add nothing
+                    weight = exp2_approx(part_m[w, gi] - m_all)
+                    total_sum += weight * part_sum[w, gi]
+                    total += weight * part_acc[w, gi, d]
+            h = kv_head * group + gi
+            if split:  # this range's state, unnormalised; an empty range writes m = -inf, sums 0
+                row = cuda.blockIdx.z * cuda.gridDim.y + b
+                out[row, h, d] = total
+                if d == 0:
+                    out[row, h, head_dim] = m_all
+                    out[row, h, head_dim + 1] = total_sum
+            else:
+                out[b, h, d] = total / total_sum
+            i += threads
+
+    return decode_attention_tc_kernel
+
+
+def pages_per_step(head_dim: int) -> int:
+    """Pages a warp takes per step: ``PAGES_PER_STEP`` at HD 64, fewer for wider rows (the same bytes)."""
+    return max(1, PAGES_PER_STEP * 64 // head_dim)
+
+
+def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = False, full_grid: bool = False):
+    """The build the launcher runs for these heads (the module's warps, pages per step, prefetch, cap);
+    ``full_grid``: an unsplit grid of ``FULL_GRID_BLOCKS_PER_SM`` blocks per SM or more (HD 64 only)."""
+    if full_grid and not split and head_dim <= 64:
+        return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, NUM_WARPS, False, FULL_GRID_PAGES_PER_STEP,
+                                              PREFETCH, FULL_GRID_MAX_REGISTERS)  # fmt: skip
+    registers = MAX_REGISTERS if head_dim <= 64 else None  # HD 128 needs ~210 (2 blocks per SM)
+    return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, NUM_WARPS, split, pages_per_step(head_dim),
+                                          PREFETCH, registers)  # fmt: skip
+
+
+def decode_attention_tc(q, k_cache, v_cache, block_tables, context_lens, scale: float, out, workspace=None) -> None:
+    """Paged attention of one query token per sequence over its cached K/V, on the tensor cores
+    (``decode_attention``'s contract: q (B, H, HD) f32; k_cache, v_cache (num_pages, PAGE_SIZE, KVH,
+    HD) bf16; block_tables (B, max_pages) int32; context_lens (B,) int32, each in 1 .. max_pages *
+    PAGE_SIZE; out (B, H, HD) f32). Heads it does not serve (``supported``) run
+    ``decode_attention_fast``. ``workspace``: (>= decode_attention_fast.split_workspace_floats(H,
+    KVH, HD),) f32 device scratch for split launches; without one a split launch allocates it.
+    """
+    check_array("q", q, "float32", ndim=3)
+    batch, num_heads, head_dim = q.shape
+    check_array("k_cache", k_cache, BF16, (None, PAGE_SIZE, None, head_dim))
+    num_kv_heads = k_cache.shape[2]
+    if num_kv_heads == 0 or num_heads % num_kv_heads or not supported(num_heads // num_kv_heads, head_dim):
+        fast.decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale, out, workspace)
+        return
+    check_array("v_cache", v_cache, BF16, tuple(k_cache.shape))
+    check_array("block_tables", block_tables, "int32", (batch, None))
+    check_array("context_lens", context_lens, "int32", (batch,))
+    check_array("out", out, "float32", (batch, num_heads, head_dim))
+    if batch == 0:
+        return
+    group = num_heads // num_kv_heads
+    num_blocks = batch * num_kv_heads
+    splits, pages_per_split = fast.pick_split(num_blocks, block_tables.shape[1], NUM_WARPS * pages_per_step(head_dim))
+    full_grid = num_blocks >= FULL_GRID_BLOCKS_PER_SM * num_sms()
+    attention = launched_kernel(group, head_dim, num_kv_heads, splits > 1, full_grid)
+    size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
+    args = (q, k_cache.view(np.uint16).reshape(size), v_cache.view(np.uint16).reshape(size), block_tables, context_lens,
+            np.float32(scale * fast.LOG2E), np.int32(pages_per_split))  # fmt: skip
+    threads = NUM_WARPS * WARP_SIZE
+    if splits == 1:
+        launch(attention, (num_kv_heads, batch), threads, *args, out)
+        return
+    fast.launch_split_merge(attention, (num_kv_heads, batch, splits), threads, args, out, workspace)
