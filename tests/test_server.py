@@ -50,8 +50,8 @@ def ref(tiny_dir):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    llm = LLM(str(tiny_dir), backend="numpy", max_model_len=MAX_LEN, max_num_seqs=8)  # fewer slots than concurrent requests
-    server = ServerThread(llm.engine, [TINY_NAME])
+    """The server as `numba-vllm serve` runs it: its engine core in a process of its own."""
+    server = ServerThread.spawn(tiny_dir, [TINY_NAME], max_model_len=MAX_LEN, max_num_seqs=8)  # fewer slots than requests
     yield server
     server.close()
 
@@ -194,8 +194,7 @@ def test_32_concurrent_requests_match_their_outputs_alone(tiny, ref):
 @pytest.fixture
 def fresh(tiny_dir):
     """A server of its own (the module's shared one has served other tests)."""
-    llm = LLM(str(tiny_dir), backend="numpy", max_model_len=MAX_LEN, max_num_seqs=8)
-    server = ServerThread(llm.engine, [TINY_NAME])
+    server = ServerThread.spawn(tiny_dir, [TINY_NAME], max_model_len=MAX_LEN, max_num_seqs=8)
     yield server
     server.close()
 

@@ -38,8 +38,11 @@ class LLMEngine:
     """Continuous (or, for comparison, static) batching over batch slots and a waiting queue, with
     one of three runners."""
 
-    def __init__(self, checkpoint: Checkpoint, engine_config: EngineConfig | None = None):
+    def __init__(self, checkpoint: Checkpoint, engine_config: EngineConfig | None = None, detokenize: bool = True):
+        """`detokenize=False`: outputs carry token ids only, no text, and stop strings are not checked (a
+        server's engine core, whose front end does both)."""
         self.checkpoint = checkpoint
+        self.detokenize = detokenize
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.engine_config = ec = engine_config or EngineConfig()
@@ -88,7 +91,9 @@ class LLMEngine:
         self.scheduler.add(request)
         output = RequestOutput(request_id, text, ids, [CompletionOutput(0)])
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
-        self._builders[request_id] = OutputBuilder(output, output.outputs[0], params, self.config, self.tokenizer, budget)
+        self._builders[request_id] = OutputBuilder(
+            output, output.outputs[0], params, self.config, self.tokenizer, budget, self.detokenize
+        )
         return output
 
     def abort_request(self, request_id: str) -> None:

@@ -1,0 +1,234 @@
+"""The engine core in a process of its own, joined to the HTTP front end by ZeroMQ: the messages carry
+only what is new (and every field), streams interleave, a stop string or a client that leaves frees
+the request in the core, and the death of either process is reported, never hung on. Expected
+outputs come from `LLM.generate` on the same checkpoint, in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi")
+pytest.importorskip("zmq")
+httpx = pytest.importorskip("httpx")
+
+from numba_vllm import LLM, SamplingParams  # noqa: E402
+from numba_vllm.engine.output import CompletionOutput, RequestOutput  # noqa: E402
+from numba_vllm.server.core_protocol import StepOutputs, encoder, event_decoder, news_since  # noqa: E402
+from tests.helpers.server import MAX_LEN, TINY_NAME, M, ServerThread, start_serve  # noqa: E402
+from tests.helpers.tiny_llama import tiny_checkpoint, write_chat_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return tiny_checkpoint(tmp_path_factory.mktemp("tiny"), max_position_embeddings=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    server = ServerThread.spawn(tiny_dir, [TINY_NAME], max_model_len=MAX_LEN, max_num_seqs=8)
+    yield server
+    server.close()
+
+
+def _greedy(model_dir, prompts, max_tokens: int, **sampling) -> list[CompletionOutput]:
+    llm = LLM(str(model_dir), backend="numpy", max_model_len=MAX_LEN)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **sampling)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+# ---- the messages ---------------------------------------------------------------------------------
+def test_news_carries_only_what_is_new_and_every_field():
+    """Per-token lists (token ids, logprobs) are cut at what was sent, other fields pass as they are,
+    request-level ones on the first and last news only; msgpack brings them back typed."""
+    out = RequestOutput("r", "a prompt", [1, 2, 3], [CompletionOutput(0, "text", [7, 8], -1.5, [{7: -0.5}, {8: -1.0}])],
+                        num_cached_tokens=16)  # fmt: skip
+    sent: dict[int, int] = {}
+    first = news_since(out, sent, final=False)
+    assert first.prompt is None and first.prompt_token_ids == [] and first.num_cached_tokens == 16
+    assert first.outputs == [CompletionOutput(0, "", [7, 8], -1.5, [{7: -0.5}, {8: -1.0}])] and sent == {0: 2}
+    c = out.outputs[0]
+    c.token_ids.append(9)
+    c.logprobs.append({9: -2.0})
+    c.cumulative_logprob = -3.5
+    middle = news_since(out, sent, final=False)
+    assert middle.outputs == [CompletionOutput(0, "", [9], -3.5, [{9: -2.0}])] and middle.num_cached_tokens == 0
+    c.finish_reason, c.stop_reason = "stop", 5
+    out.error = None
+    last = news_since(out, sent, final=True)
+    assert last.outputs[0].token_ids == [] and last.outputs[0].finish_reason == "stop" and last.num_cached_tokens == 16
+
+    from numba_vllm.engine.stats import EngineStats
+
+    stats = EngineStats(1, 0, 7, 40, 2, 38, 0, 5, 640, True, 0, 0, 0)
+    wire = encoder().encode(StepOutputs(["r"], [], [first, middle, last], stats))
+    back = event_decoder().decode(wire)
+    assert back.outputs == [first, middle, last] and back.stats == stats and back.accepted == ["r"]
+    assert isinstance(back.outputs[0].outputs[0], CompletionOutput)
+
+
+def test_the_server_process_never_imports_numba_cuda(tiny_dir):
+    """`auto` makes the core look for a GPU (numba.cuda); the front end only gets the model's description."""
+    script = f"""
+import sys
+from numba_vllm.engine.config import EngineConfig
+from numba_vllm.server.core_process import CoreProcess, CoreSpec
+core = CoreProcess(CoreSpec({str(tiny_dir)!r}, "auto", EngineConfig(backend="auto", max_model_len=64)))
+info = core.start()
+core.close()
+assert info.backend == "numpy" and info.max_model_len == 64, info
+assert "numba.cuda" not in sys.modules and "numba" not in sys.modules, sorted(m for m in sys.modules if "numba." in m)
+"""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])}
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0, r.stderr
+
+
+# ---- streams and aborts ---------------------------------------------------------------------------
+def test_many_concurrent_streams_interleave(tiny, tiny_dir):
+    """Eight streams (as many as the batch slots) run side by side: each one's first token comes
+    before any one's last, and each gives the tokens it gives alone."""
+    prompts = [[3 + i, 40 + i, 90 - i] for i in range(8)]
+    want = [c.token_ids for c in _greedy(tiny_dir, prompts, 200)]
+    arrivals: list[list[float]] = [[] for _ in prompts]
+    got: list[list[int]] = [[] for _ in prompts]
+
+    def one(i):
+        body = {"prompt": prompts[i], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
+                "return_token_ids": True}  # fmt: skip
+        with httpx.stream("POST", tiny.url + "/v1/completions", json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    ids = json.loads(line[6:])["choices"][0]["token_ids"]
+                    if ids:
+                        got[i] += ids
+                        arrivals[i].append(time.monotonic())
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert got == want
+    assert max(a[0] for a in arrivals) < min(a[-1] for a in arrivals)
+    assert tiny.wait_idle()[M + "kv_cache_pages_used"] == 0
+
+
+def test_a_client_that_gives_up_frees_its_request_in_the_core(tiny):
+    before = tiny.wait_idle()
+    body = {"model": TINY_NAME, "prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(tiny.url + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.5))
+    after = tiny.wait_idle()
+    aborted = M + 'request_success_total{finished_reason="abort"}'
+    assert after[M + "kv_cache_pages_used"] == 0 and after[M + "num_requests_running"] == 0
+    assert after[aborted] == before[aborted] + 1
+    assert after[M + "engine_steps_total"] - before[M + "engine_steps_total"] < MAX_LEN - 8
+
+
+def test_a_stop_string_found_by_the_front_end_frees_the_request_in_the_core(tmp_path):
+    """The front end detokenizes and finds the stop string; the core, told so, stops stepping the
+    request (the steps it ran meanwhile are a matter of timing: far fewer than max_tokens) and frees
+    its pages."""
+    chat_dir = write_chat_checkpoint(tmp_path / "chat", max_position_embeddings=MAX_LEN)
+    (alone,) = _greedy(chat_dir, ["hello there"], 40)
+    text = alone.text
+    stop = next(text[i : i + 3] for i in range(8, len(text) - 3) if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i)
+    server = ServerThread.spawn(chat_dir, [TINY_NAME], max_model_len=MAX_LEN)
+    try:
+        before = server.wait_idle()
+        body = {"prompt": "hello there", "max_tokens": MAX_LEN - 16, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["text"] == text[: text.find(stop)]
+        after = server.wait_idle()
+        assert after[M + "kv_cache_pages_used"] == 0 and after[M + "num_requests_running"] == 0
+        assert after[M + "engine_steps_total"] - before[M + "engine_steps_total"] < MAX_LEN // 4
+        stopped = M + 'request_success_total{finished_reason="stop"}'
+        assert after[stopped] == before[stopped] + 1
+    finally:
+        server.close()
+
+
+# ---- either side dying ------------------------------------------------------------------------------
+def test_a_killed_core_fails_every_open_request_and_health_turns_503(tiny_dir):
+    server = ServerThread.spawn(tiny_dir, [TINY_NAME], max_model_len=MAX_LEN, max_num_seqs=1)
+    try:
+        long = {"prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True}
+        statuses = {}
+
+        def collected():  # waits for the only slot, behind the stream
+            r = httpx.post(server.url + "/v1/completions", json=long, timeout=60)
+            statuses["collected"] = (r.status_code, r.json()["error"]["code"])
+
+        stream = {**long, "stream": True}
+        with httpx.Client(base_url=server.url, timeout=60) as http, http.stream("POST", "/v1/completions", json=stream) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: "))
+            waiting = threading.Thread(target=collected)
+            waiting.start()
+            deadline = time.monotonic() + 10
+            while server.metrics()[M + "num_requests_waiting"] < 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            os.kill(server.core.pid, signal.SIGKILL)
+            events = [line[6:] for line in lines if line.startswith("data: ")]
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == "internal_error"
+        waiting.join(30)
+        assert statuses["collected"] == (500, "internal_error")
+        assert httpx.get(server.url + "/health").status_code == 503
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": [1], "max_tokens": 1})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "service_unavailable"
+    finally:
+        server.close()
+
+
+def _core_processes(pid: int) -> list[int]:
+    """The children of `pid` that multiprocessing spawned (not its resource tracker)."""
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat, cmdline = (entry / "stat").read_text(), (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid and b"spawn_main" in cmdline:
+                children.append(int(entry.name))
+    return children
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow  # starts `numba-vllm serve` in a child process (imports numba and the server stack)
+def test_the_core_process_exits_when_the_server_process_dies(tiny_dir):
+    proc, url = start_serve(tiny_dir, "--log-level", "warning")
+    try:
+        (core,) = _core_processes(proc.pid)
+        body = {"prompt": [1, 2, 3], "max_tokens": MAX_LEN - 8, "ignore_eos": True, "stream": True}
+        with httpx.Client(base_url=url, timeout=30) as http, http.stream("POST", "/v1/completions", json=body) as r:
+            next(line for line in r.iter_lines() if line.startswith("data: "))  # the core is stepping
+            proc.kill()
+            proc.wait(10)
+        deadline = time.monotonic() + 10
+        while _running(core):
+            assert time.monotonic() < deadline, "the engine core outlived the server"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
