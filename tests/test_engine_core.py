@@ -135,28 +135,63 @@ def test_a_client_that_gives_up_frees_its_request_in_the_core(tiny):
     assert after[M + "engine_steps_total"] - before[M + "engine_steps_total"] < MAX_LEN - 8
 
 
-def test_a_stop_string_found_by_the_front_end_frees_the_request_in_the_core(tmp_path):
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return write_chat_checkpoint(tmp_path_factory.mktemp("chat"), max_position_embeddings=MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def chat(chat_dir):
+    """A server of a model with a tokenizer (text, stop strings), its engine core in a process of its own."""
+    server = ServerThread.spawn(chat_dir, [TINY_NAME], max_model_len=MAX_LEN)
+    yield server
+    server.close()
+
+
+def _new_substring(text: str, start: int) -> str:
+    """Three characters of `text` from `start` on that are not blank and occur there first."""
+    pieces = (text[i : i + 3] for i in range(start, len(text) - 3))
+    return next(p for p in pieces if p.strip() and text.find(p) == text.find(p, start))
+
+
+def test_a_stop_string_found_by_the_front_end_frees_the_request_in_the_core(chat, chat_dir):
     """The front end detokenizes and finds the stop string; the core, told so, stops stepping the
     request (the steps it ran meanwhile are a matter of timing: far fewer than max_tokens) and frees
     its pages."""
-    chat_dir = write_chat_checkpoint(tmp_path / "chat", max_position_embeddings=MAX_LEN)
     (alone,) = _greedy(chat_dir, ["hello there"], 40)
     text = alone.text
-    stop = next(text[i : i + 3] for i in range(8, len(text) - 3) if text[i : i + 3].strip() and text.find(text[i : i + 3]) == i)
-    server = ServerThread.spawn(chat_dir, [TINY_NAME], max_model_len=MAX_LEN)
-    try:
-        before = server.wait_idle()
-        body = {"prompt": "hello there", "max_tokens": MAX_LEN - 16, "temperature": 0, "ignore_eos": True, "stop": [stop]}
-        r = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
-        choice = r.json()["choices"][0]
-        assert choice["finish_reason"] == "stop" and choice["text"] == text[: text.find(stop)]
-        after = server.wait_idle()
-        assert after[M + "kv_cache_pages_used"] == 0 and after[M + "num_requests_running"] == 0
-        assert after[M + "engine_steps_total"] - before[M + "engine_steps_total"] < MAX_LEN // 4
-        stopped = M + 'request_success_total{finished_reason="stop"}'
-        assert after[stopped] == before[stopped] + 1
-    finally:
-        server.close()
+    stop = _new_substring(text, 8)
+    before = chat.wait_idle()
+    body = {"prompt": "hello there", "max_tokens": MAX_LEN - 16, "temperature": 0, "ignore_eos": True, "stop": [stop]}
+    r = httpx.post(chat.url + "/v1/completions", json=body, timeout=60)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == text[: text.find(stop)]
+    after = chat.wait_idle()
+    assert after[M + "kv_cache_pages_used"] == 0 and after[M + "num_requests_running"] == 0
+    assert after[M + "engine_steps_total"] - before[M + "engine_steps_total"] < MAX_LEN // 4
+    stopped = M + 'request_success_total{finished_reason="stop"}'
+    assert after[stopped] == before[stopped] + 1
+
+
+def test_n_sequences_stop_as_they_do_offline(chat, chat_dir):
+    """n = 2 seeded sequences, streamed, with a stop string one of them meets: the texts and finish
+    reasons `LLM.generate` gives (where the engine itself checks stop strings)."""
+    llm = LLM(str(chat_dir), backend="numpy", max_model_len=MAX_LEN)
+    sampling = {"n": 2, "seed": 5, "temperature": 1.0, "max_tokens": 30, "ignore_eos": True}
+    (free,) = llm.generate(["hello there"], SamplingParams(**sampling), use_tqdm=False)
+    stop = _new_substring(free.outputs[1].text, 4)
+    (want,) = llm.generate(["hello there"], SamplingParams(**sampling, stop=[stop]), use_tqdm=False)
+    body = {"prompt": "hello there", "stop": [stop], "stream": True, **sampling}
+    texts, reasons = ["", ""], [None, None]
+    with httpx.stream("POST", chat.url + "/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                (choice,) = json.loads(line[6:])["choices"]
+                texts[choice["index"]] += choice["text"]
+                reasons[choice["index"]] = choice["finish_reason"] or reasons[choice["index"]]
+    assert texts == [c.text for c in want.outputs] and reasons == [c.finish_reason for c in want.outputs]
+    assert "stop" in reasons
+    assert chat.wait_idle()[M + "kv_cache_pages_used"] == 0
 
 
 # ---- either side dying ------------------------------------------------------------------------------

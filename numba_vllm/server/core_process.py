@@ -42,8 +42,9 @@ logger = logging.getLogger("uvicorn.error")
 
 def model_info(engine: LLMEngine) -> ModelInfo:
     return ModelInfo(
-        engine.config, engine.tokenizer, engine.max_model_len, engine.backend, engine.stats(), str(engine.checkpoint.source)
-    )
+        engine.config, engine.tokenizer, engine.max_model_len, engine.backend, engine.stats(), str(engine.checkpoint.source),
+        dict(engine.sampling_defaults),
+    )  # fmt: skip
 
 
 class CoreThread:

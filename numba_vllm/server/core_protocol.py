@@ -158,6 +158,7 @@ class ModelInfo:
     backend: str
     stats: EngineStats  # the engine's state when it became ready
     source: str  # the checkpoint's path
+    sampling_defaults: dict  # what a request's absent sampling fields take (the model's generation_config.json)
 
     @property
     def lengths(self) -> LengthPolicy:

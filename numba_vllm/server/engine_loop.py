@@ -28,7 +28,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import zmq
 import zmq.asyncio
@@ -82,7 +82,7 @@ class Sink:
     """Where one engine request's news goes, on the event loop that waits for it."""
 
     loop: asyncio.AbstractEventLoop
-    index: int  # the choice index within its HTTP request
+    index: int  # the choice index of the request's first sequence within its HTTP request (sequence i: index + i)
     accepted: asyncio.Future  # None once the engine took it; an APIError if it refused
     queue: asyncio.Queue  # Deltas (shared by the choices of one HTTP request)
 
@@ -105,13 +105,18 @@ class Delta:
 
 @dataclass
 class _Live:
-    """One request between its add and its end: its sink, its output as built here, and its latencies."""
+    """One request between its add and its end: its sink, its output as built here (a builder per
+    sequence), what it has sent, and its latencies."""
 
     sink: Sink
     output: RequestOutput
-    builder: OutputBuilder
+    builders: list[OutputBuilder]  # builder i fills output.outputs[i]
     arrival: float  # time.perf_counter() when the HTTP request came in
+    sent_final: list[bool] = field(init=False)  # per sequence: its last Delta went out
     last_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        self.sent_final = [False] * len(self.builders)
 
 
 class EngineLoop:
@@ -189,17 +194,18 @@ class EngineLoop:
         if self._closed or not self._started:
             raise not_running()
         ids = list(prompt_ids)
-        output = RequestOutput(request_id, None, ids, [CompletionOutput(0)])
+        output = RequestOutput(request_id, None, ids, [CompletionOutput(i) for i in range(params.n)])
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
-        builder = OutputBuilder(output, output.outputs[0], params, self.info.config, self.info.tokenizer, budget)
-        self._pending[request_id] = _Live(sink, output, builder, arrival)
+        config, tokenizer = self.info.config, self.info.tokenizer
+        builders = [OutputBuilder(output, c, params, config, tokenizer, budget) for c in output.outputs]
+        self._pending[request_id] = _Live(sink, output, builders, arrival)
         self._send(AddRequest(request_id, ids, params))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (no news is sent back): its slot and pages are freed before the core's next step."""
         live = self._live.pop(request_id, None)
         if live is not None:
-            self.metrics.finished.labels("abort").inc()
+            self.metrics.finished.labels("abort").inc(live.sent_final.count(False))
         if (live or self._pending.pop(request_id, None)) is not None:
             self._send(AbortRequests([request_id]))
 
@@ -255,15 +261,53 @@ class EngineLoop:
         self.dashboard.publish(event.stats)
 
     def _take(self, request_id: str, live: _Live, news: RequestOutput, now: float) -> None:
-        """Fold a request's news into its output (detokenizing, checking stop strings), then hand the
-        new text and tokens to its sink; record its latencies."""
-        out, builder = live.output, live.builder
+        """Fold a request's news into its output (detokenizing, checking stop strings), then hand each
+        sequence's new text and tokens to the sink; record the latencies (a request's time to first
+        token is its first sequence's, its time per token the mean over its sequences' new tokens)."""
+        out = live.output
         for f in _REQUEST_FIELDS:
             value = getattr(news, f.name)
             if value != f.default:
                 setattr(out, f.name, value)
-        c = out.outputs[0]
-        (sequence,) = news.outputs
+        m = self.metrics
+        num_new = 0
+        for sequence in news.outputs:
+            i = sequence.index
+            if live.sent_final[i]:  # a stop string ended it; the core runs it on until told
+                continue
+            text, new_tokens = self._fold(out, live.builders[i], sequence)
+            num_new += len(new_tokens)
+            c = out.outputs[i]
+            if c.finish_reason == "error":
+                delta = Delta(live.sink.index + i, "", [], None, internal_error(request_id))
+            elif new_tokens or c.finish_reason is not None:
+                delta = Delta(live.sink.index + i, text, new_tokens, c.finish_reason, num_cached_tokens=out.num_cached_tokens)
+                if c.finish_reason is not None:
+                    m.finished.labels(c.finish_reason).inc()
+            else:
+                continue
+            live.sent_final[i] = delta.final
+            live.sink.queue.put_nowait(delta)
+        if num_new:
+            m.generation_tokens.inc(num_new)
+            if live.last_token_at is None:
+                m.ttft.observe(now - live.arrival)
+            else:
+                m.tpot.observe((now - live.last_token_at) * len(out.outputs) / num_new)
+            live.last_token_at = now
+        if out.error is not None:
+            m.finished.labels("error").inc()
+        if out.finished:
+            m.e2e.observe(now - live.arrival)
+            del self._live[request_id]
+            if not news.finished:  # stop strings ended it here: the core frees it now
+                self._send(AbortRequests([request_id]))
+
+    def _fold(self, out: RequestOutput, builder: OutputBuilder, sequence: CompletionOutput) -> tuple[str, list[int]]:
+        """One sequence's news into its CompletionOutput: its tokens through the builder (text, stop
+        strings) up to a stop, per-token lists (logprobs) with them, other values as they come, and the
+        core's finish where the builder saw none. Returns the new text and token ids."""
+        c = builder.completion
         lists = {name: v for name in _SEQUENCE_FIELDS if isinstance(v := getattr(sequence, name), list)}
         for name in _SEQUENCE_FIELDS:
             if name not in lists:
@@ -272,38 +316,17 @@ class EngineLoop:
         for i, token in enumerate(sequence.token_ids):
             if c.finish_reason is not None:  # a stop string ended it; the core has not heard yet
                 break
-            for name, values in lists.items():  # per-token lists (logprobs) grow with the tokens
+            for name, values in lists.items():
                 if getattr(c, name) is None:
                     setattr(c, name, [])
                 getattr(c, name).append(values[i])
             text += builder.add(token)
             new_tokens.append(token)
-        core_reason = sequence.finish_reason
-        if c.finish_reason is None and core_reason == "error":
+        if c.finish_reason is None and sequence.finish_reason == "error":
             builder.fail(out.error or "the engine step failed")
-        elif c.finish_reason is None and core_reason is not None:  # "abort" (an abort-all), or a stop the core saw
-            c.finish_reason, c.stop_reason = core_reason, sequence.stop_reason
-        elif c.finish_reason is not None and core_reason is None:  # a stop string: the core frees the request now
-            self._send(AbortRequests([request_id]))
-
-        m = self.metrics
-        if new_tokens:
-            m.generation_tokens.inc(len(new_tokens))
-            if live.last_token_at is None:
-                m.ttft.observe(now - live.arrival)
-            else:
-                m.tpot.observe((now - live.last_token_at) / len(new_tokens))
-            live.last_token_at = now
-        finished = c.finish_reason is not None
-        if finished:
-            m.finished.labels(c.finish_reason).inc()
-            m.e2e.observe(now - live.arrival)
-            del self._live[request_id]
-        if c.finish_reason == "error":
-            delta = Delta(live.sink.index, "", [], None, internal_error(request_id))
-        else:
-            delta = Delta(live.sink.index, text, new_tokens, c.finish_reason, num_cached_tokens=out.num_cached_tokens)
-        live.sink.queue.put_nowait(delta)
+        elif c.finish_reason is None and sequence.finish_reason is not None:  # "abort" (an abort-all), or a stop seen there
+            c.finish_reason, c.stop_reason = sequence.finish_reason, sequence.stop_reason
+        return text, new_tokens
 
     # ---- the core's end -----------------------------------------------------------------------
     def _core_exited(self, why: str) -> None:
@@ -326,11 +349,12 @@ class EngineLoop:
         for request_id, live in self._live.items():
             if failed:
                 self.metrics.finished.labels("error").inc()
-                delta = Delta(live.sink.index, "", [], None, internal_error(request_id))
-            else:
-                self.metrics.finished.labels("abort").inc()
-                delta = Delta(live.sink.index, "", [], "abort")
-            live.sink.queue.put_nowait(delta)
+            for i, final in enumerate(live.sent_final):
+                if not final:
+                    if not failed:
+                        self.metrics.finished.labels("abort").inc()
+                    error = internal_error(request_id) if failed else None
+                    live.sink.queue.put_nowait(Delta(live.sink.index + i, "", [], None if failed else "abort", error))
         self._pending.clear()
         self._live.clear()
         if self._receiver is not None and asyncio.current_task() is not self._receiver:
