@@ -172,7 +172,7 @@ def _core_main(spec: CoreSpec, addresses: CoreAddresses, sender) -> None:
     """The core process: build the engine, say so, run the loop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _exit_with_parent()
+    _exit_with_parent(addresses)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     [engine core] %(message)s")
     try:
         engine, seconds = _build_engine(spec)
@@ -204,8 +204,9 @@ def _build_engine(spec: CoreSpec) -> tuple[LLMEngine, float]:
     return engine, time.perf_counter() - t0
 
 
-def _exit_with_parent() -> None:
-    """A daemon thread that ends this process as soon as its parent is gone."""
+def _exit_with_parent(addresses: CoreAddresses) -> None:
+    """A daemon thread that ends this process as soon as its parent is gone (removing the socket
+    files the parent would have)."""
     parent = multiprocessing.parent_process()
     if parent is None:
         return
@@ -213,6 +214,7 @@ def _exit_with_parent() -> None:
     def watch() -> None:
         multiprocessing.connection.wait([parent.sentinel])
         print("engine core: the server process is gone; exiting", file=sys.stderr, flush=True)
+        addresses.remove_files()
         os._exit(1)
 
     threading.Thread(target=watch, name="numba-vllm-parent-watch", daemon=True).start()
