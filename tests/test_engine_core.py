@@ -267,3 +267,19 @@ def test_the_core_process_exits_when_the_server_process_dies(tiny_dir):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.slow  # starts `numba-vllm serve` in a child process
+def test_serve_engine_in_process_keeps_the_core_in_a_thread(tiny_dir):
+    proc, url = start_serve(tiny_dir, "--engine-in-process", "--log-level", "warning")
+    try:
+        assert _core_processes(proc.pid) == []
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4, "ignore_eos": True}, timeout=30)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode == 0 and "Traceback" not in out, out
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

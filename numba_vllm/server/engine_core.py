@@ -79,11 +79,11 @@ class EngineCore:
             sock.setsockopt(zmq.RCVHWM, 0)
             sock.setsockopt(zmq.SNDHWM, 0)  # never block a step on a slow reader: queue instead
         events.setsockopt(zmq.LINGER, LINGER_MS)
-        commands.bind(self.addresses.commands)
         events.connect(self.addresses.events)
         self._events = events
         error = None
         try:
+            commands.bind(self.addresses.commands)
             self._send_round()  # the first stats: the front end knows the core is there
             self._loop(commands)
         except BaseException as e:  # a bug, or a broken engine: the front end answers what is open
