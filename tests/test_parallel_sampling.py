@@ -125,3 +125,17 @@ def test_n_must_be_a_positive_integer():
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="n must be an integer >= 1"):
             SamplingParams(n=bad)
+
+
+def test_held_siblings_go_ahead_of_requests_that_arrived_after_theirs(tiny_dir):
+    e = engine(tiny_dir, max_num_seqs=2)
+    e.add_request("r", PROMPT, SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    e.add_request("later", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    plan = steps(e)
+    assert [s[0] for s in plan[0]] == ["0_r", "later"]  # two slots: child 0 and the next arrival
+    assert [s[0] for s in plan[3]] == ["1_r"]  # the sibling took the first slot freed, once child 0 and "later" ended
+    e.add_request("r2", PROMPT, SamplingParams(n=2, max_tokens=3, ignore_eos=True))
+    e.add_request("a", [5, 6], SamplingParams(max_tokens=1, ignore_eos=True))
+    e.add_request("b", [7, 8], SamplingParams(max_tokens=1, ignore_eos=True))
+    plan = steps(e)
+    assert [s[0] for s in plan[1]] == ["0_r2", "1_r2"]  # "a" ran beside child 0; "b" waits behind the sibling

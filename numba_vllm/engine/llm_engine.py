@@ -82,6 +82,7 @@ class LLMEngine:
         self.sampling_defaults = model_sampling_defaults(self.config, ec.generation_config)
         self._builders: dict[str, OutputBuilder] = {}  # by child request id, while it runs
         self._families: dict[str, _Family] = {}  # by request id, until every child has finished
+        self._holding: dict[str, _Family] = {}  # the families with held children, by request id
         self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -132,7 +133,9 @@ class LLMEngine:
         first, held = (children[:1], children[1:]) if share else (children, [])
         for request in first:
             self.scheduler.add(request)
-        self._families[request_id] = _Family(output, child_ids, held)
+        self._families[request_id] = family = _Family(output, child_ids, held)
+        if held:
+            self._holding[request_id] = family
         return output
 
     def abort_request(self, request_id: str) -> None:
@@ -140,6 +143,7 @@ class LLMEngine:
         family = self._families.pop(request_id, None)
         if family is None:
             return
+        self._holding.pop(request_id, None)
         held = {r.request_id for r in family.held}
         for child_id in family.child_ids:
             builder = self._builders.pop(child_id, None)
@@ -214,11 +218,13 @@ class LLMEngine:
     def _release_siblings(self) -> None:
         """Hand held children to the scheduler once child 0's prompt is computed (its first token is
         out, or it has ended): the prompt's full pages are in the prefix cache for them to share."""
-        for family in self._families.values():
-            if family.held and (family.output.outputs[0].token_ids or family.output.outputs[0].finished()):
-                for request in family.held:
-                    self.scheduler.add(request)
+        for request_id, family in list(self._holding.items()):
+            first = family.output.outputs[0]
+            if first.token_ids or first.finished():
+                for request in reversed(family.held):  # ahead of requests that arrived after theirs, in index order
+                    self.scheduler.add(request, front=True)
                 family.held = []
+                del self._holding[request_id]
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         """End a request whose step failed (FINISHED_ERROR): pages and slot freed, output marked; the
@@ -228,6 +234,7 @@ class LLMEngine:
         builder = self._builders.pop(request.request_id)
         builder.fail(message)
         family = self._families.pop(builder.output.request_id)
+        self._holding.pop(builder.output.request_id, None)
         held = {r.request_id for r in family.held}
         for child_id in family.child_ids:
             sibling = self._builders.pop(child_id, None)
