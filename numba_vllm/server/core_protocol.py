@@ -70,11 +70,13 @@ Command = AddRequest | AbortRequests | AbortAll | WatchDetail | Shutdown
 
 # ---- core -> front end --------------------------------------------------------------------------
 class Refused(msgspec.Struct, array_like=True):
-    """An add the engine did not take: `status` 400 (the prompt cannot run) or 500 (the engine failed)."""
+    """An add the engine did not take: `status` 400 (the request cannot run: `param` says which field)
+    or 500 (the engine failed)."""
 
     request_id: str
     status: int
     message: str
+    param: str | None = None
 
 
 class StepOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -135,7 +135,7 @@ class EngineCore:
             try:
                 output = engine.add_request(request_id, command.prompt_token_ids, command.params)
             except ValueError as e:  # the prompt cannot run (the front end's checks should have caught it)
-                self._refused.append(Refused(request_id, 400, str(e)))
+                self._refused.append(Refused(request_id, 400, str(e), "prompt"))
                 return
             except Exception:
                 logger.error("add_request failed (request %s):\n%s", request_id, traceback.format_exc())

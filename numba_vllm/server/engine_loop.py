@@ -97,6 +97,8 @@ class Delta:
     finish_reason: str | None  # "stop", "length", "abort"; None while it runs (or when `error` ends it)
     error: APIError | None = None  # the engine failed: the request is over
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (known once a token is out)
+    logprobs: list | None = None  # one entry per token of token_ids, if asked for
+    prompt_logprobs: list | None = None  # the prompt's, with the sequence's first tokens, if asked for
 
     @property
     def final(self) -> bool:
@@ -251,7 +253,7 @@ class EngineLoop:
         for refused in event.refused:
             live = self._pending.pop(refused.request_id, None)
             if live is not None and not live.sink.accepted.done():
-                error = APIError(400, refused.message, param="prompt")
+                error = APIError(400, refused.message, param=refused.param)
                 live.sink.accepted.set_exception(error if refused.status == 400 else internal_error(refused.request_id))
         for news in event.outputs:
             live = self._live.get(news.request_id)
@@ -282,6 +284,10 @@ class EngineLoop:
                 delta = Delta(live.sink.index + i, "", [], None, internal_error(request_id))
             elif new_tokens or c.finish_reason is not None:
                 delta = Delta(live.sink.index + i, text, new_tokens, c.finish_reason, num_cached_tokens=out.num_cached_tokens)
+                if c.logprobs is not None:
+                    delta.logprobs = c.logprobs[len(c.token_ids) - len(new_tokens) :]
+                if new_tokens and len(c.token_ids) == len(new_tokens):
+                    delta.prompt_logprobs = out.prompt_logprobs
                 if c.finish_reason is not None:
                     m.finished.labels(c.finish_reason).inc()
             else:
