@@ -228,14 +228,14 @@ class EngineLoop:
     async def _receive(self) -> None:
         while True:
             frame = await self._events.recv(copy=False)
-            event = self._decoder.decode(frame.buffer)
-            if isinstance(event, CoreStopped):
-                if event.error is not None:
-                    self._core_ended(f"the engine core stopped: {event.error}", failed=True)
-                else:
-                    self._core_ended("the engine core stopped", failed=False)
-                return
             try:
+                event = self._decoder.decode(frame.buffer)
+                if isinstance(event, CoreStopped):
+                    if event.error is not None:
+                        self._core_ended(f"the engine core stopped: {event.error}", failed=True)
+                    else:
+                        self._core_ended("the engine core stopped", failed=False)
+                    return
                 self._apply(event)
             except Exception:  # a bug here must not silence every later message
                 logger.exception("handling the engine core's news failed")
