@@ -6,6 +6,7 @@ outputs come from `LLM.generate` on the same checkpoint, in this process.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -23,7 +24,8 @@ httpx = pytest.importorskip("httpx")
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.engine.output import CompletionOutput, RequestOutput  # noqa: E402
-from numba_vllm.server.core_protocol import StepOutputs, encoder, event_decoder, news_since  # noqa: E402
+from numba_vllm.engine.stats import EngineStats  # noqa: E402
+from numba_vllm.server.core_protocol import CoreAddresses, StepOutputs, encoder, event_decoder, news_since  # noqa: E402
 from tests.helpers.server import MAX_LEN, TINY_NAME, M, ServerThread, start_serve  # noqa: E402
 from tests.helpers.tiny_llama import tiny_checkpoint, write_chat_checkpoint  # noqa: E402
 
@@ -67,13 +69,83 @@ def test_news_carries_only_what_is_new_and_every_field():
     last = news_since(out, sent, final=True)
     assert last.outputs[0].token_ids == [] and last.outputs[0].finish_reason == "stop" and last.num_cached_tokens == 16
 
-    from numba_vllm.engine.stats import EngineStats
-
     stats = EngineStats(1, 0, 7, 40, 2, 38, 0, 5, 640, True, 0, 0, 0)
     wire = encoder().encode(StepOutputs(["r"], [], [first, middle, last], stats))
     back = event_decoder().decode(wire)
     assert back.outputs == [first, middle, last] and back.stats == stats and back.accepted == ["r"]
     assert isinstance(back.outputs[0].outputs[0], CompletionOutput)
+
+
+class _SilentCore:
+    """A core that never runs: the front end's channel opens, nothing answers (news is handed in by the test)."""
+
+    def __init__(self):
+        self.addresses = CoreAddresses.new()
+
+    def start(self) -> None:
+        pass
+
+    def watch(self, loop, on_exit) -> None:
+        pass
+
+    def join(self, timeout: float) -> bool:
+        return True
+
+    def kill(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.addresses.remove_files()
+
+
+def test_the_front_end_folds_news_generically_and_cuts_at_stop_strings(chat_dir):
+    """Per-token lists other than the ids (logprobs) follow their tokens into the output and the
+    Deltas, request-level fields arrive, and the text is the tokenizer's own decode, cut before the
+    stop string; the core is told to free the request once the stop string is found (and to shut
+    down at the end)."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from numba_vllm.loading.checkpoint import load_checkpoint
+    from numba_vllm.server.core_protocol import ModelInfo
+    from numba_vllm.server.engine_loop import EngineLoop, Sink
+
+    hf = HFTokenizer.from_file(str(chat_dir / "tokenizer.json"))
+    ids = hf.encode("the whole world", add_special_tokens=False).ids
+    text = hf.decode(ids)
+    stop = text[5:8]
+    ckpt = load_checkpoint(chat_dir)
+    stats = EngineStats(1, 0, 7, 40, 2, 38, 0, 5, 640, True, 0, 0, 0)
+    info = ModelInfo(ckpt.config, ckpt.tokenizer, MAX_LEN, "numpy", stats, str(chat_dir), {})
+
+    async def run():
+        core = _SilentCore()
+        front = EngineLoop(core, info, TINY_NAME)
+        front.start()
+        sent = []
+        front._send = sent.append  # what would go to the core
+        loop = asyncio.get_running_loop()
+        sink = Sink(loop, 0, loop.create_future(), asyncio.Queue())
+        front.add("r", [1, 2], SamplingParams(max_tokens=100, stop=[stop], ignore_eos=True), sink, time.perf_counter())
+        front._apply(StepOutputs(["r"], [], [], stats))
+        assert sink.accepted.done()
+        for k, token in enumerate(ids):
+            logprobs = [{token: -0.5 * k}]
+            sequence = CompletionOutput(0, "", [token], -1.0 * k, logprobs)
+            news = RequestOutput("r", None, [], [sequence], num_cached_tokens=16 if k == 0 else 0)
+            front._apply(StepOutputs([], [], [news], stats))
+        deltas = []
+        while not sink.queue.empty():
+            deltas.append(sink.queue.get_nowait())
+        await front.stop(0)
+        return front, deltas, sent
+
+    front, deltas, sent = asyncio.run(run())
+    assert "".join(d.text for d in deltas) == text[: text.find(stop)] and deltas[-1].finish_reason == "stop"
+    taken = [t for d in deltas for t in d.token_ids]
+    assert taken == ids[: len(taken)] and len(taken) < len(ids)
+    assert [lp for d in deltas for lp in d.logprobs] == [{t: -0.5 * k} for k, t in enumerate(taken)]
+    assert deltas[0].num_cached_tokens == 16
+    assert [type(c).__name__ for c in sent] == ["AddRequest", "AbortRequests", "Shutdown"] and sent[1].request_ids == ["r"]
 
 
 def test_the_server_process_never_imports_numba_cuda(tiny_dir):
