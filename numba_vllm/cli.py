@@ -25,7 +25,7 @@ from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.errors import KernelError
 from numba_vllm.executor.backend import prepare_backend, resolve_backend
 from numba_vllm.fleet import POLICIES
-from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint, random_checkpoint
+from numba_vllm.loading.checkpoint import Checkpoint, load_model
 
 DEFAULT_QUESTION = "What is the capital of France? Answer in one sentence."
 TINY_MODEL_DIR = "tests/data/tiny-llama"  # in the repository: a tiny Llama config for --load-format dummy
@@ -56,11 +56,13 @@ LOAD_FORMAT = click.option(
 
 def _load(model: str | None, load_format: str) -> Checkpoint:
     """The checkpoint `--model` / `--load-format` name."""
-    if load_format == "dummy":
-        if model is None:
-            raise click.UsageError(f"--load-format dummy needs --model: a directory with config.json (e.g. {TINY_MODEL_DIR})")
-        return random_checkpoint(model)
-    return load_checkpoint(model)
+    _check_load_format(model, load_format)
+    return load_model(model, load_format)
+
+
+def _check_load_format(model: str | None, load_format: str) -> None:
+    if load_format == "dummy" and model is None:
+        raise click.UsageError(f"--load-format dummy needs --model: a directory with config.json (e.g. {TINY_MODEL_DIR})")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -379,24 +381,28 @@ def _finish_one(outputs, errors, current: int, shown: int, as_json: bool) -> tup
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)  # fmt: skip
 @click.option("--no-access-log", is_flag=True, help="Do not log every HTTP request.")
+@click.option("--engine-in-process", is_flag=True,
+              help="Step the engine in a thread of the server's process, not in an engine-core process of its own.")  # fmt: skip
 def serve(model_arg, model, backend, host, port, served_model_name, api_key, load_format, max_request_bytes,
           max_prompts_per_request, max_waiting_requests, header_timeout, body_timeout, write_timeout, allowed_hosts,
-          shutdown_timeout, log_level, no_access_log, **engine_args):  # fmt: skip
+          shutdown_timeout, log_level, no_access_log, engine_in_process, **engine_args):  # fmt: skip
     """Serve MODEL over an OpenAI-compatible HTTP API (needs: pip install 'numba-vllm[serve]').
 
     A request that leaves out temperature, top_p or top_k takes the model's generation_config.json
-    value (--generation-config vllm: vLLM's neutral defaults); a value it gives wins.
+    value (--generation-config vllm: vLLM's neutral defaults); a value it gives wins. The engine core
+    (scheduler and model runner) runs in a process of its own; this one serves HTTP, tokenizes and
+    detokenizes.
     """
     if model_arg is not None and model is not None and model_arg != model:
         raise click.UsageError(f"MODEL ({model_arg}) and --model ({model}) name different models; give one of them")
     model = model if model is not None else model_arg
     try:
         from numba_vllm.server import ServerLimits, listen, run_server
+        from numba_vllm.server.core_process import CoreProcess, CoreSpec, model_info
     except ImportError as e:
-        needs = "the server needs FastAPI, uvicorn and prometheus-client"
+        needs = "the server needs FastAPI, uvicorn, prometheus-client, pyzmq and msgspec"
         raise click.ClickException(f"{needs} ({e}): pip install 'numba-vllm[serve]'") from None
-    if load_format == "dummy" and model is None:
-        _load(model, load_format)  # the usage error, before anything else
+    _check_load_format(model, load_format)  # the usage error, before anything else
     hosts = None
     if allowed_hosts is not None:
         hosts = tuple(h.strip() for h in allowed_hosts.split(",") if h.strip())
@@ -413,28 +419,33 @@ def serve(model_arg, model, backend, host, port, served_model_name, api_key, loa
         raise click.BadParameter(str(e), param_hint="--host/--port") from None
     try:
         engine_config = EngineConfig(backend=backend, **engine_args)
-        prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
-        resolve_backend(backend)  # an unusable backend fails now, before the model loads
         t0 = time.perf_counter()
-        ckpt = _load(model, load_format)
-        engine = LLMEngine(ckpt, engine_config)
-        if engine.backend == "cuda":  # compile and record graphs now, not in the first requests
-            t1 = time.perf_counter()
-            engine.warm_up()
-            _log(f"kernels compiled and decode graphs recorded in {time.perf_counter() - t1:.1f} s")
+        if engine_in_process:
+            prepare_backend(backend)  # `sim` must switch the simulator on before numba.cuda is imported
+            resolve_backend(backend)  # an unusable backend fails now, before the model loads
+            core = LLMEngine(_load(model, load_format), engine_config)
+            if core.backend == "cuda":  # compile and record graphs now, not in the first requests
+                t1 = time.perf_counter()
+                core.warm_up()
+                _log(f"kernels compiled and decode graphs recorded in {time.perf_counter() - t1:.1f} s")
+            info = model_info(core)
+        else:  # the core process loads the model, builds the engine and warms it up; only it touches the GPU
+            core = CoreProcess(CoreSpec(model, load_format, engine_config))
+            info = core.start()
     except (ValueError, OSError, KernelError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
         _log("interrupted")
         sys.exit(130)
-    names = list(served_model_name) or [model if model is not None else ckpt.source.stem.split(".")[0]]
+    source = Path(info.source)
+    names = list(served_model_name) or [model if model is not None else source.stem.split(".")[0]]
     _log(
-        f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
-        f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}, max_model_len {engine.max_model_len}, "
-        f"{engine.stats().num_pages} KV pages; serving as {', '.join(names)} on http://{host}:{port}"
+        f"model {source.name}: {info.config.num_parameters() / 1e6:.0f}M parameters, "
+        f"ready in {time.perf_counter() - t0:.1f} s, backend {info.backend}, max_model_len {info.max_model_len}, "
+        f"{info.stats.num_pages} KV pages; serving as {', '.join(names)} on http://{host}:{port}"
     )
     run_server(
-        engine,
+        core,
         names,
         host=host,
         port=port,

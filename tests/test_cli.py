@@ -119,7 +119,7 @@ def test_several_prompts_are_separated_and_stop_strings_apply(tiny_dir, monkeypa
             return ""
 
     monkeypatch.setattr("numba_vllm.engine.output.IncrementalDetokenizer", Detok)
-    monkeypatch.setattr("numba_vllm.cli.load_checkpoint", lambda model: _with_tokenizer(tiny_dir, Words()))
+    monkeypatch.setattr("numba_vllm.cli.load_model", lambda model, load_format: _with_tokenizer(tiny_dir, Words()))
     r = run("--model", "x", "w5 w6", "w7", "--max-tokens", "3", "--ignore-eos")
     assert r.exit_code == 0, r.output
     first, second = r.stdout.split("\n\n")

@@ -50,8 +50,8 @@ def ref(tiny_dir):
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    llm = LLM(str(tiny_dir), backend="numpy", max_model_len=MAX_LEN, max_num_seqs=8)  # fewer slots than concurrent requests
-    server = ServerThread(llm.engine, [TINY_NAME])
+    """The server as `numba-vllm serve` runs it: its engine core in a process of its own."""
+    server = ServerThread.spawn(tiny_dir, [TINY_NAME], max_model_len=MAX_LEN, max_num_seqs=8)  # fewer slots than requests
     yield server
     server.close()
 

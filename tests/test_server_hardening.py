@@ -1,7 +1,8 @@
 """What a fuzzer or a careless client sends must not break the server, hang a request or go unanswered.
 
-The tiny random model on the numpy backend, served in a thread of this process (`ServerThread` from
-test_server.py) or, for signals, as `numba-vllm serve` in a subprocess. After every kind of bad or
+The tiny random model on the numpy backend, served in a thread of this process (`ServerThread`; its
+engine core in a process of its own, or in a thread where a test breaks the engine on purpose) or,
+for signals, as `numba-vllm serve` in a subprocess. After every kind of bad or
 failed request the next greedy request must give the tokens `LLM.generate` gives, and the metrics
 must show no slot or page held.
 """
@@ -51,7 +52,7 @@ def serve(tiny_dir, **kw) -> ServerThread:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_dir):
-    server = serve(tiny_dir)
+    server = ServerThread.spawn(tiny_dir, [TINY_NAME], max_model_len=MAX_LEN, max_num_seqs=8)
     yield server
     server.close()
 
@@ -79,7 +80,7 @@ def test_a_temperature_of_1e_310_is_greedy(tiny, want):
 def test_a_failed_step_answers_500_to_its_requests_and_the_server_goes_on(tiny_dir, want, caplog):
     server = serve(tiny_dir)
     try:
-        runner = server.server.state.engine.runner
+        runner = server.server.state.core.engine.runner
         launch = runner.launch
         runner.launch = lambda plan, previous=None: (_ for _ in ()).throw(FloatingPointError("secret internals"))
         r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}, timeout=30)
@@ -98,7 +99,7 @@ def test_a_failed_step_answers_500_to_its_requests_and_the_server_goes_on(tiny_d
 def test_an_engine_whose_steps_keep_failing_is_unhealthy_and_refuses(tiny_dir):
     server = serve(tiny_dir)
     try:
-        server.server.state.engine.runner.launch = lambda plan, previous=None: 1 / 0
+        server.server.state.core.engine.runner.launch = lambda plan, previous=None: 1 / 0
         for _ in range(3):
             r = httpx.post(server.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}, timeout=30)
             assert r.status_code == 500
@@ -109,11 +110,11 @@ def test_an_engine_whose_steps_keep_failing_is_unhealthy_and_refuses(tiny_dir):
         server.close()
 
 
-# ---- 2. every request is answered, even when the engine thread dies ------------------------------
+# ---- 2. every request is answered, even when the engine core dies ------------------------------
 def test_requests_queued_when_the_engine_thread_dies_are_answered(tiny_dir):
     server = serve(tiny_dir)
     try:
-        engine = server.server.state.engine
+        engine = server.server.state.core.engine
         in_step, release = threading.Event(), threading.Event()
 
         def broken_step():

@@ -80,8 +80,11 @@ class LLMEngine:
     """Continuous (or, for comparison, static) batching over batch slots and a waiting queue, with
     one of three runners."""
 
-    def __init__(self, checkpoint: Checkpoint, engine_config: EngineConfig | None = None):
+    def __init__(self, checkpoint: Checkpoint, engine_config: EngineConfig | None = None, detokenize: bool = True):
+        """`detokenize=False`: outputs carry token ids only, no text, and stop strings are not checked (a
+        server's engine core, whose front end does both)."""
         self.checkpoint = checkpoint
+        self.detokenize = detokenize
         self.config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.engine_config = ec = engine_config or EngineConfig()
@@ -144,7 +147,9 @@ class LLMEngine:
             seed = None if params.seed is None else params.seed + i
             child_params = params if n == 1 else dataclasses.replace(params, n=1, seed=seed)
             children.append(Request(child_id, ids, child_params, next(self._arrivals)))
-            self._builders[child_id] = OutputBuilder(output, output.outputs[i], child_params, self.config, self.tokenizer, budget)
+            self._builders[child_id] = OutputBuilder(
+                output, output.outputs[i], child_params, self.config, self.tokenizer, budget, self.detokenize
+            )
         share = self.scheduler.allocator.enable_caching  # the siblings wait only where there are pages to share
         first, held = (children[:1], children[1:]) if share else (children, [])
         for request in first:

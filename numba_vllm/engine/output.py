@@ -68,9 +68,11 @@ class OutputBuilder:
         config: ModelConfig,
         tokenizer: Tokenizer | None,
         max_new_tokens: int,
+        detokenize: bool = True,
     ):
         """`completion`: the sequence of `output` this builder fills; `max_new_tokens`: its output
-        budget (`LengthPolicy.max_new_tokens`)."""
+        budget (`LengthPolicy.max_new_tokens`). With `detokenize` False only the ids and the stops on
+        ids and length are kept (a server's engine core: its front end builds the text)."""
         self.output = output
         self.completion = completion
         self.max_new_tokens = max_new_tokens
@@ -80,7 +82,8 @@ class OutputBuilder:
             if tokenizer is not None and tokenizer.eos_token_id is not None:
                 self.eos_ids.add(tokenizer.eos_token_id)
         self.stop_ids = set(params.stop_token_ids)
-        self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids) if tokenizer is not None else None
+        detokenize = detokenize and tokenizer is not None  # without text there are no stop strings either
+        self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids) if detokenize else None
         self.held = _StopStringFilter(params.stop)
 
     def add(self, token: int) -> str:

@@ -71,6 +71,15 @@ def load_checkpoint(model: str | Path | None = None) -> Checkpoint:
     return Checkpoint(config, load_weights(path, config), load_tokenizer(path), path)
 
 
+def load_model(model: str | Path | None, load_format: str = "auto") -> Checkpoint:
+    """`load_checkpoint(model)`, or with load_format "dummy" a `random_checkpoint` of `model`'s config."""
+    if load_format == "dummy":
+        if model is None:
+            raise ValueError("load format 'dummy' needs a model directory with config.json")
+        return random_checkpoint(model)
+    return load_checkpoint(model)
+
+
 def random_checkpoint(config_dir: str | Path, seed: int = 0) -> Checkpoint:
     """A checkpoint with a real config and random bf16 weights, built in memory (no tokenizer).
 

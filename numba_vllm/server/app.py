@@ -3,19 +3,20 @@
 A POST is handled on the event loop: `guard.py` has checked the host, the API key and the content
 type; read the body (size- and time-limited), validate it (`protocol`), tokenize in a worker thread
 (templates and long prompts take a while), check lengths and the waiting queue, then hand each prompt
-to the engine thread (`EngineLoop.add`) and wait until the engine has accepted it, so that a prompt
-the engine refuses still gets a 4xx. The answer is either collected (plain JSON) or streamed as
-server-sent events ending in `data: [DONE]`. Either way the request is raced against the client's
-disconnect: a client that goes away aborts its engine request, which frees its slot and its KV pages
-before the next step. `limits.py` lists every bound on a client; an unexpected error is logged with
-an id and answered with a 500 that carries the id and nothing else.
+to the engine core (`EngineLoop.add`: it runs in a process of its own, `core_process.py`) and wait
+until the engine has accepted it, so that a prompt the engine refuses still gets a 4xx. The answer is
+either collected (plain JSON) or streamed as server-sent events ending in `data: [DONE]`. Either way
+the request is raced against the client's disconnect: a client that goes away aborts its engine
+request, which frees its slot and its KV pages before the next step. `limits.py` lists every bound
+on a client; an unexpected error is logged with an id and answered with a 500 that carries the id
+and nothing else.
 
 Shutdown (SIGINT or SIGTERM, or `Server.begin_shutdown()`): new generation requests get 503 and
 /health turns 503; in-flight requests run to completion for up to `shutdown_timeout` seconds, then
 the rest are aborted (they end with finish_reason "abort"); then uvicorn closes and the process exits
 with status 0. A second signal stops at once: every open response ends now with finish_reason
-"abort" (streams with their final chunk and `[DONE]`), whatever the engine thread is doing, and the
-process exits within a second.
+"abort" (streams with their final chunk and `[DONE]`), whatever the engine core is doing (a core
+process that does not end at once is killed), and the process exits within a second.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from starlette.requests import ClientDisconnect
 
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.server.core_process import CoreProcess, CoreThread
+from numba_vllm.server.core_protocol import ModelInfo
 from numba_vllm.server.dashboard import dashboard_routes
 from numba_vllm.server.engine_loop import EngineLoop
 from numba_vllm.server.guard import Guard
@@ -71,20 +74,23 @@ RETRY_AFTER_SECONDS = 1  # the Retry-After of a 503 for a full waiting queue
 
 
 class ServerState:
-    """What the handlers share: the engine thread, the settings, and the shutdown state."""
+    """What the handlers share: the engine core's client, the model, the settings, and the shutdown state."""
 
-    def __init__(self, engine: LLMEngine, served_model_names: Sequence[str], api_key: str | None, limits: ServerLimits):
+    def __init__(
+        self, core: CoreThread | CoreProcess, served_model_names: Sequence[str], api_key: str | None, limits: ServerLimits
+    ):
         if not served_model_names:
             raise ValueError("at least one served model name is needed")
-        self.engine = engine
+        self.core = core
+        self.model: ModelInfo = core.info
         self.model_names = list(served_model_names)
-        self.engine_loop = EngineLoop(engine, self.model_names[0])
+        self.engine_loop = EngineLoop(core, core.info, self.model_names[0])
         self.api_key = api_key or None
         self.limits = limits
         self.created = int(time.time())
         self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
-        self.stopping_now = False  # a second signal: end every response now, do not wait for the engine thread
+        self.stopping_now = False  # a second signal: end every response now, do not wait for the engine core
         self.submissions: set[Submission] = set()  # generation requests between submission and their response's end
 
     @property
@@ -126,13 +132,15 @@ class ServerState:
 
 # ---- the app ------------------------------------------------------------------------------------
 def create_app(
-    engine: LLMEngine,
+    engine: LLMEngine | CoreProcess,
     served_model_names: Sequence[str],
     api_key: str | None = None,
     limits: ServerLimits | None = None,
 ) -> FastAPI:
-    """The OpenAI-compatible app around `engine`; the engine thread runs while the app's lifespan does."""
-    state = ServerState(engine, served_model_names, api_key, limits or ServerLimits())
+    """The OpenAI-compatible app around an engine core: a started `CoreProcess`, or an `LLMEngine`
+    of this process (its core loop then runs in a thread). The core runs while the app's lifespan does."""
+    core = CoreThread(engine) if isinstance(engine, LLMEngine) else engine
+    state = ServerState(core, served_model_names, api_key, limits or ServerLimits())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -142,8 +150,8 @@ def create_app(
             yield
         finally:
             state.draining = True
-            # After a second signal the engine thread (maybe mid-step) is not waited for: it is a daemon.
-            await asyncio.to_thread(state.engine_loop.stop, 0.2 if state.stopping_now else 30.0)
+            # After a second signal the core (maybe mid-step) is not waited for: a process is killed, a thread is a daemon.
+            await state.engine_loop.stop(0.0 if state.stopping_now else 30.0)
 
     app = FastAPI(title="numba-vllm", lifespan=lifespan)
     app.state.numba_vllm = state
@@ -189,16 +197,16 @@ def create_app(
             "object": "model",
             "created": state.created,
             "owned_by": "numba-vllm",
-            "max_model_len": engine.max_model_len,
+            "max_model_len": state.model.max_model_len,
         }
 
     @app.post("/tokenize")
     async def tokenize_prompt(request: Request) -> dict:  # vLLM's; prefix-aware routers call it
-        return await tokenize(engine, await _read_body(request, state.limits), state.resolve_model)
+        return await tokenize(state.model, await _read_body(request, state.limits), state.resolve_model)
 
     @app.post("/detokenize")
     async def detokenize_ids(request: Request) -> dict:  # vLLM's: token ids back to text
-        return await detokenize(engine, await _read_body(request, state.limits), state.resolve_model)
+        return await detokenize(state.model, await _read_body(request, state.limits), state.resolve_model)
 
     @app.get("/v1/models")
     async def list_models() -> dict:
@@ -214,8 +222,8 @@ def create_app(
         req = parse_body(await _read_body(request, state.limits), CompletionRequest)
         model = state.resolve_model(req.model)
         check_supported(req)
-        params = sampling_params(req, engine.sampling_defaults)
-        prompts = await _completion_prompts(engine, req, state.limits.max_prompts_per_request)
+        params = sampling_params(req, state.model.sampling_defaults)
+        prompts = await _completion_prompts(state.model, req, state.limits.max_prompts_per_request)
         return await _generate(state, request, "cmpl", prompts, params, req, model, arrival, "prompt")
 
     @app.post("/v1/chat/completions")
@@ -224,8 +232,8 @@ def create_app(
         req = parse_body(await _read_body(request, state.limits), ChatCompletionRequest)
         model = state.resolve_model(req.model)
         check_supported(req)
-        params = sampling_params(req, engine.sampling_defaults)
-        ids = await chat_prompt_ids(engine.tokenizer, req, model)
+        params = sampling_params(req, state.model.sampling_defaults)
+        ids = await chat_prompt_ids(state.model.tokenizer, req, model)
         return await _generate(state, request, "chatcmpl", [ids], params, req, model, arrival, "messages")
 
     document_errors(app)
@@ -257,7 +265,7 @@ async def _read_body(request: Request, limits: ServerLimits) -> bytes:
         raise APIError(408, message, code="request_timeout") from None
 
 
-async def _completion_prompts(engine: LLMEngine, req: CompletionRequest, max_prompts: int) -> list[list[int]]:
+async def _completion_prompts(model: ModelInfo, req: CompletionRequest, max_prompts: int) -> list[list[int]]:
     """The prompt field as token-id lists (text encoded in a worker thread)."""
     p = req.prompt
     if isinstance(p, str) or (p and isinstance(p[0], int)):
@@ -268,9 +276,9 @@ async def _completion_prompts(engine: LLMEngine, req: CompletionRequest, max_pro
         raise bad_request(f"'prompt' holds {len(p)} prompts; at most {max_prompts} are taken in one request", "prompt")
     texts = [x for x in p if isinstance(x, str)]
     if texts:
-        if engine.tokenizer is None:
+        if model.tokenizer is None:
             raise bad_request("this model has no tokenizer: give the prompt as a list of token ids", "prompt")
-        encoded = iter(await run_in_threadpool(lambda: [engine.tokenizer.encode(t) for t in texts]))
+        encoded = iter(await run_in_threadpool(lambda: [model.tokenizer.encode(t) for t in texts]))
         p = [next(encoded) if isinstance(x, str) else x for x in p]
     return [list(x) for x in p]
 
@@ -286,11 +294,10 @@ async def _generate(
     arrival: float,
     prompt_param: str,
 ) -> Response:
-    engine = state.engine
     explicit = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
     for i, ids in enumerate(prompts):
         param = prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]"
-        check_length(engine.lengths, ids, req, explicit, param)
+        check_length(state.engine_loop.lengths, ids, req, explicit, param)
     if state.draining:
         raise APIError(503, "the server is shutting down", code="service_unavailable")
     n = params.n
@@ -430,7 +437,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def run_server(
-    engine: LLMEngine,
+    engine: LLMEngine | CoreProcess,
     served_model_names: Sequence[str],
     host: str = "127.0.0.1",
     port: int = 8000,
@@ -441,8 +448,9 @@ def run_server(
     access_log: bool = True,
     sock: socket.socket | None = None,
 ) -> None:
-    """Serve `engine` until SIGINT/SIGTERM; returns after a clean shutdown. `sock`: a socket from
-    `listen` (else one is opened on host:port)."""
+    """Serve `engine` (a started `CoreProcess`, or an `LLMEngine` stepped in a thread) until
+    SIGINT/SIGTERM; returns after a clean shutdown. `sock`: a socket from `listen` (else one is
+    opened on host:port)."""
     limit_server_logs()
     app = create_app(engine, served_model_names, api_key, limits)
     config = server_config(app, host, port, log_level=log_level, access_log=access_log)

@@ -5,12 +5,12 @@ from elsewhere) draws each batch slot (request, prefill or decode, tokens so far
 pool as a grid colored by the request holding each page, the waiting queue, and throughput, TTFT and
 TPOT over the last minutes.
 
-Off the hot path: the engine thread publishes an `EngineStats` after every step, as it does for
+Off the hot path: the engine core sends an `EngineStats` with every step's news, as it does for
 /metrics (`DashboardFeed.publish`: one reference stored), and a state request only reads the latest
 one; the engine never waits for a viewer. The per-request part of a snapshot (each request's slot,
-tokens and page ids) costs the engine thread one small object per request, so it is taken only while
-someone watches: within `WATCH_SECONDS` of the last state request. The first poll after a quiet spell
-may find no detail yet (`"slots": null`); the next step brings it.
+tokens and page ids) costs the engine core one small object per request, so it is taken only while
+someone watches: a state request tells the core, which adds the detail for the next `WATCH_SECONDS`.
+The first poll after a quiet spell may find no detail yet (`"slots": null`); the next step brings it.
 
 The series are sampled from the server's metrics when the page polls (at most every
 `SAMPLE_SECONDS`): generated tokens, and the TTFT and TPOT histograms' sums and counts, so a point's
@@ -28,6 +28,7 @@ import hashlib
 import re
 import time
 from collections import deque
+from collections.abc import Callable
 from importlib import resources
 from typing import TYPE_CHECKING
 
@@ -48,19 +49,15 @@ MAX_WAITING_SHOWN = 200  # the queue beyond this is counted, not listed
 
 
 class DashboardFeed:
-    """The engine thread's side: the latest snapshot, and whether anyone wants per-request detail."""
+    """The latest engine snapshot, and the viewers' interest in per-request detail."""
 
-    def __init__(self, stats: EngineStats):
-        self.stats = stats  # replaced whole (never changed) by the engine thread after each step
-        self._watched_until = 0.0  # time.monotonic() until which detail is collected
+    def __init__(self, stats: EngineStats, on_watch: Callable[[], None]):
+        self.stats = stats  # replaced whole (never changed) with each snapshot from the engine core
+        self.on_watch = on_watch  # tells the engine core to put per-request detail in its snapshots for WATCH_SECONDS
 
     def watch(self) -> None:
-        """A viewer asked for the state (event loop): collect detail for the next WATCH_SECONDS."""
-        self._watched_until = time.monotonic() + WATCH_SECONDS
-
-    def wants_detail(self) -> bool:
-        """Whether the engine thread should take `stats(requests=True, pages=True)` this time."""
-        return time.monotonic() < self._watched_until
+        """A viewer asked for the state (event loop)."""
+        self.on_watch()
 
     def publish(self, stats: EngineStats) -> None:
         self.stats = stats
@@ -203,7 +200,7 @@ def dashboard_routes(state: ServerState) -> APIRouter:
         loop.dashboard.watch()
         stats = loop.dashboard.stats
         series.sample(stats)
-        body = state_json(stats, series, state.model_names[0], state.engine.backend)
+        body = state_json(stats, series, state.model_names[0], state.model.backend)
         return JSONResponse(body, headers={"Cache-Control": "no-store"})
 
     return router

@@ -3,12 +3,12 @@
 Each server has its own `CollectorRegistry`, never the library's process-wide default, so two
 servers (or tests) in one process do not clash. Two kinds of series:
 - engine state (requests running and waiting, KV-cache pages, steps, preemptions, prefix-cache
-  queries and hits, in tokens as vLLM counts them): after every step
-  the engine thread stores a fresh `EngineStats`, and `EngineStateCollector` turns the latest one
+  queries and hits, in tokens as vLLM counts them): every step's message from the engine core
+  brings a fresh `EngineStats`, and `EngineStateCollector` turns the latest one
   into gauges and counters when `/metrics` is read. The snapshot is frozen and replaced whole, so
   the event loop reads one consistent state without a lock;
-- events (tokens in and out, finished requests, latencies): counters and histograms the engine
-  thread updates as they happen (prometheus_client's metrics are thread-safe).
+- events (tokens in and out, finished requests, latencies): counters and histograms the front end
+  updates as the core's news arrives (so they live in the server's process: no multiprocess mode).
 
 Every series is published under the `numba_vllm:` prefix, unlabelled: the engine's own view,
 pages and steps included. Those that vLLM also has are published a second time under vLLM's own
@@ -64,7 +64,7 @@ class EngineStateCollector:
     """The latest `EngineStats` as Prometheus gauges and counters, built when /metrics is read."""
 
     def __init__(self, stats: EngineStats):
-        self.stats = stats  # replaced (never changed in place) by the engine thread after each step
+        self.stats = stats  # replaced (never changed in place) with each step's snapshot from the engine core
 
     def collect(self) -> Iterable[Metric]:
         s = self.stats  # one snapshot for every series below
@@ -97,8 +97,8 @@ class EngineStateCollector:
 
 
 class ServerMetrics:
-    """Everything /metrics shows, in one server's own registry. Updated by the engine thread,
-    rendered by the event loop. `model_name` is the `model_name` label of the vllm: series."""
+    """Everything /metrics shows, in one server's own registry. Updated and rendered on the event
+    loop, from the engine core's messages. `model_name` is the `model_name` label of the vllm: series."""
 
     def __init__(self, stats: EngineStats, model_name: str):
         self.registry = CollectorRegistry()
@@ -126,7 +126,7 @@ class ServerMetrics:
         )
 
     def set_engine_stats(self, stats: EngineStats) -> None:
-        """Publish the engine's state after a step (the engine thread calls this)."""
+        """Publish the engine's state after a step (as the engine core's message brings it)."""
         self.engine_state.stats = stats
 
     def render(self) -> bytes:

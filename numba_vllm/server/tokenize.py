@@ -25,8 +25,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 from starlette.concurrency import run_in_threadpool
 
-from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.loading.tokenizer import Tokenizer
+from numba_vllm.server.core_protocol import ModelInfo
 from numba_vllm.server.protocol import ChatMessage, bad_request, chat_messages, parse_body
 
 
@@ -62,14 +62,14 @@ async def chat_prompt_ids(tok: Tokenizer | None, req: Any, model: str) -> list[i
         raise bad_request(str(e), "messages") from None
 
 
-async def tokenize(engine: LLMEngine, raw: bytes, resolve_model: Callable[[str | None], str]) -> dict:
+async def tokenize(model_info: ModelInfo, raw: bytes, resolve_model: Callable[[str | None], str]) -> dict:
     """The answer body for a /tokenize request; APIError for a bad body (400), an unknown model
     (`resolve_model` raises), text for a model without a tokenizer or chat for one without a template."""
     req = parse_body(raw, TokenizeRequest)
     model = resolve_model(req.model)
     if (req.prompt is None) == (req.messages is None):
         raise bad_request("give either 'prompt' or 'messages'")
-    tok = engine.tokenizer
+    tok = model_info.tokenizer
     if req.messages is not None:
         if not req.messages:
             raise bad_request("'messages' must hold at least one message", "messages")
@@ -79,7 +79,7 @@ async def tokenize(engine: LLMEngine, raw: bytes, resolve_model: Callable[[str |
     else:
         ids = await run_in_threadpool(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None
-    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+    return {"count": len(ids), "max_model_len": model_info.max_model_len, "tokens": ids, "token_strs": strs}
 
 
 class DetokenizeRequest(BaseModel):
@@ -91,15 +91,15 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
-async def detokenize(engine: LLMEngine, raw: bytes, resolve_model: Callable[[str | None], str]) -> dict:
+async def detokenize(model_info: ModelInfo, raw: bytes, resolve_model: Callable[[str | None], str]) -> dict:
     """The answer body for a /detokenize request; APIError(400) for a bad body, an id outside the
     vocabulary or a model without a tokenizer; an unknown model as `resolve_model` raises."""
     req = parse_body(raw, DetokenizeRequest)
     resolve_model(req.model)
-    tok = engine.tokenizer
+    tok = model_info.tokenizer
     if tok is None:
         raise bad_request("this model has no tokenizer: there is no text to decode to", "tokens")
-    vocab = engine.config.vocab_size
+    vocab = model_info.config.vocab_size
     bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
     if bad is not None:
         raise bad_request(f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})", "tokens")

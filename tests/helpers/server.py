@@ -1,4 +1,5 @@
-"""A server on a tiny model in a background thread of the test process, for the server, hardening and fuzz tests."""
+"""A server on a tiny model in a background thread of the test process, for the server, hardening and fuzz tests:
+its engine core in a process of its own (as `numba-vllm serve` runs it), or in a thread (tests that reach into the engine)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from pathlib import Path
 import httpx
 import openai
 
+from numba_vllm.engine.config import EngineConfig
 from numba_vllm.server import Server, create_app, server_config
+from numba_vllm.server.core_process import CoreProcess, CoreSpec
 from numba_vllm.server.metrics import parse_metrics
 
 TINY_NAME = "tiny"
@@ -25,9 +28,11 @@ M = "numba_vllm:"
 
 
 class ServerThread:
-    """uvicorn + the app in a thread of this process, on an OS-chosen loopback port."""
+    """uvicorn + the app in a thread of this process, on an OS-chosen loopback port. `engine`: an
+    LLMEngine of this process (its core loop runs in a thread) or a started CoreProcess (`spawn`)."""
 
     def __init__(self, engine, names, sock=None, **app_args):
+        self.core = engine if isinstance(engine, CoreProcess) else None
         config = server_config(create_app(engine, names, **app_args), "127.0.0.1", 0, log_level="warning")
         self.server = Server(config, shutdown_timeout=5)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock] if sock else None}, daemon=True)
@@ -38,6 +43,13 @@ class ServerThread:
             time.sleep(0.01)
         port = self.server.servers[0].sockets[0].getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+
+    @classmethod
+    def spawn(cls, model_dir, names, sock=None, app_args=None, **engine_args) -> ServerThread:
+        """A server whose engine core (numpy backend, `engine_args`) runs in a process of its own."""
+        core = CoreProcess(CoreSpec(str(model_dir), "auto", EngineConfig(backend="numpy", **engine_args)))
+        core.start()
+        return cls(core, names, sock, **(app_args or {}))
 
     def client(self, api_key: str = "none", **kw) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key=api_key, max_retries=0, timeout=60, **kw)
@@ -60,6 +72,8 @@ class ServerThread:
         self.server.begin_shutdown()
         self.thread.join(30)
         assert not self.thread.is_alive()
+        if self.core is not None:
+            assert self.core.join(5), "the engine core process outlived the server"
 
 
 # ---- shutdown ------------------------------------------------------------------------------------
