@@ -475,7 +475,9 @@ def tiny_random_llama(seed=0):
 
 def run_model(block, thread, no_pdb):
     # Serial steps (no overlapped scheduling): each step() runs its forward pass and returns its token.
-    config = EngineConfig(backend="sim", max_num_seqs=1, num_pages=8, max_model_len=64, async_scheduling=False)
+    # The readable decode attention kernel (the engine's default is the tensor-core one), the one this guide follows.
+    config = EngineConfig(backend="sim", max_num_seqs=1, num_pages=8, max_model_len=64, async_scheduling=False,
+                          decode_attention="reference")
     engine = LLMEngine(tiny_random_llama(), config)
     prompt = [1]  # one token: the simulator runs the prefill's matrix products slowly
     output = engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=2))

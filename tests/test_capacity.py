@@ -43,7 +43,9 @@ def test_step_buffers_include_the_kernels_split_workspaces():
     t, seqs = 2048 + 64, 64
     activations = t * (2048 + 2048 + 48 * 64 + 32 * 64 + 32 * 64 + 2 * 8192 + 8192) + seqs * (2048 + 128256)
     gemm_split = 4 * 132 * 128 * 256  # SPLIT_BLOCKS_PER_SM x SMs x the largest tile (128x256)
-    attention_split = 64 * 264 * 4 * (64 + 2)  # MAX_SPLITS x SMALL_GRID_BLOCKS x group x (HD + m and sum)
+    # decode attention: the larger of the reference kernel's MAX_SPLITS x SMALL_GRID_BLOCKS blocks and the
+    # fast/tensor-core kernels' MAX_SPLIT_BLOCKS (4096), each of group x (HD + m and sum) floats
+    attention_split = max(64 * 264, 4096) * 4 * (64 + 2)
     sampler = 4096 * 2  # part winners: values and indices
     x_bf16 = t * 8192  # the widest x a product reads (the MLP's 8192), as bf16 for gemm_wgmma's TMA
     want = 4 * (activations + gemm_split + attention_split + sampler) + 2 * x_bf16

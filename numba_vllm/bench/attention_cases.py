@@ -28,13 +28,9 @@ import numpy as np
 from numba import cuda
 
 from numba_vllm.bench.kernels import torch_or_none
-from numba_vllm.kernels import decode_attention as decode_attention_module
-from numba_vllm.kernels import decode_attention_fast
-from numba_vllm.kernels.decode_attention import decode_attention
-from numba_vllm.kernels.decode_attention_tc import decode_attention_tc
 from numba_vllm.loading.bf16 import bf16_from_bits, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
-from numba_vllm.model.llama import PREFILL_ATTENTIONS
+from numba_vllm.model.llama import DECODE_ATTENTIONS, PREFILL_ATTENTIONS, attention_workspace_floats
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64  # Llama 3.2 1B
 
@@ -69,9 +65,6 @@ def _gathered_torch(torch, k_cache, v_cache, block_tables, seq_len):
     return gather(k_cache), gather(v_cache)
 
 
-# decode_attention_tc (tensor cores, the model's), decode_attention_fast (CUDA cores), decode_attention (the readable one)
-DECODE_ATTENTIONS = {"tensor_cores": decode_attention_tc, "fast": decode_attention_fast.decode_attention_fast,
-                     "reference": decode_attention}  # fmt: skip
 
 
 def decode_case(batch: int, context: int, kernel: str = "tensor_cores", seed: int = 0) -> dict:
@@ -84,8 +77,7 @@ def decode_case(batch: int, context: int, kernel: str = "tensor_cores", seed: in
     block_tables = cuda.to_device(tables)
     context_lens = cuda.to_device(np.full(batch, context, np.int32))
     scale = 1.0 / np.sqrt(HEAD_DIM)
-    sizes = (decode_attention_fast.split_workspace_floats, decode_attention_module.split_workspace_floats)
-    workspace = cuda.device_array(max(size(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM) for size in sizes), np.float32)
+    workspace = cuda.device_array(attention_workspace_floats(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM), np.float32)
 
     attention = DECODE_ATTENTIONS[kernel]
 

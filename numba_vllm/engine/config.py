@@ -13,6 +13,8 @@ SCHEDULING_MODES = ("continuous", "static")
 # (fp32 FMA, the readable one), kernels/gemm_wgmma.py (bf16 wgmma, sm_90a only)
 PREFILL_GEMMS = ("auto", "tensor_cores", "fp32", "wgmma")
 PREFILL_ATTENTIONS = ("cuda_cores", "tensor_cores")  # kernels/prefill_attention.py (readable) or prefill_attention_tc.py
+# kernels/decode_attention.py (readable), decode_attention_fast.py (CUDA cores, tuned), decode_attention_tc.py
+DECODE_ATTENTIONS = ("reference", "fast", "tensor_cores")
 # auto: the model's generation_config.json sampling values are the requests' defaults; vllm: vLLM's neutral ones
 GENERATION_CONFIGS = ("auto", "vllm")
 
@@ -34,6 +36,7 @@ class EngineConfig:
     scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
     prefill_gemm: str = "auto"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
     prefill_attention: str = "tensor_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
+    decode_attention: str = "tensor_cores"  # the attention kernel of decoding sequences (DECODE_ATTENTIONS)
     enable_prefix_caching: bool = True  # reuse the K/V pages of prompts' shared prefixes (engine/prefix_cache.py)
     generation_config: str = "auto"  # where requests' sampling defaults come from (GENERATION_CONFIGS)
 
@@ -42,7 +45,7 @@ class EngineConfig:
             raise ConfigError(f"backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         for name, allowed in (
             ("scheduling", SCHEDULING_MODES), ("prefill_gemm", PREFILL_GEMMS), ("prefill_attention", PREFILL_ATTENTIONS),
-            ("generation_config", GENERATION_CONFIGS),
+            ("decode_attention", DECODE_ATTENTIONS), ("generation_config", GENERATION_CONFIGS),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")

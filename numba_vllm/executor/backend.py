@@ -66,7 +66,9 @@ def create_runner(checkpoint: Checkpoint, engine_config: EngineConfig, backend: 
     from numba_vllm.kernels._launch import num_sms
     from numba_vllm.model.llama import DeviceModel, buffer_bytes
 
-    model = DeviceModel(config, checkpoint.weights, engine_config.prefill_gemm, engine_config.prefill_attention)
+    model = DeviceModel(
+        config, checkpoint.weights, engine_config.prefill_gemm, engine_config.prefill_attention, engine_config.decode_attention
+    )
     free = cuda.current_context().get_memory_info()[0] if backend == "cuda" else None
     step_bytes = buffer_bytes(config, max_step_tokens(engine_config, backend), engine_config.max_num_seqs, num_sms())
     capacity: Capacity = plan_capacity(config, engine_config, backend, free, step_bytes)

@@ -37,10 +37,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 from numba import cuda
 
+from numba_vllm.kernels import decode_attention_fast as fast_decode
 from numba_vllm.kernels import matmul
 from numba_vllm.kernels._launch import num_sms
-from numba_vllm.kernels.decode_attention_fast import split_workspace_floats as attention_workspace_floats
-from numba_vllm.kernels.decode_attention_tc import decode_attention_tc as decode_attention
+from numba_vllm.kernels.decode_attention import decode_attention as decode_attention_reference
+from numba_vllm.kernels.decode_attention import split_workspace_floats as reference_split_floats
+from numba_vllm.kernels.decode_attention_tc import decode_attention_tc
 from numba_vllm.kernels.embedding import embedding
 from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspace_floats
@@ -60,6 +62,18 @@ PREFILL_ATTENTIONS = {  # by EngineConfig.prefill_attention
     "cuda_cores": prefill_attention_cuda_cores,
     "tensor_cores": prefill_attention_tc,
 }
+DECODE_ATTENTIONS = {  # by EngineConfig.decode_attention
+    "reference": decode_attention_reference,
+    "fast": fast_decode.decode_attention_fast,
+    "tensor_cores": decode_attention_tc,
+}
+
+
+def attention_workspace_floats(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
+    """Floats of split scratch any decode attention kernel needs at most (the reference kernel's ranges
+    and the fast and tensor-core kernels' ranges differ; one buffer serves whichever the model runs)."""
+    heads = (num_heads, num_kv_heads, head_dim)
+    return max(reference_split_floats(*heads), fast_decode.split_workspace_floats(*heads))
 
 
 @dataclass
@@ -85,14 +99,15 @@ class DeviceModel:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, np.ndarray], prefill_gemm: str = "tensor_cores",
-        prefill_attention: str = "tensor_cores",
+        prefill_attention: str = "tensor_cores", decode_attention: str = "tensor_cores",
     ):
         """Upload the weights. `prefill_gemm` and `prefill_attention` name the kernels of steps with more
-        than a few tokens (`EngineConfig`'s fields of the same names; one of `PREFILL_GEMMS` and
-        `PREFILL_ATTENTIONS`)."""
+        than a few tokens, `decode_attention` the kernel of decoding rows (`EngineConfig`'s fields of
+        the same names; one of `PREFILL_GEMMS`, `PREFILL_ATTENTIONS`, `DECODE_ATTENTIONS`)."""
         self.config = c = config
         self.gemm = prefill_gemm
         self.prefill_attention = PREFILL_ATTENTIONS[prefill_attention]
+        self.decode_attention = DECODE_ATTENTIONS[decode_attention]
         self.embed = upload_bf16(to_bf16(weights["model.embed_tokens.weight"]))  # (V, D)
         self.lm_head = self.embed if c.tie_word_embeddings else upload_bf16(to_bf16(weights["lm_head.weight"]))
         self.final_norm = upload_bf16(to_bf16(weights["model.norm.weight"]))  # (D,)
@@ -211,7 +226,7 @@ class DeviceModel:
                 self.scale, attn_prefill, s.prefill_max_new_tokens,
             )  # fmt: skip
         if q_decode.shape[0]:
-            decode_attention(
+            self.decode_attention(
                 q_decode, k_cache, v_cache, s.decode_block_tables, s.decode_context_lens, self.scale, attn_decode,
                 self.buffers["attention_partials"],
             )  # fmt: skip
