@@ -7,7 +7,8 @@ its pages and its scheduler are the same whatever runs the model:
 - `KernelRunner` (`kernel_runner.py`): the Numba CUDA kernels, on the GPU (`cuda`) or, unchanged,
   in the Numba simulator (`sim`).
 Sampling is per request (`host_sampling.RequestSamplers`), so a request's tokens do not depend on
-what else shares the batch.
+what else shares the batch. Besides the tokens, a step leaves the logprobs its requests asked for in
+`step_logprobs` and `step_prompt_logprobs` (`engine/logprobs.py`), read by the engine after `execute`.
 
 BLAS threads: a step's products are small (one decode token is a (1, K) @ (K, N) product per
 layer), and OpenBLAS's worker threads spin while they wait for work, so beside any other busy thread
@@ -24,7 +25,9 @@ from __future__ import annotations
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.engine.logits_edits import apply_edits
+from numba_vllm.engine.logprobs import PositionLogprobs, raw_logprobs
+from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
 from numba_vllm.executor.host_sampling import RequestSamplers
 from numba_vllm.executor.inputs import kv_indices
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
@@ -74,16 +77,49 @@ class NumpyRunner:
         self.cache = PagedHostCache(config, num_pages)
         self.samplers = RequestSamplers()
         self.blas = ThreadpoolController()  # finds the BLAS libraries once; limiting them per step is then cheap
+        self.step_logprobs: dict[str, PositionLogprobs] = {}  # request id -> its sampled token's logprobs
+        self.step_prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = {}  # id -> (first prompt index, logprobs)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         sampled = {}
+        self.step_logprobs, self.step_prompt_logprobs = {}, {}
         with self.blas.limit(limits=NUMPY_BLAS_THREADS, user_api="blas"):
             for seq in plan.sequences:
                 cache = self.cache.sequence(seq.page_ids)
-                logits = self.model.forward(np.asarray(seq.token_ids), seq.start_position, cache)  # (V,)
+                first = prompt_logprob_targets(seq)
+                logits = self.model.forward(np.asarray(seq.token_ids), seq.start_position, cache, all_logits=first is not None)
+                if first is not None:  # (T, V): every position's logits, the last one samples
+                    self.step_prompt_logprobs[seq.request.request_id] = (first, prompt_logprobs(seq, first, logits))
+                    logits = logits[-1]  # (V,)
                 if seq.samples:
-                    sampled[seq.request.request_id] = self.samplers.sample(seq.request, logits)
+                    sampled[seq.request.request_id] = token = self._sample(seq.request, logits)
+                    k = seq.request.sampling_params.logprobs
+                    if k is not None:
+                        self.step_logprobs[seq.request.request_id] = raw_logprobs(logits[None], np.array([token]), k)
         return sampled
+
+    def _sample(self, request, logits: np.ndarray) -> int:
+        """One token from the row's raw logits (V,), edited first if the request edits them."""
+        if request.logits_edits is not None:
+            logits = apply_edits(logits, request.logits_edits.row(request.output_token_ids))
+        return self.samplers.sample(request, logits)
 
     def release(self, request_id: str) -> None:
         self.samplers.release(request_id)
+
+
+def prompt_logprob_targets(seq: ScheduledSequence) -> int | None:
+    """The index of the first prompt token whose logprob this chunk gives (its first position + 1), or
+    None when the request asks for no prompt logprobs or the chunk predicts no prompt token."""
+    r = seq.request
+    if r.sampling_params.prompt_logprobs is None or seq.start_position + 1 >= r.num_prompt_tokens:
+        return None
+    return seq.start_position + 1
+
+
+def prompt_logprobs(seq: ScheduledSequence, first: int, logits: np.ndarray) -> PositionLogprobs:
+    """Logprobs of prompt tokens first .. (as far as the chunk reaches) from the chunk's logits (T, V)."""
+    r = seq.request
+    end = min(seq.context_len, r.num_prompt_tokens)  # the last prompt token predicted is at end - 1
+    targets = np.array(r.prompt_token_ids[first:end], np.int32)  # (P,)
+    return raw_logprobs(logits[: len(targets)], targets, r.sampling_params.prompt_logprobs)
