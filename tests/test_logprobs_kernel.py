@@ -20,7 +20,8 @@ def _reference(logits, rows, tokens, k):
     lse = np.log(np.exp(z - z.max(1, keepdims=True)).sum(1)) + z.max(1)  # (R,)
     chosen = z[np.arange(len(rows)), tokens]
     ranks = (z >= chosen[:, None]).sum(1)
-    order = np.array([sorted(range(z.shape[1]), key=lambda i, row=row: (-row[i], i))[:k] for row in z], np.int64).reshape(len(rows), k)
+    order = [sorted(range(z.shape[1]), key=lambda i, row=row: (-row[i], i))[:k] for row in z]  # by value, then index
+    order = np.array(order, np.int64).reshape(len(rows), k)
     return chosen - lse, ranks, order, np.take_along_axis(z, order, 1) - lse[:, None]
 
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
 from numba_vllm.engine.lengths import LengthPolicy
+from numba_vllm.engine.logits_edits import LogitsEdits, bad_word_token_ids
 from numba_vllm.engine.output import OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
@@ -84,12 +85,30 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.lengths.check_prompt(ids)
-        request = Request(request_id, ids, params, next(self._arrivals))
+        request = Request(request_id, ids, params, next(self._arrivals), logits_edits=self._logits_edits(params, ids))
         self.scheduler.add(request)
         output = RequestOutput(request_id, ids, prompt=text)
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
         self._builders[request_id] = OutputBuilder(output, params, self.config, self.tokenizer, budget)
         return output
+
+    def _logits_edits(self, params: SamplingParams, prompt_ids: list[int]) -> LogitsEdits | None:
+        """The request's logits edits (None when it has none); a logit_bias id outside the vocabulary,
+        or bad_words without a tokenizer, is a ValueError naming the field."""
+        if not params.edits_logits:
+            return None
+        outside = [t for t in params.logit_bias or () if t >= self.config.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary (0 .. {self.config.vocab_size - 1})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"bad_words: {self.checkpoint.source} has no tokenizer to tokenize them")
+        bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.config.eos_token_ids)
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+                stop_ids.add(self.tokenizer.eos_token_id)
+        return LogitsEdits(params, prompt_ids, stop_ids, bad_words)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (queued or running); its pages and slot are freed."""

@@ -47,7 +47,9 @@ class RowEdits:
 class LogitsEdits:
     """One request's edit state: its prompt's tokens, its output's token counts, its masks."""
 
-    def __init__(self, params: SamplingParams, prompt_token_ids: Sequence[int], stop_ids: Iterable[int], bad_words: list[list[int]]):
+    def __init__(
+        self, params: SamplingParams, prompt_token_ids: Sequence[int], stop_ids: Iterable[int], bad_words: list[list[int]]
+    ):
         """`stop_ids`: the ids min_tokens masks (EOS unless ignore_eos, and stop_token_ids);
         `bad_words`: each bad word's token ids (every tokenization to try)."""
         self.params = params

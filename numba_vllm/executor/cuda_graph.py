@@ -159,6 +159,7 @@ class DecodeGraphs:
         # and as cuda.core see it. Blocking: ordered after the default stream's eager kernels and copies.
         self._numba_stream = cuda.stream() if capture else None  # (the simulator records nothing)
         self._stream = None  # made at the first recording
+        self._last: _StepGraph | None = None  # the step `run` ran last
 
     @property
     def num_graphs(self) -> int:
@@ -173,7 +174,7 @@ class DecodeGraphs:
         padded batch, sampled tokens (len(seqs),) int32 host array), row i for seqs[i]. (Slicing a
         numba device array costs tens of microseconds: the caller indexes the rows it needs.)"""
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(seqs))]
-        step = self._step(batch, table_width(max(len(s.page_ids) for s in seqs)))
+        step = self._last = self._step(batch, table_width(max(len(s.page_ids) for s in seqs)))
         if step.graph is not None:  # queued on one stream, one wait at the end
             step.upload(seqs, sampling, self._numba_stream)
             step.graph.launch(self._stream)
@@ -184,6 +185,15 @@ class DecodeGraphs:
             self._first_run(step)
             step.tokens.copy_to_host(step.host_tokens)
         return step.logits, step.host_tokens[: len(seqs)]
+
+    def resample(self) -> np.ndarray:
+        """Sample the last step's rows again, eagerly, from its logits as they are now (edited in place
+        since the replay, for rows with penalties or bias): the (B',) int32 host tokens of the padded
+        batch, drawn with the same temperatures, seeds and output indices."""
+        step = self._last
+        sample_gumbel(step.logits, step.temperatures, step.seeds, step.steps, step.tokens, self.model.sampler_workspace)
+        step.tokens.copy_to_host(step.host_tokens)
+        return step.host_tokens
 
     def record_all(self, max_pages: int) -> None:
         """Make every graph a sequence of up to `max_pages` pages can need, now (each bucket run once

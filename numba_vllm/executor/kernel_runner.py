@@ -16,11 +16,16 @@ import numpy as np
 from numba import cuda
 
 from numba_vllm.engine.config import EngineConfig
-from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.engine.logprobs import PositionLogprobs
+from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
 from numba_vllm.executor.capacity import Capacity
 from numba_vllm.executor.cuda_graph import DecodeGraphs, SamplingRows
 from numba_vllm.executor.host_sampling import RequestSamplers
 from numba_vllm.executor.inputs import null_decode_step, null_prefill_step, step_arrays
+from numba_vllm.executor.numpy_runner import prompt_logprob_targets
+from numba_vllm.kernels.gather import gather_rows
+from numba_vllm.kernels.logits_edits import edit_logits
+from numba_vllm.kernels.logprobs import logprobs
 from numba_vllm.kernels.matmul import GEMV_MAX_TOKENS
 from numba_vllm.kernels.sample import argmax, sample_gumbel
 from numba_vllm.model.llama import DeviceModel, StepInputs
@@ -44,16 +49,29 @@ class KernelRunner:
         self.host_samplers = RequestSamplers()
         self._seeds: dict[str, int] = {}
         self._seed_rng = np.random.default_rng()
+        self.step_logprobs: dict[str, PositionLogprobs] = {}  # request id -> its sampled token's logprobs
+        self.step_prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = {}  # id -> (first prompt index, logprobs)
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)
         requests = [s.request for s in seqs if s.samples]
+        self.step_logprobs, self.step_prompt_logprobs = {}, {}
+        logprob_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        edited = [i for i, r in enumerate(requests) if r.logits_edits is not None]
         if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
             logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests))  # every row samples
+            raw = self._edit(requests, edited, logits, logprob_rows)
+            if edited:
+                tokens = self.decode_graphs.resample()[: len(requests)]
         else:
             logits = self.model.forward(upload_inputs(*step_arrays(seqs)))  # (B, V) device
+            raw = self._edit(requests, edited, logits, logprob_rows)
             tokens = self._sample_on_device(requests, logits)
         out = self._sample_on_host(requests, logits, [int(t) for t in tokens])
+        if logprob_rows:
+            self._sampled_logprobs(requests, logprob_rows, raw, out)
+        if any(s.request.sampling_params.prompt_logprobs is not None for s in seqs):
+            self._prompt_logprobs(seqs)
         return dict(zip((r.request_id for r in requests), out, strict=True))
 
     def release(self, request_id: str) -> None:
@@ -91,6 +109,55 @@ class KernelRunner:
         zeros = cuda.to_device(np.zeros(rows, np.int32))
         sample_gumbel(logits, ones, cuda.to_device(np.zeros(rows, np.uint32)), zeros, tokens, self.model.sampler_workspace)
         tokens.copy_to_host()
+
+    # ---- edits and logprobs --------------------------------------------------------------------
+    def _edit(self, requests, edited: list[int], logits, logprob_rows: list[int]):
+        """Edit the rows `edited` of `logits` in place; return where the raw logits of `logprob_rows`
+        are: (device array, its row of each): a copy made first when the step edits, else `logits`."""
+        if not edited:
+            return logits, np.array(logprob_rows, np.int32)
+        raw = logits
+        if logprob_rows:
+            raw = cuda.device_array((len(logprob_rows), logits.shape[1]), np.float32)  # (R, V)
+            gather_rows(logits, cuda.to_device(np.array(logprob_rows, np.int32)), raw)
+        rows = [requests[i].logits_edits.row(requests[i].output_token_ids) for i in edited]
+        offsets = np.zeros(len(rows) + 1, np.int32)
+        offsets[1:] = np.cumsum([len(e.tokens) for e in rows])
+        arrays = (
+            np.array(edited, np.int32), offsets,
+            *(np.concatenate([getattr(e, name) for e in rows]) for name in ("tokens", "flags", "counts", "bias")),
+            np.array([e.penalties for e in rows], np.float32).reshape(len(rows), 3),
+        )  # fmt: skip
+        edit_logits(logits, *(cuda.to_device(a) for a in arrays))
+        return raw, np.arange(len(logprob_rows), dtype=np.int32)
+
+    def _sampled_logprobs(self, requests, logprob_rows: list[int], raw, tokens: list[int]) -> None:
+        """Logprobs of the sampled tokens of `logprob_rows` from the raw logits (`_edit`'s result)."""
+        logits, rows = raw
+        chosen = np.array([tokens[i] for i in logprob_rows], np.int32)
+        k = max(requests[i].sampling_params.logprobs for i in logprob_rows)
+        for i, pos in zip(logprob_rows, _split(device_logprobs(logits, rows, chosen, k), len(logprob_rows)), strict=True):
+            own_k = requests[i].sampling_params.logprobs
+            pos.top_ids, pos.top_logprobs = pos.top_ids[:, :own_k], pos.top_logprobs[:, :own_k]
+            self.step_logprobs[requests[i].request_id] = pos
+
+    def _prompt_logprobs(self, seqs: list[ScheduledSequence]) -> None:
+        """Logprobs of the prompt tokens this step's chunks predict, for the requests that ask: the
+        head over those positions, `max_num_seqs` rows at a time, then the logprobs kernel."""
+        offset = 0
+        for s in seqs:
+            first = prompt_logprob_targets(s)
+            if first is not None:
+                r = s.request
+                targets = np.array(r.prompt_token_ids[first : min(s.context_len, r.num_prompt_tokens)], np.int32)  # (P,)
+                parts = []
+                for start in range(0, len(targets), self.max_num_seqs):
+                    chunk = targets[start : start + self.max_num_seqs]
+                    rows = np.arange(offset + start, offset + start + len(chunk), dtype=np.int32)  # its tokens' rows in the step
+                    logits = self.model.head(cuda.to_device(rows))
+                    parts.append(device_logprobs(logits, np.arange(len(chunk)), chunk, r.sampling_params.prompt_logprobs))
+                self.step_prompt_logprobs[r.request_id] = (first, _concat(parts))
+            offset += s.num_new_tokens
 
     # ---- sampling ------------------------------------------------------------------------------
     def _sampling_rows(self, requests) -> SamplingRows:
@@ -142,3 +209,26 @@ def upload_inputs(parts: dict[str, np.ndarray], num_prefill_tokens: int, prefill
         views[name] = packed[start : start + a.size].reshape(a.shape)
         start += a.size
     return StepInputs(**views, num_prefill_tokens=num_prefill_tokens, prefill_max_new_tokens=prefill_max_new_tokens)
+
+
+def device_logprobs(logits, rows: np.ndarray, token_ids: np.ndarray, k: int) -> PositionLogprobs:
+    """The logprobs kernel over rows (R,) of the device `logits`, for tokens (R,), top k; only the
+    (R, k + 1) results come back."""
+    n = len(rows)
+    out_logprobs = cuda.device_array((n, k + 1), np.float32)
+    out_ids = cuda.device_array((n, k + 1), np.int32)
+    logprobs(logits, cuda.to_device(np.asarray(rows, np.int32)), cuda.to_device(np.asarray(token_ids, np.int32)), k,
+             out_logprobs, out_ids)  # fmt: skip
+    lp, ids = out_logprobs.copy_to_host(), out_ids.copy_to_host()
+    return PositionLogprobs(np.asarray(token_ids, np.int32), lp[:, 0], ids[:, 0], ids[:, 1:], lp[:, 1:])
+
+
+def _split(pos: PositionLogprobs, n: int) -> list[PositionLogprobs]:
+    """One PositionLogprobs per position."""
+    return [PositionLogprobs(*(a[i : i + 1] for a in (pos.token_ids, pos.logprobs, pos.ranks, pos.top_ids, pos.top_logprobs)))
+            for i in range(n)]  # fmt: skip
+
+
+def _concat(parts: list[PositionLogprobs]) -> PositionLogprobs:
+    names = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+    return PositionLogprobs(*(np.concatenate([getattr(p, n) for p in parts]) for n in names))

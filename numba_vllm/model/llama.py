@@ -18,7 +18,7 @@ bf16, the KV cache bf16 in 16-token pages. Per layer:
 Each norm is handed to the product after it (`linear(..., norm=...)`), and SwiGLU to the gate/up
 product (`silu_mul`): in a decode-sized step gemv applies the norm as it loads x and SwiGLU as it
 stores, so they cost no launch and no pass over memory; in a prefill they run as their own kernels.
-then the last token of every sampling sequence is gathered, normed and multiplied by the head.
+then the last token of every sampling sequence is gathered, normed and multiplied by the head (`head`).
 Sizes: T tokens, Tp of them prefill; D hidden, H heads, KVH kv heads, HD head dim, F MLP width,
 V vocabulary, B sampled rows.
 """
@@ -184,11 +184,19 @@ class DeviceModel:
             linear(act, w["down"], x, accumulate=True)  # x += MLP output
             report("mlp_residual", i, x)
 
-        nb = s.sample_rows.shape[0]  # 0 when every sequence is in the middle of its prompt (chunked prefill)
+        return self.head(s.sample_rows)  # (B, V); B = 0 when every sequence is in the middle of its prompt
+
+    def head(self, rows):
+        """The logits (R, V) f32 of rows (R,) int32 (device) of the last step's tokens: their final
+        hidden states gathered, normed and multiplied by the head, into the `logits` buffer (R at most
+        `max_num_seqs`; a later call overwrites it). `forward` calls it for the sampled rows; prompt
+        logprobs call it again for the other positions of a prompt, a chunk of rows at a time."""
+        b, nb = self.buffers, rows.shape[0]
         last, logits = b["last"][:nb], b["logits"][:nb]
         if nb:
-            gather_rows(x, s.sample_rows, last)
-            linear(last, self.lm_head, logits, norm=(self.final_norm, eps), normed=last)
+            gather_rows(b["x"], rows, last)
+            matmul.linear(last, self.lm_head, logits, gemm=self.gemm, norm=(self.final_norm, self.config.rms_norm_eps),
+                          normed=last, workspace=matmul.GemmWorkspace(b["gemm_partials"], b["gemm_x_bf16"]))  # fmt: skip
         return logits
 
 
