@@ -76,3 +76,15 @@ def test_llama_sized_rows_on_the_gpu():
     np.testing.assert_array_equal(ids[:, 0], (z >= z[rows, tokens][:, None]).sum(1))
     order = np.argsort(-z, axis=1, kind="stable")[:, :20]
     np.testing.assert_array_equal(ids[:, 1:], order)
+
+
+@pytest.mark.slow  # compiles two kernels to PTX (seconds each)
+def test_logprobs_and_edits_kernels_compile_without_fp64():
+    from numba_vllm.bench.kernel_report import select
+    from tests.helpers.ptx import check_compiled_clean, compile_ptx
+
+    variants = select(("logprobs", "logits_edits"))
+    results = compile_ptx(variants)
+    for v in variants:
+        check_compiled_clean(results[v.key], v.hot)
+    assert "shfl.sync.bfly" in results["logprobs"]["ptx"]
