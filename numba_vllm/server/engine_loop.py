@@ -211,8 +211,10 @@ class EngineLoop:
                 self.num_queued_adds -= 1
             try:
                 output = self.engine.add_request(request_id, prompt_ids, params)
-            except ValueError as e:  # the prompt cannot run (the handler's checks should have caught it)
-                self._outbox.append((sink, APIError(400, str(e), param="prompt")))
+            except ValueError as e:  # the prompt cannot run (the handler's checks should have caught it), or a
+                field = str(e).split(":", 1)[0]  # sampling field needs the model (logit_bias ids, bad_words)
+                param = field if field in ("logit_bias", "bad_words") else "prompt"
+                self._outbox.append((sink, APIError(400, str(e), param=param)))
                 return
             except Exception:
                 logger.error("add_request failed (request %s):\n%s", request_id, traceback.format_exc())
