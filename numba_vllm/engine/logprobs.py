@@ -68,3 +68,33 @@ def to_dicts(pos: PositionLogprobs, decode) -> list[dict[int, Logprob]]:
             d[t] = Logprob(float(pos.logprobs[p]), int(pos.ranks[p]), decode(t))
         out.append(d)
     return out
+
+
+class LogprobsCollector:
+    """One request's logprobs as steps deliver them, in vLLM's shapes: `logprobs` (one dict per
+    output token, None when not asked), `cumulative_logprob` (the sum of the sampled tokens'
+    logprobs), `prompt_logprobs` (None for the first prompt token, then one dict per prompt token).
+    A preempted request recomputes its prompt: positions already collected are kept, not added twice."""
+
+    def __init__(self, num_prompt_tokens: int, want_logprobs: bool, want_prompt_logprobs: bool, decode):
+        self.num_prompt_tokens = num_prompt_tokens
+        self.decode = decode
+        self.logprobs: list[dict[int, Logprob]] | None = [] if want_logprobs else None
+        self.cumulative_logprob: float | None = 0.0 if want_logprobs else None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = [None] if want_prompt_logprobs else None
+
+    def add_sampled(self, pos: PositionLogprobs) -> None:
+        """The logprobs of one sampled token (a one-position `pos`)."""
+        self.logprobs.extend(to_dicts(pos, self.decode))
+        self.cumulative_logprob += float(pos.logprobs[0])
+
+    def add_prompt(self, first: int, pos: PositionLogprobs) -> None:
+        """Logprobs of prompt tokens first, first + 1, ... (those not collected yet)."""
+        have = len(self.prompt_logprobs)
+        if first + len(pos.token_ids) <= have:
+            return
+        skip = max(0, have - first)
+        if first + skip != have:
+            raise RuntimeError(f"prompt logprobs from token {first} arrived with only {have} collected")
+        rest = PositionLogprobs(*(a[skip:] for a in (pos.token_ids, pos.logprobs, pos.ranks, pos.top_ids, pos.top_logprobs)))
+        self.prompt_logprobs.extend(to_dicts(rest, self.decode))
