@@ -260,13 +260,14 @@ def _run_batch(engine, encoded: list[list[int]], params, as_json: bool, explicit
                 break
             for out in engine.step():
                 first_token_at.setdefault(int(out.request_id), time.perf_counter() - t0)
-                if out.finish_reason == "error":
+                if out.error is not None:
                     errors[int(out.request_id)] = f"prompt {int(out.request_id) + 1}: {out.error}"
                     _log(f"Error: {errors[int(out.request_id)]}")
             if timeline is not None:
                 timeline.record(engine)
-            if not as_json and current < len(outputs) and outputs[current] is not None and outputs[current].text[shown:]:
-                text = outputs[current].text
+            streaming = outputs[current] if current < len(outputs) else None
+            if not as_json and streaming is not None and streaming.outputs[0].text[shown:]:
+                text = streaming.outputs[0].text
                 _separate(outputs, current, shown)
                 click.echo(text[shown:], nl=False)
                 sys.stdout.flush()
@@ -282,7 +283,7 @@ def _run_batch(engine, encoded: list[list[int]], params, as_json: bool, explicit
     total = time.perf_counter() - t0
     done = [o for o in outputs if o is not None]
     if done:
-        num_generated = sum(len(o.token_ids) for o in done)
+        num_generated = sum(len(c.token_ids) for o in done for c in o.outputs)
         num_cached = sum(o.num_cached_tokens for o in done)
         ttft = min(first_token_at.values(), default=0.0)
         _log(
@@ -309,11 +310,13 @@ def _finish_one(outputs, errors, current: int, shown: int, as_json: bool) -> tup
         if out is None or current in errors:
             obj = {"error": errors[current]}
         else:
-            obj = {k: getattr(out, k) for k in ("prompt_token_ids", "token_ids", "text", "finish_reason", "num_cached_tokens")}
+            c = out.outputs[0]
+            obj = {"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids, "text": c.text,
+                   "finish_reason": c.finish_reason, "num_cached_tokens": out.num_cached_tokens}  # fmt: skip
         click.echo(json.dumps(obj))
     elif out is not None and current not in errors:
         _separate(outputs, current, shown)
-        click.echo(out.text[shown:])
+        click.echo(out.outputs[0].text[shown:])
     elif shown:
         click.echo()
     return current + 1, 0

@@ -17,7 +17,7 @@ from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
 from numba_vllm.engine.lengths import LengthPolicy
 from numba_vllm.engine.logits_edits import LogitsEdits, bad_word_token_ids
-from numba_vllm.engine.output import OutputBuilder, RequestOutput
+from numba_vllm.engine.output import CompletionOutput, OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler, StepPlan
@@ -87,9 +87,9 @@ class LLMEngine:
         self.lengths.check_prompt(ids)
         request = Request(request_id, ids, params, next(self._arrivals), logits_edits=self._logits_edits(params, ids))
         self.scheduler.add(request)
-        output = RequestOutput(request_id, ids, prompt=text)
+        output = RequestOutput(request_id, text, ids, [CompletionOutput(0)])
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
-        self._builders[request_id] = OutputBuilder(output, params, self.config, self.tokenizer, budget)
+        self._builders[request_id] = OutputBuilder(output, output.outputs[0], params, self.config, self.tokenizer, budget)
         return output
 
     def _logits_edits(self, params: SamplingParams, prompt_ids: list[int]) -> LogitsEdits | None:
@@ -162,8 +162,8 @@ class LLMEngine:
             output = builder.output
             output.num_cached_tokens = request.num_cached_tokens
             builder.add(request.output_token_ids[-1])
-            if output.finished:
-                self.scheduler.finish(request, _STATUS_OF_REASON[output.finish_reason])
+            if builder.completion.finished():
+                self.scheduler.finish(request, _STATUS_OF_REASON[builder.completion.finish_reason])
                 self.runner.release(request.request_id)
                 del self._builders[request.request_id]
             updated.append(output)
@@ -254,11 +254,11 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 updated = self.engine.step()  # each got exactly one new token, or failed
-                failed = next((o for o in updated if o.finish_reason == "error"), None)
+                failed = next((o for o in updated if o.error is not None), None)
                 if failed is not None:
                     raise StepFailedError(f"request {failed.request_id}: {failed.error}") from self.engine.last_step_error
                 if bar is not None:
-                    input_tokens += sum(len(o.prompt_token_ids) for o in updated if len(o.token_ids) == 1)
+                    input_tokens += sum(len(o.prompt_token_ids) for o in updated if len(o.outputs[0].token_ids) == 1)
                     output_tokens += len(updated)
                     elapsed = max(bar.format_dict["elapsed"], 1e-9)
                     rates = f"input {input_tokens / elapsed:.1f} tok/s, output {output_tokens / elapsed:.1f} tok/s"

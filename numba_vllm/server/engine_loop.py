@@ -269,7 +269,8 @@ class EngineLoop:
     def _emit(self, request_id: str, live: _Live, now: float) -> None:
         """Queue the request's news since its last Delta; record its latencies."""
         out = live.output
-        new_tokens = out.token_ids[live.sent_tokens :]
+        c = out.outputs[0]
+        new_tokens = c.token_ids[live.sent_tokens :]
         m = self.metrics
         if new_tokens:
             m.generation_tokens.inc(len(new_tokens))
@@ -279,14 +280,14 @@ class EngineLoop:
                 m.tpot.observe((now - live.last_token_at) / len(new_tokens))
             live.last_token_at = now
         if out.finished:
-            m.finished.labels(out.finish_reason).inc()
+            m.finished.labels(c.finish_reason).inc()
             m.e2e.observe(now - live.arrival)
-        if out.finish_reason == "error":
+        if out.error is not None:
             delta = Delta(live.sink.index, "", [], None, internal_error(request_id))
         else:
-            delta = Delta(live.sink.index, out.text[live.sent_text :], list(new_tokens), out.finish_reason,
+            delta = Delta(live.sink.index, c.text[live.sent_text :], list(new_tokens), c.finish_reason,
                           num_cached_tokens=out.num_cached_tokens)  # fmt: skip
-        live.sent_text, live.sent_tokens = len(out.text), len(out.token_ids)
+        live.sent_text, live.sent_tokens = len(c.text), len(c.token_ids)
         if out.finished:
             del self._live[request_id]
         self._outbox.append((live.sink, delta))
