@@ -17,6 +17,7 @@ from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
 from numba_vllm.engine.lengths import LengthPolicy
 from numba_vllm.engine.logits_edits import LogitsEdits, bad_word_token_ids
+from numba_vllm.engine.logprobs import LogprobsCollector
 from numba_vllm.engine.output import CompletionOutput, OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
@@ -55,6 +56,8 @@ class LLMEngine:
             long_prefill_token_threshold=cap.long_prefill_token_threshold, cache_key=prefix_cache_key(checkpoint),
         )  # fmt: skip
         self._builders: dict[str, OutputBuilder] = {}
+        self._logprobs: dict[str, LogprobsCollector] = {}  # the requests that asked for logprobs or prompt logprobs
+        self._token_texts: dict[int, str] = {}  # decoded tokens of logprobs, by id
         self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -90,7 +93,22 @@ class LLMEngine:
         output = RequestOutput(request_id, text, ids, [CompletionOutput(0)])
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
         self._builders[request_id] = OutputBuilder(output, output.outputs[0], params, self.config, self.tokenizer, budget)
+        if params.logprobs is not None or params.prompt_logprobs is not None:
+            asked = (params.logprobs is not None, params.prompt_logprobs is not None)
+            collector = LogprobsCollector(len(ids), *asked, self._decode_token)
+            self._logprobs[request_id] = collector
+            output.outputs[0].logprobs, output.outputs[0].cumulative_logprob = collector.logprobs, collector.cumulative_logprob
+            output.prompt_logprobs = collector.prompt_logprobs
         return output
+
+    def _decode_token(self, token_id: int) -> str | None:
+        """A logprob's decoded_token: the token's own text (special tokens included), None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _logits_edits(self, params: SamplingParams, prompt_ids: list[int]) -> LogitsEdits | None:
         """The request's logits edits (None when it has none); a logit_bias id outside the vocabulary,
@@ -113,6 +131,7 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (queued or running); its pages and slot are freed."""
         builder = self._builders.pop(request_id, None)
+        self._logprobs.pop(request_id, None)
         if builder is not None and self.scheduler.abort(request_id):
             builder.abort()
             self.runner.release(request_id)
@@ -156,24 +175,39 @@ class LLMEngine:
             return [self._fail(seq.request, message) for seq in plan.sequences]
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_request_ids)
+        if self._logprobs:
+            self._collect_prompt_logprobs()
         updated = []
         for request in self.scheduler.update(plan, sampled):
             builder = self._builders[request.request_id]
             output = builder.output
             output.num_cached_tokens = request.num_cached_tokens
+            collector = self._logprobs.get(request.request_id)
+            if collector is not None and collector.logprobs is not None:
+                collector.add_sampled(self.runner.step_logprobs[request.request_id])
+                builder.completion.cumulative_logprob = collector.cumulative_logprob
             builder.add(request.output_token_ids[-1])
             if builder.completion.finished():
                 self.scheduler.finish(request, _STATUS_OF_REASON[builder.completion.finish_reason])
                 self.runner.release(request.request_id)
                 del self._builders[request.request_id]
+                self._logprobs.pop(request.request_id, None)
             updated.append(output)
         return updated
+
+    def _collect_prompt_logprobs(self) -> None:
+        """Hand the step's prompt logprobs (chunks that sample nothing included) to their requests."""
+        for request_id, (first, pos) in self.runner.step_prompt_logprobs.items():
+            collector = self._logprobs.get(request_id)
+            if collector is not None:
+                collector.add_prompt(first, pos)
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
         """End a request whose step failed (FINISHED_ERROR): pages and slot freed, output marked."""
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
         self.runner.release(request.request_id)
         builder = self._builders.pop(request.request_id)
+        self._logprobs.pop(request.request_id, None)
         builder.fail(message)
         return builder.output
 

@@ -8,7 +8,8 @@ way and stops by the same rules:
   it with reason "stop"; the token is kept in the ids but adds no text; `stop_reason` is the id for a
   `stop_token_ids` id, None for EOS;
 - a stop string ends it with reason "stop" and `stop_reason` the string; the text is cut where the
-  string begins;
+  string begins (after it with `include_stop_str_in_output`); before `min_tokens` tokens are out,
+  stop strings are not looked for (and stop ids cannot come: the sampler masks them);
 - its output budget (`max_tokens`, within the model's length limit) ends it with reason "length".
 Text is streamed as it becomes final: the incremental detokenizer never yields half a UTF-8
 character, and text that could still turn out to be the start of a stop string is held back.
@@ -80,8 +81,11 @@ class OutputBuilder:
             if tokenizer is not None and tokenizer.eos_token_id is not None:
                 self.eos_ids.add(tokenizer.eos_token_id)
         self.stop_ids = set(params.stop_token_ids)
-        self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids) if tokenizer is not None else None
-        self.held = _StopStringFilter(params.stop)
+        self.detok = None
+        if tokenizer is not None:
+            self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids, params.skip_special_tokens)
+        self.held = _StopStringFilter(params.stop, params.include_stop_str_in_output)
+        self.min_tokens = params.min_tokens
 
     def add(self, token: int) -> str:
         """Append one sampled token; return the text that became final (sets finish_reason when done)."""
@@ -92,7 +96,7 @@ class OutputBuilder:
             out.finish_reason = "stop"
             out.stop_reason = None if token in self.eos_ids else token
         elif self.detok is not None:
-            delta, hit = self.held.push(self.detok.add(token))
+            delta, hit = self.held.push(self.detok.add(token), look=len(out.token_ids) >= self.min_tokens)
             if hit is not None:
                 out.finish_reason, out.stop_reason = "stop", hit
         if out.finish_reason is None and len(out.token_ids) >= self.max_new_tokens:
@@ -124,22 +128,27 @@ class OutputBuilder:
 class _StopStringFilter:
     """Holds back streamed text that might be the start of a stop string; cuts at a full match."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
+        """`include_stop`: the text found ends after the stop string, not before it."""
         self.stops = stops
+        self.include_stop = include_stop
         self.pending = ""
         self.hit: str | None = None  # the stop string found
 
-    def push(self, text: str) -> tuple[str, str | None]:
-        """Add text; return (text now safe to emit, the stop string found or None)."""
+    def push(self, text: str, look: bool = True) -> tuple[str, str | None]:
+        """Add text; return (text now safe to emit, the stop string found or None). Without `look`
+        (before min_tokens) no stop string is looked for: everything is emitted."""
         if self.hit is not None:
             return "", self.hit
         self.pending += text
-        if not self.stops:
+        if not self.stops or not look:
             out, self.pending = self.pending, ""
             return out, None
         found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if found:
             cut, self.hit = min(found, key=lambda f: f[0])  # the match that begins first
+            if self.include_stop:
+                cut += len(self.hit)
             out, self.pending = self.pending[:cut], ""
             return out, self.hit
         keep = max(len(s) for s in self.stops) - 1  # the longest tail that could begin a stop string

@@ -149,7 +149,7 @@ class KernelRunner:
             first = prompt_logprob_targets(s)
             if first is not None:
                 r = s.request
-                targets = np.array(r.prompt_token_ids[first : min(s.context_len, r.num_prompt_tokens)], np.int32)  # (P,)
+                targets = np.array(r.prompt_token_ids[first : min(s.context_len + 1, r.num_prompt_tokens)], np.int32)  # (P,)
                 parts = []
                 for start in range(0, len(targets), self.max_num_seqs):
                     chunk = targets[start : start + self.max_num_seqs]

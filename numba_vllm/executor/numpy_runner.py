@@ -120,6 +120,6 @@ def prompt_logprob_targets(seq: ScheduledSequence) -> int | None:
 def prompt_logprobs(seq: ScheduledSequence, first: int, logits: np.ndarray) -> PositionLogprobs:
     """Logprobs of prompt tokens first .. (as far as the chunk reaches) from the chunk's logits (T, V)."""
     r = seq.request
-    end = min(seq.context_len, r.num_prompt_tokens)  # the last prompt token predicted is at end - 1
+    end = min(seq.context_len + 1, r.num_prompt_tokens)  # the chunk's last position predicts token context_len
     targets = np.array(r.prompt_token_ids[first:end], np.int32)  # (P,)
     return raw_logprobs(logits[: len(targets)], targets, r.sampling_params.prompt_logprobs)

@@ -1,0 +1,83 @@
+"""Logprobs and prompt logprobs end to end, against transformers' log-softmax.
+
+The model is the tiny random Llama whose float32 logits transformers computed for 37 tokens
+(`tests/helpers/hf_tiny.py`, `tests/data/tiny_llama_hf_logits.npz`); the reference here is the
+log-softmax of those logits in float64. On the numpy backend (float32 weights) the values agree to
+~1e-4; in the simulator the weights and KV cache are bf16, so to ~0.05, and only the top ids that
+transformers separates clearly are compared. The prompt logprobs come through a prefill cut in chunks
+(and, in the simulator, the head run again over the prompt positions a few rows at a time).
+"""
+
+import numpy as np
+import pytest
+
+from numba_vllm import LLM, SamplingParams
+from tests.helpers.hf_tiny import hf_tiny_case
+from tests.helpers.tiny_llama import write_checkpoint
+
+K = 4
+PROMPT_LEN = 20  # the first 20 of the 37 tokens (the logits are causal: a prefix's are the same)
+
+
+@pytest.fixture(scope="module")
+def case(tmp_path_factory):
+    cfg, _, weights, tokens, logits = hf_tiny_case("a")
+    path = write_checkpoint(tmp_path_factory.mktemp("hf_a"), cfg, weights)
+    z = logits.astype(np.float64)
+    log_softmax = z - (np.log(np.exp(z - z.max(1, keepdims=True)).sum(1, keepdims=True)) + z.max(1, keepdims=True))
+    return str(path), [int(t) for t in tokens[:PROMPT_LEN]], log_softmax  # (37, V)
+
+
+def _check(out, prompt, log_softmax, atol, gap):
+    """out's prompt logprobs and first sampled token's logprobs against rows of log_softmax."""
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    positions = [(d, prompt[i + 1], log_softmax[i]) for i, d in enumerate(out.prompt_logprobs[1:])]
+    completion = out.outputs[0]
+    positions.append((completion.logprobs[0], completion.token_ids[0], log_softmax[len(prompt) - 1]))
+    for d, token, ref in positions:
+        order = np.argsort(-ref, kind="stable")  # transformers' ranking
+        assert d[token].logprob == pytest.approx(ref[token], abs=atol)
+        rank = int((ref >= ref[token]).sum())  # vLLM's rank: tokens at least as likely, itself included
+        assert d[token].rank == rank or np.sort(np.abs(ref - ref[token]))[1] < gap
+        tops = sorted((lp.rank, t) for t, lp in d.items() if lp.rank <= K and not (t == token and len(d) > K))
+        assert [r for r, _ in tops] == list(range(1, K + 1)) and len(d) in (K, K + 1)
+        for (r, t), want in zip(tops, order[:K], strict=True):
+            assert t == want or abs(ref[t] - ref[want]) < gap, f"rank {r}: token {t}, transformers {want}"
+            assert d[t].logprob == pytest.approx(ref[t], abs=atol)
+    sampled = zip(completion.logprobs, completion.token_ids, strict=True)
+    assert completion.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in sampled))
+
+
+def test_numpy_backend_matches_transformers(case):
+    path, prompt, log_softmax = case
+    llm = LLM(path, backend="numpy", max_num_batched_tokens=8, long_prefill_token_threshold=8)  # the prompt in 3 chunks
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=K, prompt_logprobs=K)
+    out = llm.generate([prompt], p, use_tqdm=False)[0]
+    _check(out, prompt, log_softmax, atol=2e-4, gap=1e-3)
+    assert len(out.outputs[0].logprobs) == 3
+
+
+def test_logprobs_are_of_the_raw_logits(case):
+    """Temperature and penalties change the draw, not the logprobs (vLLM's default)."""
+    path, prompt, log_softmax = case
+    llm = LLM(path, backend="numpy")
+    p = SamplingParams(temperature=0.5, seed=3, max_tokens=1, logprobs=0, repetition_penalty=2.0, logit_bias={5: 4.0})
+    c = llm.generate([prompt], p, use_tqdm=False)[0].outputs[0]
+    (token,) = c.token_ids
+    assert list(c.logprobs[0]) == [token]
+    assert c.logprobs[0][token].logprob == pytest.approx(log_softmax[PROMPT_LEN - 1][token], abs=2e-4)
+
+
+def test_no_logprobs_asked_gives_none(case):
+    path, prompt, _ = case
+    out = LLM(path, backend="numpy").generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert out.prompt_logprobs is None and out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
+
+
+@pytest.mark.slow  # the model in the simulator, its head over the prompt in chunks of 4 rows
+def test_simulator_matches_transformers(case):
+    path, prompt, log_softmax = case
+    llm = LLM(path, backend="sim", max_num_seqs=4, num_pages=8)
+    p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=K, prompt_logprobs=K)
+    out = llm.generate([prompt], p, use_tqdm=False)[0]
+    _check(out, prompt, log_softmax, atol=0.05, gap=0.1)
