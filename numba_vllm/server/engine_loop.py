@@ -74,6 +74,8 @@ class Delta:
     finish_reason: str | None  # "stop", "length", "abort"; None while it runs (or when `error` ends it)
     error: APIError | None = None  # the engine failed: the request is over
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied (known once a token is out)
+    logprobs: list | None = None  # one dict per token of token_ids (engine/logprobs.py), if asked for
+    prompt_logprobs: list | None = None  # the prompt's, with the request's first tokens, if asked for
 
     @property
     def final(self) -> bool:
@@ -287,6 +289,10 @@ class EngineLoop:
         else:
             delta = Delta(live.sink.index, c.text[live.sent_text :], list(new_tokens), c.finish_reason,
                           num_cached_tokens=out.num_cached_tokens)  # fmt: skip
+            if c.logprobs is not None:
+                delta.logprobs = c.logprobs[live.sent_tokens : len(c.token_ids)]
+            if live.sent_tokens == 0 and new_tokens:
+                delta.prompt_logprobs = out.prompt_logprobs
         live.sent_text, live.sent_tokens = len(c.text), len(c.token_ids)
         if out.finished:
             del self._live[request_id]

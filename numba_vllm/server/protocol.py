@@ -251,7 +251,7 @@ def check_supported(req: _GenerationRequest) -> None:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):
         if req.max_tokens == 0 and not req.echo:
-            raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
+            raise bad_request("max_tokens must be an integer >= 1 (0 only with echo: the prompt alone)", "max_tokens")
         if req.best_of not in (None, 1):
             raise bad_request("best_of must be 1", "best_of")
         if req.suffix:
