@@ -141,3 +141,16 @@ def test_logit_bias_outside_the_vocabulary_is_refused(tiny):
 
 def _tokens(output):
     return output.outputs[0].token_ids if hasattr(output, "outputs") else output.token_ids
+
+
+@pytest.mark.gpu
+def test_penalties_and_bias_on_the_gpu_with_graphs_beside_plain_rows(tiny):
+    """The cuda backend (decode steps replayed from CUDA graphs, edited rows sampled again): the
+    edited request follows the formula, and the plain requests beside it keep their own tokens."""
+    p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **EDITS)
+    plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    gpu = LLM(tiny, backend="cuda", max_num_seqs=4)
+    outs = gpu.generate([PROMPT, PROMPT, PROMPT[:3]], [p, plain, plain], use_tqdm=False)
+    assert _tokens(outs[0]) == _reference_greedy(tiny, PROMPT, p, 8)
+    assert _tokens(outs[1]) == _reference_greedy(tiny, PROMPT, plain, 8)
+    assert _tokens(outs[2]) == _reference_greedy(tiny, PROMPT[:3], plain, 8)

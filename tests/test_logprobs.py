@@ -81,3 +81,15 @@ def test_simulator_matches_transformers(case):
     p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=K, prompt_logprobs=K)
     out = llm.generate([prompt], p, use_tqdm=False)[0]
     _check(out, prompt, log_softmax, atol=0.05, gap=0.1)
+
+
+@pytest.mark.gpu
+def test_gpu_matches_transformers(case):
+    """The cuda backend: prompt logprobs through the head in chunks, sampled tokens' logprobs from
+    replayed decode graphs, with a request without logprobs beside it."""
+    path, prompt, log_softmax = case
+    llm = LLM(path, backend="cuda", max_num_seqs=4)
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=K, prompt_logprobs=K)
+    out, plain = llm.generate([prompt, prompt], [p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)], use_tqdm=False)
+    _check(out, prompt, log_softmax, atol=0.05, gap=0.1)
+    assert plain.outputs[0].logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids

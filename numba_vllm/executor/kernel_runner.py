@@ -88,7 +88,7 @@ class KernelRunner:
         Variants: gemv per token count 1 .. GEMV_MAX_TOKENS; the tensor-core GEMM's tilings and K splits,
         which it picks by the product's shape (prefill steps of 16, 32, 64, ... tokens up to a full
         token budget: every tiling the step sizes can reach, a cached prefix's short chunks included);
-        both attention kernels; the samplers.
+        both attention kernels; the samplers, the logits edits and logprobs kernels.
         """
         for num_tokens in range(1, min(GEMV_MAX_TOKENS + 1, self.max_step_tokens) + 1):  # every gemv, then the GEMM
             step = null_decode_step(num_tokens, min(num_tokens, self.max_num_seqs))
@@ -97,6 +97,10 @@ class KernelRunner:
         sizes = [n for n in (2 << k for k in range(3, 20)) if n < full] + [full]  # 16, 32, ... and the full budget
         for num_tokens in sizes:
             self._sample_all(self.model.forward(upload_inputs(null_prefill_step(num_tokens), num_tokens, num_tokens)))
+        logits = self.model.forward(upload_inputs(null_decode_step(1, 1), 0, 0))  # (1, V): the edits and logprobs kernels
+        no_entries = [np.zeros(1, np.int32), np.zeros(2, np.int32)] + [np.zeros(0, np.int32)] * 3 + [np.zeros(0, np.float32)]
+        edit_logits(logits, *(cuda.to_device(a) for a in no_entries), cuda.to_device(np.ones((1, 3), np.float32)))
+        device_logprobs(logits, np.zeros(1, np.int32), np.zeros(1, np.int32), 0)
         if self.decode_graphs is not None:
             self.decode_graphs.record_all(max_pages)
 
