@@ -182,7 +182,7 @@ class LLMEngine:
             builder = self._builders[request.request_id]
             output = builder.output
             output.num_cached_tokens = request.num_cached_tokens
-            collector = self._logprobs.get(request.request_id)
+            collector = self._logprobs.get(request.request_id) if self._logprobs else None
             if collector is not None and collector.logprobs is not None:
                 collector.add_sampled(self.runner.step_logprobs[request.request_id])
                 builder.completion.cumulative_logprob = collector.cumulative_logprob

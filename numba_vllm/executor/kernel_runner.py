@@ -54,10 +54,8 @@ class KernelRunner:
 
     def execute(self, plan: StepPlan) -> dict[str, int]:
         seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)
-        requests = [s.request for s in seqs if s.samples]
+        requests, logprob_rows, edited, prompt_logprobs = _sampling_rows_of(seqs)
         self.step_logprobs, self.step_prompt_logprobs = {}, {}
-        logprob_rows = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        edited = [i for i, r in enumerate(requests) if r.logits_edits is not None]
         if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
             logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests))  # every row samples
             raw = self._edit(requests, edited, logits, logprob_rows)
@@ -70,7 +68,7 @@ class KernelRunner:
         out = self._sample_on_host(requests, logits, [int(t) for t in tokens])
         if logprob_rows:
             self._sampled_logprobs(requests, logprob_rows, raw, out)
-        if any(s.request.sampling_params.prompt_logprobs is not None for s in seqs):
+        if prompt_logprobs:
             self._prompt_logprobs(seqs)
         return dict(zip((r.request_id for r in requests), out, strict=True))
 
@@ -213,6 +211,24 @@ def upload_inputs(parts: dict[str, np.ndarray], num_prefill_tokens: int, prefill
         views[name] = packed[start : start + a.size].reshape(a.shape)
         start += a.size
     return StepInputs(**views, num_prefill_tokens=num_prefill_tokens, prefill_max_new_tokens=prefill_max_new_tokens)
+
+
+def _sampling_rows_of(seqs: list[ScheduledSequence]) -> tuple[list, list[int], list[int], bool]:
+    """(the requests that sample, in row order; the rows that want logprobs; the rows that edit their
+    logits; whether any sequence wants prompt logprobs), in one pass: it runs every step."""
+    requests, logprob_rows, edited, prompt_logprobs = [], [], [], False
+    for s in seqs:
+        r = s.request
+        p = r.sampling_params
+        if p.prompt_logprobs is not None:
+            prompt_logprobs = True
+        if s.samples:
+            if p.logprobs is not None:
+                logprob_rows.append(len(requests))
+            if r.logits_edits is not None:
+                edited.append(len(requests))
+            requests.append(r)
+    return requests, logprob_rows, edited, prompt_logprobs
 
 
 def device_logprobs(logits, rows: np.ndarray, token_ids: np.ndarray, k: int) -> PositionLogprobs:
