@@ -93,3 +93,24 @@ def test_gpu_matches_transformers(case):
     out, plain = llm.generate([prompt, prompt], [p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)], use_tqdm=False)
     _check(out, prompt, log_softmax, atol=0.05, gap=0.1)
     assert plain.outputs[0].logprobs is None and plain.outputs[0].token_ids == out.outputs[0].token_ids
+
+
+def test_prompt_logprobs_skip_the_prefix_cache_and_survive_preemption(case):
+    """A request asking for prompt logprobs computes every prompt position even when its prefix is
+    cached; one that is preempted and recomputed keeps each position's logprobs once."""
+    path, prompt, _ = case
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, prompt_logprobs=1)
+    alone = LLM(path, backend="numpy", enable_prefix_caching=False).generate([prompt], p, use_tqdm=False)[0]
+    llm = LLM(path, backend="numpy", enable_prefix_caching=True)
+    llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)  # caches the prompt's first page
+    again = llm.generate([prompt], p, use_tqdm=False)[0]
+    assert again.num_cached_tokens == 0 and _values(again) == _values(alone)
+    crowded = LLM(path, backend="numpy", max_num_seqs=4, num_pages=6)  # 5 usable pages for 4 prompts of 2 pages at the end
+    outs = crowded.generate([prompt[:15], prompt[:14], prompt[:13], prompt], p, use_tqdm=False)
+    assert crowded.engine.num_preemptions > 0
+    assert _values(outs[3]) == _values(alone)
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in outs)
+
+
+def _values(out):
+    return [None if d is None else sorted((t, lp.logprob, lp.rank) for t, lp in d.items()) for d in out.prompt_logprobs]
