@@ -242,7 +242,8 @@ BAD = [  # (path, body: dict, or bytes sent as they are, status, param or None, 
     ("/v1/completions", {"prompt": [1, 2], "stop": ""}, 400, "stop", "non-empty strings"),
     ("/v1/completions", {"prompt": [1, 2], "stop": [1]}, 400, "stop", "a string or a list of strings"),
     ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, 400, "stream", "valid boolean"),
-    ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n", "n must be 1"),
+    ("/v1/completions", {"prompt": [1, 2], "n": 0}, 400, "n", "n must be an integer >= 1"),
+    ("/v1/completions", {"prompt": [1, 2], "n": 2, "best_of": 3}, 400, "best_of", "only equal to n"),
     ("/v1/completions", {"prompt": [1, 2], "logprobs": 21}, 400, "logprobs", "logprobs must be an integer in [0, 20]"),
     ("/v1/completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model", "does not exist"),
     ("/v1/completions", {"prompt": [1, 1000]}, 400, "prompt", "outside the vocabulary"),
@@ -290,8 +291,8 @@ def test_bad_input_gets_a_4xx_and_does_not_disturb_a_running_request(tiny, ref):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt=[1], max_tokens=1)
     assert e.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=TINY_NAME, prompt=[1], n=3)
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        client.completions.create(model=TINY_NAME, prompt=[1], n=3, best_of=2)
     thread.join(60)
     assert got["ids"] == want
     r = client.completions.create(

@@ -5,22 +5,35 @@ the scheduler picks what runs (`StepPlan`), the runner executes it and samples, 
 advances the requests, and each request's `OutputBuilder` turns its new token into text and decides
 whether it stops; finished requests give back their pages and slot. `LLM` is the offline API on
 top: hand it all prompts, get all outputs back in order.
+
+A request with `n` > 1 sequences is fanned out into n child requests (as vLLM V1 does), which share
+the prompt's full KV pages through the prefix cache: only the first child is scheduled at first, its
+siblings join once its prompt is computed (its first token is out), so each finds the prompt's full
+pages cached instead of computing them beside it in the same step. Only the prompt's last, partial
+page (and at least its last token) is computed per child. With prefix caching off there is nothing
+to share and all children are scheduled at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
 from numba_vllm.engine.lengths import LengthPolicy
+from numba_vllm.engine.llm_args import llm_engine_config, normalize_prompts
 from numba_vllm.engine.logits_edits import LogitsEdits, bad_word_token_ids
 from numba_vllm.engine.logprobs import LogprobsCollector
 from numba_vllm.engine.output import CompletionOutput, OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.sampling_defaults import model_sampling_defaults
 from numba_vllm.engine.scheduler import Scheduler, StepPlan
 from numba_vllm.engine.stats import EngineStats, StepStats, collect_stats, step_stats
 from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
@@ -29,6 +42,15 @@ from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 WARM_UP_GRAPH_TOKENS = 4096  # `warm_up` records decode graphs for sequences up to this long; longer ones on first use
 
 _STATUS_OF_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+@dataclass
+class _Family:
+    """The child requests of one request (one child when n is 1; its id is the request's own)."""
+
+    output: RequestOutput
+    child_ids: list[str]  # child i fills output.outputs[i]
+    held: list[Request]  # children not yet given to the scheduler: they wait for child 0's prompt
 
 
 class StepFailedError(RuntimeError):
@@ -55,8 +77,12 @@ class LLMEngine:
             ec.max_num_seqs, cap.max_num_batched_tokens, allocator, cap.max_model_len, scheduling=ec.scheduling,
             long_prefill_token_threshold=cap.long_prefill_token_threshold, cache_key=prefix_cache_key(checkpoint),
         )  # fmt: skip
-        self._builders: dict[str, OutputBuilder] = {}
-        self._logprobs: dict[str, LogprobsCollector] = {}  # the requests that asked for logprobs or prompt logprobs
+        # Sampling values requests take unless they set their own (engine/sampling_defaults.py).
+        self.sampling_defaults = model_sampling_defaults(self.config, ec.generation_config)
+        self._builders: dict[str, OutputBuilder] = {}  # by child request id, while it runs
+        self._families: dict[str, _Family] = {}  # by request id, until every child has finished
+        self._holding: dict[str, _Family] = {}  # the families with held children, by request id
+        self._logprobs: dict[str, LogprobsCollector] = {}  # by child request id: those that asked for logprobs
         self._token_texts: dict[int, str] = {}  # decoded tokens of logprobs, by id
         self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
@@ -75,9 +101,11 @@ class LLMEngine:
         """Queue a prompt (text, or token ids); returns its output, filled in as steps run.
 
         A prompt the model cannot run (empty, too long for `max_model_len`, ids outside the
-        vocabulary) raises `PromptError` (a ValueError) for this request alone.
+        vocabulary) raises `PromptError` (a ValueError) for this request alone. With `params.n` > 1
+        the request runs as n children `f"{i}_{request_id}"` (vLLM's naming); child i samples with
+        seed `params.seed + i` when a seed is given, so the sequences differ and each is reproducible.
         """
-        if request_id in self._builders:
+        if request_id in self._families:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
@@ -88,18 +116,46 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.lengths.check_prompt(ids)
-        request = Request(request_id, ids, params, next(self._arrivals), logits_edits=self._logits_edits(params, ids))
-        self.scheduler.add(request)
-        output = RequestOutput(request_id, text, ids, [CompletionOutput(0)])
+        n = params.n
+        child_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        if any(c in self._builders for c in child_ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        output = RequestOutput(request_id, text, ids, [CompletionOutput(i) for i in range(n)])
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
-        self._builders[request_id] = OutputBuilder(output, output.outputs[0], params, self.config, self.tokenizer, budget)
-        if params.logprobs is not None or params.prompt_logprobs is not None:
-            asked = (params.logprobs is not None, params.prompt_logprobs is not None)
-            collector = LogprobsCollector(len(ids), *asked, self._decode_token)
-            self._logprobs[request_id] = collector
-            output.outputs[0].logprobs, output.outputs[0].cumulative_logprob = collector.logprobs, collector.cumulative_logprob
-            output.prompt_logprobs = collector.prompt_logprobs
+        # child i > 0 leaves the prompt's logprobs to child 0 (and so may share its cached pages)
+        child_params = [params] if n == 1 else [
+            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            for i in range(n)
+        ]  # fmt: skip
+        edits = [self._logits_edits(p, ids) for p in child_params]  # raises before anything is registered
+        children = []
+        for i, child_id in enumerate(child_ids):
+            children.append(Request(child_id, ids, child_params[i], next(self._arrivals), logits_edits=edits[i]))
+            self._builders[child_id] = OutputBuilder(output, output.outputs[i], child_params[i], self.config, self.tokenizer,
+                                                     budget)  # fmt: skip
+            self._collect_logprobs_of(child_id, child_params[i], output, output.outputs[i])
+        share = self.scheduler.allocator.enable_caching  # the siblings wait only where there are pages to share
+        first, held = (children[:1], children[1:]) if share else (children, [])
+        for request in first:
+            self.scheduler.add(request)
+        self._families[request_id] = family = _Family(output, child_ids, held)
+        if held:
+            self._holding[request_id] = family
         return output
+
+    def _collect_logprobs_of(
+        self, child_id: str, params: SamplingParams, output: RequestOutput, completion: CompletionOutput
+    ) -> None:
+        """Give a child that asks for logprobs (or the prompt's) a collector; its lists are the output's."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return
+        collector = LogprobsCollector(len(output.prompt_token_ids), params.logprobs is not None,
+                                      params.prompt_logprobs is not None, self._decode_token)  # fmt: skip
+        self._logprobs[child_id] = collector
+        completion.logprobs, completion.cumulative_logprob = collector.logprobs, collector.cumulative_logprob
+        if collector.prompt_logprobs is not None:
+            output.prompt_logprobs = collector.prompt_logprobs
 
     def _decode_token(self, token_id: int) -> str | None:
         """A logprob's decoded_token: the token's own text (special tokens included), None without a tokenizer."""
@@ -129,12 +185,20 @@ class LLMEngine:
         return LogitsEdits(params, prompt_ids, stop_ids, bad_words)
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now (queued or running); its pages and slot are freed."""
-        builder = self._builders.pop(request_id, None)
-        self._logprobs.pop(request_id, None)
-        if builder is not None and self.scheduler.abort(request_id):
+        """Stop a request now (queued or running, every one of its sequences); its pages and slots are freed."""
+        family = self._families.pop(request_id, None)
+        if family is None:
+            return
+        self._holding.pop(request_id, None)
+        held = {r.request_id for r in family.held}
+        for child_id in family.child_ids:
+            builder = self._builders.pop(child_id, None)
+            self._logprobs.pop(child_id, None)
+            if builder is None:
+                continue
             builder.abort()
-            self.runner.release(request_id)
+            if child_id not in held and self.scheduler.abort(child_id):
+                self.runner.release(child_id)
 
     def warm_up(self) -> None:
         """Compile the kernels and record the decode-step CUDA graphs (for sequences of up to
@@ -145,7 +209,7 @@ class LLMEngine:
             warm(pages_for_tokens(min(self.capacity.max_model_len, WARM_UP_GRAPH_TOKENS)))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._families) or self.scheduler.has_unfinished()
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -159,6 +223,7 @@ class LLMEngine:
         the same way forever, so the engine gives those requests up. A KeyboardInterrupt during the
         forward pass fails nobody: the step is dropped as if it never ran, and the interrupt goes on.
         """
+        self._release_siblings()
         plan = self.scheduler.schedule()
         self._last_plan = (self.num_steps, plan)
         if self.engine_config.verbose:
@@ -172,16 +237,22 @@ class LLMEngine:
             self.num_failed_steps += 1
             self.last_step_error = e
             message = f"the engine step failed: {type(e).__name__}: {e}"
-            return [self._fail(seq.request, message) for seq in plan.sequences]
+            failed: dict[int, RequestOutput] = {}
+            for seq in plan.sequences:
+                if seq.request.request_id in self._builders:  # not already ended with a failed sibling
+                    output = self._fail(seq.request, message)
+                    failed[id(output)] = output
+            return list(failed.values())
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_request_ids)
         if self._logprobs:
             self._collect_prompt_logprobs()
-        updated = []
+        updated: dict[int, RequestOutput] = {}  # each request's output once, however many of its children moved
         for request in self.scheduler.update(plan, sampled):
             builder = self._builders[request.request_id]
             output = builder.output
-            output.num_cached_tokens = request.num_cached_tokens
+            if builder.completion.index == 0:
+                output.num_cached_tokens = request.num_cached_tokens
             collector = self._logprobs.get(request.request_id) if self._logprobs else None
             if collector is not None and collector.logprobs is not None:
                 collector.add_sampled(self.runner.step_logprobs[request.request_id])
@@ -192,8 +263,22 @@ class LLMEngine:
                 self.runner.release(request.request_id)
                 del self._builders[request.request_id]
                 self._logprobs.pop(request.request_id, None)
-            updated.append(output)
-        return updated
+            updated[id(output)] = output
+        for output in updated.values():
+            if output.finished:
+                del self._families[output.request_id]
+        return list(updated.values())
+
+    def _release_siblings(self) -> None:
+        """Hand held children to the scheduler once child 0's prompt is computed (its first token is
+        out, or it has ended): the prompt's full pages are in the prefix cache for them to share."""
+        for request_id, family in list(self._holding.items()):
+            first = family.output.outputs[0]
+            if first.token_ids or first.finished():
+                for request in reversed(family.held):  # ahead of requests that arrived after theirs, in index order
+                    self.scheduler.add(request, front=True)
+                family.held = []
+                del self._holding[request_id]
 
     def _collect_prompt_logprobs(self) -> None:
         """Hand the step's prompt logprobs (chunks that sample nothing included) to their requests."""
@@ -203,12 +288,23 @@ class LLMEngine:
                 collector.add_prompt(first, pos)
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
-        """End a request whose step failed (FINISHED_ERROR): pages and slot freed, output marked."""
+        """End a request whose step failed (FINISHED_ERROR): pages and slot freed, output marked; the
+        request's other sequences (its siblings) end with it."""
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
         self.runner.release(request.request_id)
         builder = self._builders.pop(request.request_id)
-        self._logprobs.pop(request.request_id, None)
         builder.fail(message)
+        family = self._families.pop(builder.output.request_id)
+        self._holding.pop(builder.output.request_id, None)
+        held = {r.request_id for r in family.held}
+        for child_id in family.child_ids:
+            self._logprobs.pop(child_id, None)
+            sibling = self._builders.pop(child_id, None)
+            if sibling is not None:
+                sibling.fail(message)
+                if child_id not in held:
+                    self.scheduler.abort(child_id)
+                    self.runner.release(child_id)
         return builder.output
 
     # ---- state ---------------------------------------------------------------------------------
@@ -234,28 +330,50 @@ def prefix_cache_key(checkpoint: Checkpoint) -> bytes:
 
 
 class LLM:
-    """Offline inference: `LLM(model).generate(prompts, params)` -> outputs in prompt order."""
+    """Offline inference: `LLM(model).generate(prompts, params)` -> outputs in prompt order.
 
-    def __init__(self, model: str | None = None, backend: str = "auto", **engine_args):
-        engine_config = EngineConfig(backend=backend, **engine_args)
-        prepare_backend(engine_config.backend)
+    Takes vLLM's common keywords (`engine/llm_args.py`: max_model_len, gpu_memory_utilization,
+    enforce_eager, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, generation_config,
+    seed, dtype, tokenizer, tensor_parallel_size, ...) and numba-vllm's own EngineConfig fields;
+    a keyword or value that cannot be honoured is refused in one line naming `LLM`. `seed`: a request
+    without a seed of its own gets one drawn from a generator seeded with it, so a script's runs repeat.
+    """
+
+    def __init__(self, model: str | None = None, backend: str = "auto", **kwargs):
+        seed = kwargs.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ValueError(f"LLM: seed={seed!r} must be a non-negative integer")
+        prepare_backend(backend)
+        engine_config = llm_engine_config(model, backend, resolve_backend(backend), kwargs)
         self.engine = LLMEngine(load_checkpoint(model), engine_config)
+        self._seeds = None if seed is None else np.random.default_rng(seed)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (`encode`, `decode`, `apply_chat_template`); None for a checkpoint without one."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: the model's generation_config.json
+        values (with generation_config="auto", the default), else SamplingParams' own defaults."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) to completion, batched; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        """Run every prompt to completion, batched; outputs in prompt order. A prompt is a text, a list
+        of token ids, `{"prompt": text}` or `{"prompt_token_ids": [...]}`; one prompt or a list of them."""
+        prompts = normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = [self._seeded(sp) for sp in _per_prompt(sampling_params, len(prompts))]
         outputs = [self.engine.add_request(f"gen-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params, strict=True)]
         self._run(outputs, use_tqdm)
         return outputs
@@ -273,6 +391,12 @@ class LLM:
             conversations = [conversations]
         ids = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
+
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        """With LLM(seed=...): a request without a seed of its own gets the generator's next one."""
+        if self._seeds is None or params.seed is not None or params.greedy:
+            return params
+        return dataclasses.replace(params, seed=int(self._seeds.integers(2**31)))
 
     def _run(self, outputs: list[RequestOutput], use_tqdm: bool) -> None:
         """Step until every request is done. With ``use_tqdm`` and stderr a terminal, a tqdm bar (as in

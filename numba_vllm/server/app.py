@@ -65,7 +65,7 @@ from numba_vllm.server.protocol import (
     usage,
 )
 from numba_vllm.server.streams import EventStream, Submission, collect, stream_chat, stream_completion, unless_disconnected
-from numba_vllm.server.tokenize import chat_prompt_ids, tokenize
+from numba_vllm.server.tokenize import chat_prompt_ids, detokenize, tokenize
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -198,6 +198,10 @@ def create_app(
     async def tokenize_prompt(request: Request) -> dict:  # vLLM's; prefix-aware routers call it
         return await tokenize(engine, await _read_body(request, state.limits), state.resolve_model)
 
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request) -> dict:  # vLLM's: token ids back to text
+        return await detokenize(engine, await _read_body(request, state.limits), state.resolve_model)
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card(n) for n in state.model_names]}
@@ -212,7 +216,7 @@ def create_app(
         req = parse_body(await _read_body(request, state.limits), CompletionRequest)
         model = state.resolve_model(req.model)
         check_supported(req)
-        params = sampling_params(req)
+        params = sampling_params(req, engine.sampling_defaults)
         prompts = await _completion_prompts(engine, req, state.limits.max_prompts_per_request)
         echo_texts = None
         if req.echo:  # the prompt as given, or decoded from its ids
@@ -226,7 +230,7 @@ def create_app(
         req = parse_body(await _read_body(request, state.limits), ChatCompletionRequest)
         model = state.resolve_model(req.model)
         check_supported(req)
-        params = sampling_params(req)
+        params = sampling_params(req, engine.sampling_defaults)
         ids = await chat_prompt_ids(engine.tokenizer, req, model)
         return await _generate(state, request, "chatcmpl", [ids], params, req, model, arrival, "messages")
 
@@ -302,8 +306,12 @@ async def _generate(
         check_length(engine.lengths, ids, req, explicit, param)
     if state.draining:
         raise APIError(503, "the server is shutting down", code="service_unavailable")
+    n = params.n
+    if len(prompts) * n > state.limits.max_prompts_per_request:
+        most = state.limits.max_prompts_per_request
+        raise bad_request(f"{len(prompts)} prompts x n={n} choices is more than the {most} one request may ask for", "n")
     limit = state.limits.max_waiting_requests
-    if state.engine_loop.num_waiting() + len(prompts) > limit:
+    if state.engine_loop.num_waiting() + len(prompts) * n > limit:
         raise APIError(
             503,
             f"the server is busy: {limit} requests are waiting already; retry later",
@@ -312,10 +320,10 @@ async def _generate(
         )
     base_id = f"{prefix}-{uuid.uuid4().hex}"
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
-    submission = Submission(state, ids, prompts)
+    submission = Submission(state, ids, prompts, n)
     await submission.start(params, arrival)  # closes the submission itself if it raises
     chat = prefix == "chatcmpl"
-    view = ChoiceLogprobs(chat, params.logprobs is not None, params.logprobs or 0, prompts, echo_texts, echo_only(req),
+    view = ChoiceLogprobs(chat, params.logprobs is not None, params.logprobs or 0, prompts, n, echo_texts, echo_only(req),
                           lambda t: _decode(engine, [t]))  # fmt: skip
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -330,7 +338,7 @@ async def _generate(
         return Response(status_code=499)
     answers, cached_tokens = result
     choices = []
-    for d in answers:
+    for d in answers:  # choice i: prompt i // n, its sequence i % n (OpenAI's order)
         echoed, prompt_logprobs = view.prefix(d.index, d.prompt_logprobs)
         text, token_ids, logprobs = view.output(d.index, d.text, d.token_ids, d.logprobs)
         if echoed:
@@ -342,7 +350,7 @@ async def _generate(
         else:
             choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         if req.return_token_ids:
-            choice.update(prompt_token_ids=prompts[d.index], token_ids=token_ids)
+            choice.update(prompt_token_ids=prompts[d.index // n], token_ids=token_ids)
         choices.append(choice)
     body = envelope(base_id, "chat.completion" if chat else "text_completion", model)
     completion_tokens = 0 if view.echo_only else sum(len(d.token_ids) for d in answers)

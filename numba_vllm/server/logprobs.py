@@ -65,20 +65,21 @@ class ChoiceLogprobs:
     `wanted`: whether the request asked for logprobs of its output at all.
     """
 
-    def __init__(self, chat: bool, wanted: bool, top: int, prompts: list[list[int]], echo_texts: list[str] | None,
+    def __init__(self, chat: bool, wanted: bool, top: int, prompts: list[list[int]], n: int, echo_texts: list[str] | None,
                  echo_only: bool, decode: Callable[[int], str]):  # fmt: skip
-        self.chat, self.wanted, self.top = chat, wanted, top
+        """Choice i is sequence i % n of prompt i // n (`n` sequences a prompt)."""
+        self.chat, self.wanted, self.top, self.n = chat, wanted, top, n
         self.prompts, self.echo_texts, self.echo_only, self.decode = prompts, echo_texts, echo_only, decode
-        self.offsets = [0] * len(prompts)  # text already in each choice (completions' text_offset)
+        self.offsets = [0] * (len(prompts) * n)  # text already in each choice (completions' text_offset)
 
     def prefix(self, i: int, prompt_logprobs: list | None) -> tuple[str, dict | None]:
         """Choice i's echoed prompt (text, logprobs), or ("", None) without echo."""
         if self.echo_texts is None:
             return "", None
-        text = self.echo_texts[i]
+        text = self.echo_texts[i // self.n]
         logprobs = None
         if self.wanted and prompt_logprobs is not None:
-            logprobs = completion_logprobs(self.prompts[i], prompt_logprobs, self.decode, self.offsets[i])
+            logprobs = completion_logprobs(self.prompts[i // self.n], prompt_logprobs, self.decode, self.offsets[i])
         self.offsets[i] += len(text)
         return text, logprobs
 

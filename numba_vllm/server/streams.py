@@ -1,7 +1,8 @@
 """One HTTP request's life after validation: its engine requests, and the answer, collected or streamed.
 
-A `Submission` holds the engine requests of one HTTP request (one per prompt; choice i is prompt i)
-and the asyncio queue their `Delta`s arrive on. `collect` gathers them into one answer;
+A `Submission` holds the engine requests of one HTTP request (one per prompt, each with `n`
+sequences; choice i is sequence i % n of prompt i // n, OpenAI's order) and the asyncio queue their
+`Delta`s arrive on. `collect` gathers them into one answer;
 `stream_completion` and `stream_chat` turn them into server-sent events: every Delta that carries
 tokens becomes a chunk (Deltas that queued up while the event loop was busy are merged, as vLLM
 does), then an optional usage chunk, then `data: [DONE]`. `EventStream` and `unless_disconnected`
@@ -34,14 +35,17 @@ logger = logging.getLogger("uvicorn.error")
 
 
 class Submission:
-    """The engine requests of one HTTP request (one per prompt), and their shared queue of Deltas."""
+    """The engine requests of one HTTP request (one per prompt, `n` choices each), and their shared
+    queue of Deltas."""
 
-    def __init__(self, state: ServerState, request_ids: list[str], prompts: list[list[int]]):
+    def __init__(self, state: ServerState, request_ids: list[str], prompts: list[list[int]], n: int = 1):
         self.state = state
         self.request_ids = request_ids
         self.prompts = prompts
+        self.n = n
+        self.num_choices = len(prompts) * n
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.unfinished = set(range(len(request_ids)))
+        self.unfinished = set(range(self.num_choices))
         self.sinks: list[Sink] = []
         self.closed = False
         state.submissions.add(self)
@@ -49,7 +53,7 @@ class Submission:
     async def start(self, params: SamplingParams, arrival: float) -> None:
         """Hand every prompt to the engine; return once all are accepted (APIError if one is not)."""
         loop = asyncio.get_running_loop()
-        self.sinks = [Sink(loop, i, loop.create_future(), self.queue) for i in range(len(self.prompts))]
+        self.sinks = [Sink(loop, i * self.n, loop.create_future(), self.queue) for i in range(len(self.prompts))]
         try:
             for request_id, prompt, sink in zip(self.request_ids, self.prompts, self.sinks, strict=True):
                 self.state.engine_loop.add(request_id, prompt, params, sink, arrival)
@@ -85,8 +89,8 @@ class Submission:
         if self.closed:
             return
         self.closed = True
-        for i in self.unfinished:
-            self.state.engine_loop.abort(self.request_ids[i])
+        for p in sorted({i // self.n for i in self.unfinished}):
+            self.state.engine_loop.abort(self.request_ids[p])
         self.state.submissions.discard(self)
 
 
@@ -166,13 +170,17 @@ async def unless_disconnected(request: Request, work):
 
 async def collect(submission: Submission) -> tuple[list[Delta], int]:
     """Every choice's whole answer as one Delta (text, token ids, finish reason, logprobs), in choice
-    order, and the prompt tokens the prefix cache supplied."""
+    order, and the prompt tokens the prefix cache supplied (counted once per prompt, as its prompt
+    tokens are)."""
     batches = [d async for batch in submission.batches() for d in batch]
     for d in batches:
         if d.error is not None:
             raise d.error
     choices = _merge(batches)
-    return choices, sum(d.num_cached_tokens for d in choices)
+    cached = [0] * len(submission.prompts)
+    for d in choices:
+        cached[d.index // submission.n] = max(cached[d.index // submission.n], d.num_cached_tokens)
+    return choices, sum(cached)
 
 
 async def stream_completion(
@@ -195,7 +203,7 @@ async def stream_completion(
                 yield sse(d.error.body())
                 yield sse("[DONE]")
                 return
-            cached[d.index] = max(cached[d.index], d.num_cached_tokens)
+            cached[d.index // sub.n] = max(cached[d.index // sub.n], d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             if d.index not in started and view.echo_texts is not None:
@@ -207,7 +215,7 @@ async def stream_completion(
             if with_ids:
                 choice["token_ids"] = token_ids
                 if d.index not in started:
-                    choice["prompt_token_ids"] = sub.prompts[d.index]
+                    choice["prompt_token_ids"] = sub.prompts[d.index // sub.n]
             started.add(d.index)
             yield chunk(choice)
     if include_usage:
@@ -220,13 +228,14 @@ async def stream_completion(
 async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool, view: ChoiceLogprobs):
     created = int(time.time())
 
-    def chunk(delta: dict, finish_reason: str | None = None, logprobs: dict | None = None, **extra) -> bytes:
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None, **extra) -> bytes:
         c = envelope(base_id, "chat.completion.chunk", model, created)
-        c["choices"] = [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}]
+        c["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}]
         return sse(c)
 
     first = {"prompt_token_ids": sub.prompts[0]} if with_ids else {}
-    yield chunk({"role": "assistant", "content": ""}, **first)
+    for i in range(sub.num_choices):  # every choice opens with its role, as vLLM's do
+        yield chunk(i, {"role": "assistant", "content": ""}, **first)
     completion_tokens = 0
     cached = 0
     async for batch in sub.batches():
@@ -240,8 +249,9 @@ async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool,
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             extra = {"token_ids": d.token_ids} if with_ids else {}
-            _, _, logprobs = view.output(0, d.text, d.token_ids, d.logprobs)
-            yield chunk({"content": d.text} if d.text or not d.finish_reason else {}, d.finish_reason, logprobs, **extra)
+            _, _, logprobs = view.output(d.index, d.text, d.token_ids, d.logprobs)
+            content = {"content": d.text} if d.text or not d.finish_reason else {}
+            yield chunk(d.index, content, d.finish_reason, logprobs, **extra)
     if include_usage:
         c = envelope(base_id, "chat.completion.chunk", model, created)
         c.update(choices=[], usage=usage(len(sub.prompts[0]), completion_tokens, cached))
