@@ -114,3 +114,15 @@ def test_prompt_logprobs_skip_the_prefix_cache_and_survive_preemption(case):
 
 def _values(out):
     return [None if d is None else sorted((t, lp.logprob, lp.rank) for t, lp in d.items()) for d in out.prompt_logprobs]
+
+
+def test_n_sequences_each_have_their_logprobs_and_the_prompt_has_one_list(case):
+    path, prompt, log_softmax = case
+    p = SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=2, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    out = LLM(path, backend="numpy").generate([prompt], p, use_tqdm=False)[0]
+    assert len(out.prompt_logprobs) == len(prompt)
+    for c in out.outputs:
+        first = c.token_ids[0]
+        assert c.logprobs[0][first].logprob == pytest.approx(log_softmax[PROMPT_LEN - 1][first], abs=2e-4)
+        sampled = zip(c.logprobs, c.token_ids, strict=True)
+        assert len(c.logprobs) == 2 and c.cumulative_logprob == pytest.approx(sum(d[t].logprob for d, t in sampled))
