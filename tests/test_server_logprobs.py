@@ -106,3 +106,14 @@ def test_penalties_and_logit_bias_as_offline(served):
                                            frequency_penalty=0.5, presence_penalty=0.5,
                                            extra_body={"repetition_penalty": 1.5, "min_p": 0.1, "min_tokens": 2})  # fmt: skip
     assert r.choices[0].text == want.text
+
+
+def test_n_choices_with_echo_and_logprobs(served):
+    server, _ = served
+    r = server.client().completions.create(model=TINY_NAME, prompt=[PROMPT, "bye"], n=2, max_tokens=3, echo=True, logprobs=1,
+                                           seed=5, extra_body={"ignore_eos": True})  # fmt: skip
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    for c in r.choices:
+        prompt = PROMPT if c.index < 2 else "bye"
+        assert c.text.startswith(prompt) and c.logprobs.token_logprobs[0] is None
+        assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.logprobs.text_offset)
