@@ -201,7 +201,8 @@ def format_latency(result: dict) -> str:
     head = [
         f"latency: {result['model']} ({count_text(result['num_parameters'])} parameters), backend {result['backend']} "
         f"({result['environment']['device']})",
-        f"prompt {result['workload']['prompt_len']} tokens, {result['workload']['output_len']} new tokens, greedy; "
+        f"prompt {result['workload']['prompt_len']} tokens, {result['workload']['output_len']} new tokens, greedy"
+        + ("" if result["workload"].get("logprobs") is None else f", top-{result['workload']['logprobs']} logprobs") + "; "
         f"engine load {result['load_s']:.1f} s, warm-up (compile) {result['warmup_s']:.1f} s",
     ]
     headers = ["batch", "TTFT ms", "decode ms/step p50", "p90", "tokens/s"]
