@@ -154,3 +154,13 @@ def test_penalties_and_bias_on_the_gpu_with_graphs_beside_plain_rows(tiny):
     assert _tokens(outs[0]) == _reference_greedy(tiny, PROMPT, p, 8)
     assert _tokens(outs[1]) == _reference_greedy(tiny, PROMPT, plain, 8)
     assert _tokens(outs[2]) == _reference_greedy(tiny, PROMPT[:3], plain, 8)
+
+
+@pytest.mark.slow  # a few steps in the simulator
+def test_min_p_one_keeps_only_the_top_token_on_every_backend(tiny):
+    """min_p = 1 leaves only the most likely token: sampling at temperature 1 is then greedy, on the
+    numpy backend and on the kernel path (whose device sampler hands min-p rows to the host)."""
+    want = _reference_greedy(tiny, PROMPT, SamplingParams(temperature=0), 3)
+    p = SamplingParams(temperature=1.0, min_p=1.0, seed=11, max_tokens=3, ignore_eos=True)
+    assert _tokens(LLM(tiny, backend="numpy").generate([PROMPT], p, use_tqdm=False)[0]) == want
+    assert _tokens(LLM(tiny, backend="sim", max_num_seqs=2, num_pages=8).generate([PROMPT], p, use_tqdm=False)[0]) == want

@@ -141,11 +141,6 @@ class SamplingParams:
             or self.min_tokens or self.bad_words
         )  # fmt: skip
 
-    @property
-    def needs_host_sampler(self) -> bool:
-        """Whether the draw needs the host sampler: top-k, top-p and min_p are not in the device sampler."""
-        return not self.greedy and bool(self.top_k or self.top_p < 1 or self.min_p > 0)
-
     def make_rng(self) -> np.random.Generator:
         """This request's own random generator (seeded if a seed was given)."""
         return np.random.default_rng(self.seed)

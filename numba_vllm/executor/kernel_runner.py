@@ -185,10 +185,10 @@ class KernelRunner:
         return tokens.copy_to_host()
 
     def _sample_on_host(self, requests, logits, tokens: list[int]) -> list[int]:
-        """Replace the device's pick for rows with top-k or top-p: their logits go to the host sampler."""
+        """Replace the device's pick for rows with top-k, top-p or min-p: their logits (edited) go to the host sampler."""
         for i, r in enumerate(requests):
             p = r.sampling_params
-            if not p.greedy and (p.top_k or p.top_p < 1):
+            if not p.greedy and (p.top_k or p.top_p < 1 or p.min_p > 0):
                 tokens[i] = self.host_samplers.sample(r, logits[i].copy_to_host())
         return tokens
 
