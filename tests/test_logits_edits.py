@@ -164,3 +164,18 @@ def test_min_p_one_keeps_only_the_top_token_on_every_backend(tiny):
     p = SamplingParams(temperature=1.0, min_p=1.0, seed=11, max_tokens=3, ignore_eos=True)
     assert _tokens(LLM(tiny, backend="numpy").generate([PROMPT], p, use_tqdm=False)[0]) == want
     assert _tokens(LLM(tiny, backend="sim", max_num_seqs=2, num_pages=8).generate([PROMPT], p, use_tqdm=False)[0]) == want
+
+
+@pytest.mark.slow  # the model in the simulator, decode steps through the emulated graph path
+def test_logprobs_of_edited_rows_in_replayed_steps_are_of_the_raw_logits(tiny):
+    """A replayed decode step whose row both edits and asks for logprobs: the raw row is set aside
+    before the edits, so the logprobs are the numpy backend's (raw logits), and the tokens the formula's."""
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=2, **EDITS)
+    want = LLM(tiny, backend="numpy").generate([PROMPT], p, use_tqdm=False)[0].outputs[0]
+    sim = LLM(tiny, backend="sim", max_num_seqs=2, num_pages=8)
+    runner = sim.engine.runner
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.max_num_seqs, capture=False)
+    got = sim.generate([PROMPT], p, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == want.token_ids == _reference_greedy(tiny, PROMPT, p, 3)
+    for g, w in zip(got.logprobs, want.logprobs, strict=True):
+        assert set(g) == set(w) and all(abs(g[t].logprob - w[t].logprob) < 0.05 for t in g)
