@@ -117,3 +117,17 @@ def test_n_choices_with_echo_and_logprobs(served):
         prompt = PROMPT if c.index < 2 else "bye"
         assert c.text.startswith(prompt) and c.logprobs.token_logprobs[0] is None
         assert len(c.logprobs.tokens) == len(c.logprobs.token_logprobs) == len(c.logprobs.text_offset)
+
+
+def test_the_openapi_schema_lists_the_sampling_fields(served):
+    import httpx
+
+    server, _ = served
+    schemas = httpx.get(server.url + "/openapi.json").json()["components"]["schemas"]
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        fields = schemas[name]["properties"]
+        for field in ("repetition_penalty", "min_p", "min_tokens", "bad_words", "logit_bias", "include_stop_str_in_output",
+                      "skip_special_tokens", "prompt_logprobs", "logprobs"):  # fmt: skip
+            assert field in fields, (name, field)
+    assert "echo" in schemas["CompletionRequest"]["properties"]
+    assert "top_logprobs" in schemas["ChatCompletionRequest"]["properties"]
