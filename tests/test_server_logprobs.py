@@ -131,3 +131,14 @@ def test_the_openapi_schema_lists_the_sampling_fields(served):
             assert field in fields, (name, field)
     assert "echo" in schemas["CompletionRequest"]["properties"]
     assert "top_logprobs" in schemas["ChatCompletionRequest"]["properties"]
+
+
+def test_prompt_logprobs_field(served):
+    """vLLM's extension: `prompt_logprobs: k` gives each choice a prompt_logprobs list (None first)."""
+    server, llm = served
+    want = _offline(llm, PROMPT, max_tokens=1, prompt_logprobs=2)
+    r = server.client().completions.create(model=TINY_NAME, prompt=PROMPT, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    got = r.choices[0].model_extra["prompt_logprobs"]
+    assert got[0] is None and len(got) == len(want.prompt_token_ids)
+    for g, w in zip(got[1:], want.prompt_logprobs[1:], strict=True):
+        assert {int(t): (v["logprob"], v["rank"]) for t, v in g.items()} == {t: (lp.logprob, lp.rank) for t, lp in w.items()}

@@ -48,7 +48,7 @@ from numba_vllm.server.guard import Guard
 from numba_vllm.server.http_protocol import with_header_timeout
 from numba_vllm.server.limits import ServerLimits
 from numba_vllm.server.log_limits import limit_server_logs
-from numba_vllm.server.logprobs import ChoiceLogprobs, join_completion_logprobs
+from numba_vllm.server.logprobs import ChoiceLogprobs, join_completion_logprobs, prompt_logprobs_field
 from numba_vllm.server.metrics import CONTENT_TYPE
 from numba_vllm.server.openapi import document_errors
 from numba_vllm.server.protocol import (
@@ -324,7 +324,7 @@ async def _generate(
     await submission.start(params, arrival)  # closes the submission itself if it raises
     chat = prefix == "chatcmpl"
     view = ChoiceLogprobs(chat, params.logprobs is not None, params.logprobs or 0, prompts, n, echo_texts, echo_only(req),
-                          lambda t: _decode(engine, [t]))  # fmt: skip
+                          lambda t: _decode(engine, [t]), req.prompt_logprobs is not None)  # fmt: skip
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         body = stream_chat if chat else stream_completion
@@ -351,6 +351,8 @@ async def _generate(
             choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         if req.return_token_ids:
             choice.update(prompt_token_ids=prompts[d.index // n], token_ids=token_ids)
+        if req.prompt_logprobs is not None and d.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_field(d.prompt_logprobs)
         choices.append(choice)
     body = envelope(base_id, "chat.completion" if chat else "text_completion", model)
     completion_tokens = 0 if view.echo_only else sum(len(d.token_ids) for d in answers)

@@ -7,6 +7,8 @@ one entry per token: with `echo`, the prompt's tokens first (the first has no lo
 the output's; `text_offset` is where each token's text begins in the choice's text.
 Chat: {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}
 with the top `top_logprobs` tokens, most likely first.
+vLLM's `prompt_logprobs` extension: the choice's `prompt_logprobs`, one entry per prompt token (None
+for the first), each {token id: {"logprob", "rank", "decoded_token"}}.
 A token's text is its `decoded_token` (special tokens included).
 """
 
@@ -47,6 +49,12 @@ def chat_logprobs(token_ids: Sequence[int], dicts: Sequence[dict], top: int) -> 
     return {"content": content}
 
 
+def prompt_logprobs_field(dicts: list[dict | None]) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` of a choice: the engine's dicts as JSON (ids as keys)."""
+    return [None if d is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in d.items()} for d in dicts]  # fmt: skip
+
+
 def _chat_entry(lp) -> dict:
     text = _text(lp.decoded_token)
     return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
@@ -66,9 +74,10 @@ class ChoiceLogprobs:
     """
 
     def __init__(self, chat: bool, wanted: bool, top: int, prompts: list[list[int]], n: int, echo_texts: list[str] | None,
-                 echo_only: bool, decode: Callable[[int], str]):  # fmt: skip
-        """Choice i is sequence i % n of prompt i // n (`n` sequences a prompt)."""
-        self.chat, self.wanted, self.top, self.n = chat, wanted, top, n
+                 echo_only: bool, decode: Callable[[int], str], prompt_field: bool = False):  # fmt: skip
+        """Choice i is sequence i % n of prompt i // n (`n` sequences a prompt); `prompt_field`: the
+        request asked for vLLM's `prompt_logprobs` field."""
+        self.chat, self.wanted, self.top, self.n, self.prompt_field = chat, wanted, top, n, prompt_field
         self.prompts, self.echo_texts, self.echo_only, self.decode = prompts, echo_texts, echo_only, decode
         self.offsets = [0] * (len(prompts) * n)  # text already in each choice (completions' text_offset)
 

@@ -25,7 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.server.engine_loop import Delta, Sink
-from numba_vllm.server.logprobs import ChoiceLogprobs
+from numba_vllm.server.logprobs import ChoiceLogprobs, prompt_logprobs_field
 from numba_vllm.server.protocol import APIError, envelope, sse, usage
 
 if TYPE_CHECKING:
@@ -212,6 +212,8 @@ async def stream_completion(
             text, token_ids, logprobs = view.output(d.index, d.text, d.token_ids, d.logprobs)
             completion_tokens += len(token_ids)
             choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            if view.prompt_field and d.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_field(d.prompt_logprobs)
             if with_ids:
                 choice["token_ids"] = token_ids
                 if d.index not in started:
