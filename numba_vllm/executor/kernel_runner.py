@@ -43,7 +43,7 @@ from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
 from numba_vllm.executor.capacity import Capacity
 from numba_vllm.executor.cuda_graph import DecodeGraphs, GraphRecorder
 from numba_vllm.executor.host_sampling import RequestSamplers
-from numba_vllm.executor.inputs import SamplerInputs, SamplingRows, StepLayout, null_sequences, table_width
+from numba_vllm.executor.inputs import SamplerInputs, SamplingRows, StepLayout, bucket, null_sequences, table_width
 from numba_vllm.executor.numpy_runner import prompt_logprob_targets
 from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
 from numba_vllm.executor.staging import StagingSlot, StepStaging
@@ -255,15 +255,18 @@ class KernelRunner:
 
     def _prompt_logprobs(self, step: KernelStep) -> None:
         """Logprobs of the prompt tokens the step's chunks predict, into `step.prompt_logprobs`: the
-        head run again over each chunk's positions (its tokens' rows lead the step, prefill first and
-        in order), `max_num_seqs` rows at a time, then the logprobs kernel. Overwrites the step's logits."""
+        head run again over each chunk's positions (prefilling sequences' rows lead the step, in
+        order), `max_num_seqs` rows at a time (padded to a batch bucket by repeating the last row,
+        so the head's products have shapes warm-up compiled), then the logprobs kernel. Overwrites
+        the step's logits."""
         for request, first_row, first, targets in step.prompt_targets:
             k = request.sampling_params.prompt_logprobs
             parts = []
             for start in range(0, len(targets), self.max_num_seqs):
                 chunk = targets[start : start + self.max_num_seqs]  # (P',)
-                rows = np.arange(first_row + start, first_row + start + len(chunk), dtype=np.int32)
-                logits = self.model.head_rows(cuda.to_device(rows))  # (P', V)
+                rows = np.full(bucket(self.layout.batch_sizes, len(chunk)), first_row + start + len(chunk) - 1, np.int32)
+                rows[: len(chunk)] = np.arange(first_row + start, first_row + start + len(chunk))  # (P'' >= P',)
+                logits = self.model.head_rows(cuda.to_device(rows))  # (P'', V)
                 parts.append(device_logprobs(logits, np.arange(len(chunk), dtype=np.int32), chunk, k))
             step.prompt_logprobs[request.request_id] = (first, _concat(parts))
 
