@@ -96,6 +96,7 @@ def test_simulator_prompt_logprobs_of_chunks_behind_other_rows_in_graph_steps(ca
     runner.decode_graphs, runner.piecewise_graphs = DecodeGraphs(runner.model), PiecewiseGraphs(runner.model)
     plain = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     p = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, logprobs=K, prompt_logprobs=K)
+    prompt = prompt[:10]  # two chunks: rows 3-7 of a step behind a 3-token prompt, then 5 rows before a decode
     outs = llm.generate([prompt[:3], prompt], [plain, p], use_tqdm=False)
     _check(outs[1], prompt, log_softmax, atol=0.05, gap=0.1)
     assert runner.piecewise_graphs.token_counts and outs[0].prompt_logprobs is None
