@@ -20,6 +20,7 @@ import enum
 import operator
 from dataclasses import dataclass, field
 
+from numba_vllm.engine.logits_edits import LogitsEdits
 from numba_vllm.engine.sampling import SamplingParams
 
 
@@ -68,6 +69,7 @@ class Request:
     num_preemptions: int = 0  # times this request lost its pages and had to recompute
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its first full pages (prefix_cache.py)
+    logits_edits: LogitsEdits | None = None  # its penalties, bias and masks, if its sampling params edit logits
 
     def __post_init__(self) -> None:
         if not isinstance(self.request_id, str) or not self.request_id:
