@@ -21,6 +21,7 @@ from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler, StepPlan
 from numba_vllm.engine.stats import EngineStats, StepStats, collect_stats, step_stats
+from numba_vllm.engine.structured import StructuredOutputs
 from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
@@ -53,6 +54,8 @@ class LLMEngine:
             ec.max_num_seqs, cap.max_num_batched_tokens, allocator, cap.max_model_len, scheduling=ec.scheduling,
             long_prefill_token_threshold=cap.long_prefill_token_threshold, cache_key=prefix_cache_key(checkpoint),
         )  # fmt: skip
+        eos_ids = [*self.config.eos_token_ids, *(self.tokenizer.stop_token_ids if self.tokenizer is not None else ())]
+        self.structured = StructuredOutputs(self.tokenizer, self.config.vocab_size, eos_ids)  # compiles constraints
         self._builders: dict[str, OutputBuilder] = {}
         self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
@@ -71,7 +74,8 @@ class LLMEngine:
         """Queue a prompt (text, or token ids); returns its output, filled in as steps run.
 
         A prompt the model cannot run (empty, too long for `max_model_len`, ids outside the
-        vocabulary) raises `PromptError` (a ValueError) for this request alone.
+        vocabulary) raises `PromptError` (a ValueError) for this request alone, and so does a
+        structured-output constraint that does not compile (`GrammarError`).
         """
         if request_id in self._builders:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -84,7 +88,9 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.lengths.check_prompt(ids)
-        request = Request(request_id, ids, params, next(self._arrivals))
+        constraint = params.structured_outputs
+        grammar = self.structured.matcher(constraint) if constraint is not None else None  # GrammarError: a ValueError
+        request = Request(request_id, ids, params, next(self._arrivals), grammar=grammar)
         self.scheduler.add(request)
         output = RequestOutput(request_id, ids, prompt=text)
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
@@ -142,7 +148,12 @@ class LLMEngine:
             builder = self._builders[request.request_id]
             output = builder.output
             output.num_cached_tokens = request.num_cached_tokens
-            builder.add(request.output_token_ids[-1])
+            token = request.output_token_ids[-1]
+            grammar = request.grammar
+            if grammar is not None and not grammar.accept(token):  # the mask allowed it: a bug, or llguidance's limits
+                updated.append(self._fail(request, f"structured output: token {token} does not fit the grammar: {grammar.error}"))
+                continue
+            builder.add(token, stop=grammar is not None and grammar.is_finished)
             if output.finished:
                 self.scheduler.finish(request, _STATUS_OF_REASON[output.finish_reason])
                 self.runner.release(request.request_id)

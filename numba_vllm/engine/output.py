@@ -59,8 +59,9 @@ class OutputBuilder:
         self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids) if tokenizer is not None else None
         self.held = _StopStringFilter(params.stop)
 
-    def add(self, token: int) -> str:
-        """Append one sampled token; return the text that became final (sets finish_reason when done)."""
+    def add(self, token: int, stop: bool = False) -> str:
+        """Append one sampled token; return the text that became final (sets finish_reason when done).
+        `stop`: the request ends with this token (its structured-output grammar is complete)."""
         out = self.output
         out.token_ids.append(token)  # a stop token is kept in the ids, never in the text
         delta = ""
@@ -70,6 +71,8 @@ class OutputBuilder:
             delta, hit = self.held.push(self.detok.add(token))
             if hit:
                 out.finish_reason = "stop"
+        if stop and out.finish_reason is None:
+            out.finish_reason = "stop"
         if out.finish_reason is None and len(out.token_ids) >= self.max_new_tokens:
             out.finish_reason = "length"
         if out.finish_reason is not None:

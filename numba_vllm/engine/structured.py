@@ -191,7 +191,7 @@ class StructuredOutputs:
                 grammar = llg.grammar_from("grammar", text)  # Lark, or GBNF converted to Lark
             else:
                 grammar = llg.grammar_from(kind, text)
-        except ValueError as e:  # not JSON, or a GBNF grammar that does not convert
+        except Exception as e:  # noqa: BLE001 - user text into a foreign compiler: not JSON, a GBNF that does not convert
             raise GrammarError(f"{_KIND_NAMES[kind]}: {_first_lines(str(e))}") from None
         matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():

@@ -7,7 +7,10 @@ unless `enforce_eager`; other steps launch kernel by kernel, with the step's int
 one buffer and uploaded in one copy. Sampling happens on the device where it can (inside the graph
 for a replayed step): greedy rows by argmax, temperature-only rows by the Gumbel-max kernel (noise
 from the request's seed and output index, so a request's tokens do not depend on its batch); rows
-with top-k or top-p copy their logits to the host sampler.
+with top-k or top-p copy their logits to the host sampler. Rows with a structured-output constraint
+have their forbidden tokens set to -inf on the device first (`kernels/logits_mask.py`), so every
+sampler, the host's included, sees the masked logits; in a replayed step, which samples inside the
+graph, those rows are masked after it and the step's rows sampled again.
 """
 
 from __future__ import annotations
@@ -17,10 +20,12 @@ from numba import cuda
 
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.engine.structured import bitmask_words, fill_token_bitmasks
 from numba_vllm.executor.capacity import Capacity
 from numba_vllm.executor.cuda_graph import DecodeGraphs, SamplingRows
 from numba_vllm.executor.host_sampling import RequestSamplers
 from numba_vllm.executor.inputs import null_decode_step, null_prefill_step, step_arrays
+from numba_vllm.kernels.logits_mask import apply_token_bitmask
 from numba_vllm.kernels.matmul import GEMV_MAX_TOKENS
 from numba_vllm.kernels.sample import argmax, sample_gumbel
 from numba_vllm.model.llama import DeviceModel, StepInputs
@@ -50,8 +55,11 @@ class KernelRunner:
         requests = [s.request for s in seqs if s.samples]
         if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
             logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests))  # every row samples
+            if self._mask_constrained(requests, logits):  # the graph sampled them unmasked: sample again
+                tokens = self._sample_on_device(requests, logits[: len(requests)])
         else:
             logits = self.model.forward(upload_inputs(*step_arrays(seqs)))  # (B, V) device
+            self._mask_constrained(requests, logits)
             tokens = self._sample_on_device(requests, logits)
         out = self._sample_on_host(requests, logits, [int(t) for t in tokens])
         return dict(zip((r.request_id for r in requests), out, strict=True))
@@ -101,6 +109,18 @@ class KernelRunner:
             seeds=np.array([self._seed(r) if not p.greedy else 0 for r, p in zip(requests, params, strict=True)], np.uint32),
             steps=np.array([len(r.output_token_ids) for r in requests], np.int32),
         )
+
+    def _mask_constrained(self, requests, logits) -> bool:
+        """Set the logits their grammar forbids to -inf in the rows of constrained requests (row i of
+        `logits` (B', V) for requests[i]), on the device; whether any row was. No launch when none:
+        unconstrained steps pay nothing."""
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return False
+        bitmask = np.empty((len(rows), bitmask_words(logits.shape[1])), np.int32)  # (C, ceil(V / 32))
+        fill_token_bitmasks([requests[i].grammar for i in rows], bitmask)
+        apply_token_bitmask(logits, cuda.to_device(np.array(rows, np.int32)), cuda.to_device(bitmask))
+        return True
 
     def _sample_on_device(self, requests, logits) -> np.ndarray:
         """One token per row of `logits` (B, V): argmax when every row is greedy, else the Gumbel-max sampler."""

@@ -25,6 +25,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.engine.structured import GrammarMatcher, bitmask_words, fill_token_bitmasks, mask_logits
 from numba_vllm.executor.host_sampling import RequestSamplers
 from numba_vllm.executor.inputs import kv_indices
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
@@ -82,8 +83,19 @@ class NumpyRunner:
                 cache = self.cache.sequence(seq.page_ids)
                 logits = self.model.forward(np.asarray(seq.token_ids), seq.start_position, cache)  # (V,)
                 if seq.samples:
+                    if seq.request.grammar is not None:
+                        logits = constrained(seq.request.grammar, logits)
                     sampled[seq.request.request_id] = self.samplers.sample(seq.request, logits)
         return sampled
 
     def release(self, request_id: str) -> None:
         self.samplers.release(request_id)
+
+
+def constrained(grammar: GrammarMatcher, logits: np.ndarray) -> np.ndarray:
+    """A copy of one row of logits (V,) f32 with the tokens its grammar forbids at -inf."""
+    bitmask = np.empty((1, bitmask_words(len(logits))), np.int32)  # (1, ceil(V / 32))
+    fill_token_bitmasks([grammar], bitmask)
+    masked = logits[None].copy()  # (1, V)
+    mask_logits(masked, bitmask)
+    return masked[0]

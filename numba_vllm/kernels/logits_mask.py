@@ -30,6 +30,7 @@ from numba_vllm.kernels.jit import kernel
 MASK_THREADS = 256  # threads per block, one column each: 8 warps, each on one bitmask word
 MASK_MAX_PARTS = 128  # blocks per row at most; wider rows loop (V = 128 256 is 501 blocks of columns: 4 each)
 WORD_BITS = 32  # tokens per bitmask word
+WORD_SHIFT = 5  # log2(WORD_BITS)
 
 
 @kernel
@@ -46,8 +47,8 @@ def logits_mask_kernel(logits, rows, bitmask):
     num_cols = logits.shape[1]
     stride = cuda.gridDim.y * cuda.blockDim.x
     for v in range(cuda.blockIdx.y * cuda.blockDim.x + cuda.threadIdx.x, num_cols, stride):
-        word = bitmask[c, v // WORD_BITS]
-        if (word >> (v % WORD_BITS)) & 1 == 0:
+        word = bitmask[c, v >> WORD_SHIFT]  # v // 32 and v % 32 below, without signed division (v >= 0)
+        if (word >> (v & (WORD_BITS - 1))) & 1 == 0:
             logits[row, v] = float32(-math.inf)
 
 

@@ -42,6 +42,7 @@ from starlette.requests import ClientDisconnect
 
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.structured import GrammarError
 from numba_vllm.server.dashboard import dashboard_routes
 from numba_vllm.server.engine_loop import EngineLoop
 from numba_vllm.server.guard import Guard
@@ -57,6 +58,7 @@ from numba_vllm.server.protocol import (
     bad_request,
     check_length,
     check_supported,
+    constraint_field,
     envelope,
     parse_body,
     sampling_params,
@@ -211,6 +213,7 @@ def create_app(
         model = state.resolve_model(req.model)
         check_supported(req)
         params = sampling_params(req)
+        await _compile_constraint(engine, params, req)
         prompts = await _completion_prompts(engine, req, state.limits.max_prompts_per_request)
         return await _generate(state, request, "cmpl", prompts, params, req, model, arrival, "prompt")
 
@@ -221,6 +224,7 @@ def create_app(
         model = state.resolve_model(req.model)
         check_supported(req)
         params = sampling_params(req)
+        await _compile_constraint(engine, params, req)
         ids = await chat_prompt_ids(engine.tokenizer, req, model)
         return await _generate(state, request, "chatcmpl", [ids], params, req, model, arrival, "messages")
 
@@ -251,6 +255,17 @@ async def _read_body(request: Request, limits: ServerLimits) -> bytes:
     except TimeoutError:
         message = f"the request body took longer than {limits.body_timeout:g} s to arrive"
         raise APIError(408, message, code="request_timeout") from None
+
+
+async def _compile_constraint(engine: LLMEngine, params: SamplingParams, req: Any) -> None:
+    """Compile the request's structured-output constraint now, in a worker thread: one that cannot
+    compile is a 400 naming the problem, and the engine thread then finds it in its cache."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await run_in_threadpool(engine.structured.compile, params.structured_outputs)
+    except GrammarError as e:
+        raise bad_request(str(e), constraint_field(req)) from None
 
 
 async def _completion_prompts(engine: LLMEngine, req: CompletionRequest, max_prompts: int) -> list[list[int]]:

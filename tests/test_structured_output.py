@@ -1,0 +1,237 @@
+"""Structured output (engine/structured.py through the engine and both runners): what comes out
+matches its constraint, checked by independent tools (Python's `json` and `re`, jsonschema-rs).
+
+A tiny random model with a byte-level tokenizer (268 ids: not a multiple of 32) is the strictest
+case: it follows no instruction, so only the mask keeps its output inside the constraint. SmolLM2
+on the NumPy backend answers real prompts with several schemas, sampled at temperature 1 with
+several seeds and greedily. The simulator runs the kernel runner's path (eager, and a decode step
+replayed from an emulated CUDA graph) and must give the NumPy backend's constrained greedy tokens.
+"""
+
+import json
+import re
+
+import jsonschema_rs
+import pytest
+
+from numba_vllm.engine import structured as structured_module
+from numba_vllm.engine.llm_engine import LLM
+from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.structured import GrammarError, StructuredOutputsParams
+from numba_vllm.executor.cuda_graph import DecodeGraphs
+from tests.helpers.smollm2 import needs_smollm2
+from tests.helpers.tiny_llama import write_chat_checkpoint
+
+SEEDS = (0, 1, 2)
+REGEX = r"(ab|b[a-c]?){1,3}-[0-9]{2}"
+CHOICES = ["hello", "hi", "the world"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return str(write_chat_checkpoint(tmp_path_factory.mktemp("tiny-chat")))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return LLM(tiny_dir, backend="numpy")
+
+
+def _params(constraint: StructuredOutputsParams, seed: int | None, max_tokens: int = 24) -> SamplingParams:
+    if seed is None:
+        return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=constraint)
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured_outputs=constraint)
+
+
+# ---- the parameters --------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({}, "exactly one of json, regex, choice, grammar, json_object; got none"),
+        ({"regex": "a", "choice": ["a"]}, r"got 2 \(regex, choice\)"),
+        ({"json": 3}, "must be a JSON schema"),
+        ({"regex": ""}, "regex must be a non-empty string"),
+        ({"choice": "ab"}, "choice must be a non-empty list of strings"),
+        ({"choice": []}, "choice must be a non-empty list of strings"),
+        ({"choice": ["a", 1]}, "choice must be a non-empty list of strings"),
+        ({"json_object": False}, "got none"),
+    ],
+)
+def test_a_constraint_takes_exactly_one_kind(fields, message):
+    with pytest.raises(ValueError, match=message):
+        StructuredOutputsParams(**fields)
+
+
+def test_sampling_params_take_only_the_params_object():
+    with pytest.raises(ValueError, match="structured_outputs must be a StructuredOutputsParams"):
+        SamplingParams(structured_outputs={"regex": "a"})
+
+
+# ---- compiling ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"json": {"type": "nonsense"}}, "JSON schema: .*nonsense"),
+        ({"json": "{not json"}, "JSON schema: "),
+        ({"regex": "(ab"}, "(?s)regex: .*unclosed group"),
+        ({"grammar": 'start: "a" b'}, "grammar: "),
+    ],
+)
+def test_a_constraint_that_does_not_compile_is_a_grammar_error_naming_it(tiny, fields, message):
+    with pytest.raises(GrammarError, match=message):
+        tiny.engine.structured.compile(StructuredOutputsParams(**fields))
+
+
+def test_a_bad_constraint_leaves_no_request_behind(tiny):
+    params = _params(StructuredOutputsParams(regex="(ab"), None)
+    with pytest.raises(ValueError, match="unclosed group"):
+        tiny.engine.add_request("bad", [1, 2, 3], params)
+    assert not tiny.engine.has_unfinished_requests()
+    tiny.engine.add_request("bad", [1, 2, 3], _params(StructuredOutputsParams(regex="ab"), None))  # the id is free
+    tiny.engine.abort_request("bad")
+
+
+def test_compiled_constraints_are_cached_by_kind_and_text(tiny, monkeypatch):
+    structured = tiny.engine.structured
+    a = structured.compile(StructuredOutputsParams(json={"type": "object", "required": ["x"]}))
+    assert structured.compile(StructuredOutputsParams(json='{"type":"object","required":["x"]}')) is not a  # other text
+    assert structured.compile(StructuredOutputsParams(json={"required": ["x"], "type": "object"})) is a  # same dict
+    monkeypatch.setattr(structured_module, "GRAMMAR_CACHE_SIZE", 2)
+    structured.compile(StructuredOutputsParams(regex="x"))
+    structured.compile(StructuredOutputsParams(regex="y"))
+    assert len(structured._cache) == 2
+    assert structured.compile(StructuredOutputsParams(json={"type": "object", "required": ["x"]})) is not a  # evicted
+
+
+# ---- generating on the tiny random model ---------------------------------------------------------
+@pytest.mark.parametrize("seed", [None, *SEEDS])
+def test_a_random_model_follows_a_regex_and_a_choice(tiny, seed):
+    outs = tiny.generate(
+        [[5, 6, 7], [8, 9]],
+        [_params(StructuredOutputsParams(regex=REGEX), seed), _params(StructuredOutputsParams(choice=CHOICES), seed)],
+        use_tqdm=False,
+    )
+    assert re.fullmatch(REGEX, outs[0].text), outs[0].text
+    assert outs[1].text in CHOICES
+    assert [o.finish_reason for o in outs] == ["stop", "stop"]
+
+
+@pytest.mark.parametrize("seed", [None, *SEEDS])
+def test_a_random_model_follows_a_lark_and_a_gbnf_grammar(tiny, seed):
+    lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,2}/'
+    gbnf = 'root ::= "x" [a-c]+ "y"'
+    outs = tiny.generate(
+        [[5, 6, 7], [8, 9]],
+        [_params(StructuredOutputsParams(grammar=lark), seed, 40), _params(StructuredOutputsParams(grammar=gbnf), seed, 40)],
+        use_tqdm=False,
+    )
+    assert re.fullmatch(r"\([0-9]{1,2}(,[0-9]{1,2})*\)", outs[0].text) or outs[0].finish_reason == "length", outs[0].text
+    assert re.fullmatch(r"x[a-c]+y", outs[1].text) or outs[1].finish_reason == "length", outs[1].text
+    for out in outs:
+        if out.finish_reason == "length":  # a random model may go on; what it wrote is still a prefix
+            assert out.text and len(out.token_ids) == 40
+
+
+def test_unconstrained_rows_beside_constrained_ones_are_unchanged(tiny):
+    free = SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    alone = tiny.generate([[3, 4]], free, use_tqdm=False)[0].token_ids
+    mixed = tiny.generate([[3, 4], [5, 6]], [free, _params(StructuredOutputsParams(regex=REGEX), 1)], use_tqdm=False)
+    assert mixed[0].token_ids == alone
+
+
+# ---- the kernel runner in the simulator --------------------------------------------------------
+@pytest.mark.slow  # a tiny model in the simulator: a few seconds a step
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graph"])
+def test_the_simulated_kernels_mask_as_numpy_does(tiny_dir, tiny, graphs):
+    prompts = [[5, 6, 7], [8, 9], [10]]
+    params = [
+        _params(StructuredOutputsParams(regex=r"b[a-c]{2}-[0-9]"), None, 6),
+        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),  # unconstrained, beside
+        _params(StructuredOutputsParams(choice=CHOICES), 3, 6),
+    ]
+    want = tiny.generate(prompts[:2], params[:2], use_tqdm=False)
+    sim = LLM(tiny_dir, backend="sim", max_num_seqs=4, num_pages=8)
+    if graphs:
+        runner = sim.engine.runner
+        runner.decode_graphs = DecodeGraphs(runner.model, runner.max_num_seqs, capture=False)
+    outs = sim.generate(prompts, params, use_tqdm=False)
+    assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in want]  # greedy: the same tokens as NumPy
+    assert re.fullmatch(r"b[a-c]{2}-[0-9]", outs[0].text)
+    assert outs[2].text in CHOICES  # sampled on the device (another noise than NumPy's): in the choice
+    if graphs:
+        assert runner.decode_graphs._graphs  # decode steps took the graph path
+
+
+# ---- SmolLM2 ---------------------------------------------------------------------------------
+SCHEMAS = {
+    "required fields": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0, "maximum": 150}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    "enum": {
+        "type": "object",
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "sure": {"type": "boolean"}},
+        "required": ["color", "sure"],
+        "additionalProperties": False,
+    },
+    "array": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "minItems": 2, "maxItems": 4},
+    "nested": {
+        "type": "object",
+        "properties": {
+            "city": {
+                "type": "object",
+                "properties": {"name": {"type": "string", "maxLength": 16}, "country": {"enum": ["FR", "DE", "US"]}},
+                "required": ["name", "country"],
+                "additionalProperties": False,
+            },
+            "tags": {"type": "array", "items": {"enum": ["big", "old", "cold"]}, "maxItems": 2},
+        },
+        "required": ["city", "tags"],
+        "additionalProperties": False,
+    },
+}
+QUESTION = "Answer in JSON. Describe a person, a color, a list of numbers or a city, whichever fits."
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return LLM(None, backend="numpy")
+
+
+@needs_smollm2
+@pytest.mark.slow  # SmolLM2 on NumPy: ~30 constrained answers of up to 80 tokens
+@pytest.mark.parametrize("name", list(SCHEMAS))
+def test_smollm2_output_parses_and_validates_against_its_schema(smollm2, name):
+    schema = SCHEMAS[name]
+    constraint = StructuredOutputsParams(json=schema)
+    params = [_params(constraint, seed, 80) for seed in (None, *SEEDS)]
+    outs = smollm2.chat([[{"role": "user", "content": QUESTION}]] * len(params), params, use_tqdm=False)
+    validator = jsonschema_rs.validator_for(schema)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        validator.validate(json.loads(out.text))
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_follows_a_json_object_a_regex_and_a_choice(smollm2):
+    constraints = {
+        "json_object": StructuredOutputsParams(json_object=True),
+        "regex": StructuredOutputsParams(regex=r"[A-Z][a-z]{2,8} (is|was) [0-9]{1,3} years old\."),
+        "choice": StructuredOutputsParams(choice=["Paris", "Berlin", "Rome"]),
+    }
+    names = [n for n in constraints for _ in (None, *SEEDS)]
+    params = [_params(constraints[n], seed, 60) for n in constraints for seed in (None, *SEEDS)]
+    question = [{"role": "user", "content": "What is the capital of France? Then say how old someone is."}]
+    outs = smollm2.chat([question] * len(params), params, use_tqdm=False)
+    for name, out in zip(names, outs, strict=True):
+        assert out.finish_reason == "stop", (name, out.text)
+        if name == "json_object":
+            assert isinstance(json.loads(out.text), dict)
+        elif name == "regex":
+            assert re.fullmatch(constraints["regex"].regex, out.text), out.text
+        else:
+            assert out.text in constraints["choice"].choice
+    assert outs[names.index("choice")].text == "Paris"  # greedy (the first of its name) picks the right capital
