@@ -168,20 +168,25 @@ class DecodeGraphs:
         """Whether this step can be replayed: every sequence decodes one token, and the batch fits a bucket."""
         return 0 < len(seqs) <= self.batch_sizes[-1] and all(s.is_decode for s in seqs)
 
-    def run(self, seqs: list[ScheduledSequence], sampling: SamplingRows):
+    def run(self, seqs: list[ScheduledSequence], sampling: SamplingRows, host_work=None):
         """Run one decode step and sample every row; returns (logits (B', V) f32 device array of the
         padded batch, sampled tokens (len(seqs),) int32 host array), row i for seqs[i]. (Slicing a
-        numba device array costs tens of microseconds: the caller indexes the rows it needs.)"""
+        numba device array costs tens of microseconds: the caller indexes the rows it needs.)
+        `host_work`: a callable run while the device works on the step (before waiting for it)."""
         batch = self.batch_sizes[bisect.bisect_left(self.batch_sizes, len(seqs))]
         step = self._step(batch, table_width(max(len(s.page_ids) for s in seqs)))
         if step.graph is not None:  # queued on one stream, one wait at the end
             step.upload(seqs, sampling, self._numba_stream)
             step.graph.launch(self._stream)
             copy_async(step.host_tokens, step.tokens, self._numba_stream)
+            if host_work is not None:
+                host_work()
             self._numba_stream.synchronize()
         else:
             step.upload(seqs, sampling)
             self._first_run(step)
+            if host_work is not None:
+                host_work()
             step.tokens.copy_to_host(step.host_tokens)
         return step.logits, step.host_tokens[: len(seqs)]
 

@@ -9,8 +9,9 @@ for a replayed step): greedy rows by argmax, temperature-only rows by the Gumbel
 from the request's seed and output index, so a request's tokens do not depend on its batch); rows
 with top-k or top-p copy their logits to the host sampler. Rows with a structured-output constraint
 have their forbidden tokens set to -inf on the device first (`kernels/logits_mask.py`), so every
-sampler, the host's included, sees the masked logits; in a replayed step, which samples inside the
-graph, those rows are masked after it and the step's rows sampled again.
+sampler, the host's included, sees the masked logits. Their bitmasks are computed on the host while
+the device runs the forward pass (`TokenMasks`); in a replayed step, which samples inside the graph,
+those rows are masked after it and the step's rows sampled again.
 """
 
 from __future__ import annotations
@@ -53,13 +54,16 @@ class KernelRunner:
     def execute(self, plan: StepPlan) -> dict[str, int]:
         seqs = sorted(plan.sequences, key=lambda s: s.is_decode)  # prefill first (stable: slot order within)
         requests = [s.request for s in seqs if s.samples]
+        masks = TokenMasks(requests, self.model.config.vocab_size)
         if self.decode_graphs is not None and self.decode_graphs.handles(seqs):
-            logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests))  # every row samples
-            if self._mask_constrained(requests, logits):  # the graph sampled them unmasked: sample again
+            # every row samples; the masks are computed on the host while the graph runs
+            logits, tokens = self.decode_graphs.run(seqs, self._sampling_rows(requests), host_work=masks.compute)
+            if masks.apply(logits):  # the graph sampled those rows unmasked: sample again
                 tokens = self._sample_on_device(requests, logits[: len(requests)])
         else:
-            logits = self.model.forward(upload_inputs(*step_arrays(seqs)))  # (B, V) device
-            self._mask_constrained(requests, logits)
+            logits = self.model.forward(upload_inputs(*step_arrays(seqs)))  # (B, V) device, still running
+            masks.compute()
+            masks.apply(logits)
             tokens = self._sample_on_device(requests, logits)
         out = self._sample_on_host(requests, logits, [int(t) for t in tokens])
         return dict(zip((r.request_id for r in requests), out, strict=True))
@@ -110,18 +114,6 @@ class KernelRunner:
             steps=np.array([len(r.output_token_ids) for r in requests], np.int32),
         )
 
-    def _mask_constrained(self, requests, logits) -> bool:
-        """Set the logits their grammar forbids to -inf in the rows of constrained requests (row i of
-        `logits` (B', V) for requests[i]), on the device; whether any row was. No launch when none:
-        unconstrained steps pay nothing."""
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
-        if not rows:
-            return False
-        bitmask = np.empty((len(rows), bitmask_words(logits.shape[1])), np.int32)  # (C, ceil(V / 32))
-        fill_token_bitmasks([requests[i].grammar for i in rows], bitmask)
-        apply_token_bitmask(logits, cuda.to_device(np.array(rows, np.int32)), cuda.to_device(bitmask))
-        return True
-
     def _sample_on_device(self, requests, logits) -> np.ndarray:
         """One token per row of `logits` (B, V): argmax when every row is greedy, else the Gumbel-max sampler."""
         if not requests:
@@ -151,6 +143,32 @@ class KernelRunner:
             seed = given & SEED_MASK if given is not None else int(self._seed_rng.integers(0, SEED_MASK))
             self._seeds[request.request_id] = seed
         return seed
+
+
+class TokenMasks:
+    """A step's structured-output masks: which rows are constrained and their bitmasks, computed on
+    the host (while the device runs the step's forward pass), then applied to the logits on the device.
+    A step with no constrained row computes, uploads and launches nothing."""
+
+    def __init__(self, requests, vocab_size: int):
+        self.requests = requests  # the step's sampling rows, row i for requests[i]
+        self.vocab_size = vocab_size
+        self.rows: list[int] = []  # the constrained rows
+        self.bitmask: np.ndarray | None = None  # (len(rows), ceil(V / 32)) int32
+
+    def compute(self) -> None:
+        self.rows = [i for i, r in enumerate(self.requests) if r.grammar is not None]
+        if self.rows:
+            self.bitmask = np.empty((len(self.rows), bitmask_words(self.vocab_size)), np.int32)
+            fill_token_bitmasks([self.requests[i].grammar for i in self.rows], self.bitmask)
+
+    def apply(self, logits) -> bool:
+        """Set the forbidden tokens' logits to -inf in the constrained rows of `logits` (B', V) device;
+        whether there were any."""
+        if not self.rows:
+            return False
+        apply_token_bitmask(logits, cuda.to_device(np.array(self.rows, np.int32)), cuda.to_device(self.bitmask))
+        return True
 
 
 def upload_inputs(parts: dict[str, np.ndarray], num_prefill_tokens: int, prefill_max_new_tokens: int) -> StepInputs:
