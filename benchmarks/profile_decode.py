@@ -85,7 +85,7 @@ def main() -> None:
         if measured and args.profile_range in ("all", "prefill"):
             profiler.start()
         t_prefill = time.perf_counter()
-        while not all(o.token_ids for o in outputs):  # every prompt prefilled, its first token sampled
+        while not all(o.outputs[0].token_ids for o in outputs):  # every prompt prefilled, its first token sampled
             engine.step()
         t_prefill = time.perf_counter() - t_prefill
         if measured and args.profile_range == "prefill":

@@ -49,7 +49,7 @@ def run(engine, prompts, constraint, steps: int, mask_seconds: list[float]) -> l
         engine.step()
         synchronize(engine.backend)
         elapsed = time.perf_counter() - t0
-        if all(len(o.token_ids) > 1 for o in outs) and not any(o.finished for o in outs):
+        if all(len(o.outputs[0].token_ids) > 1 for o in outs) and not any(o.finished for o in outs):
             times.append((elapsed, sum(mask_seconds)))
     return times
 

@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"+ {request_id} arrives: {num_prompt}-token prompt, up to {max_tokens} new tokens")
             for out in engine.step():  # prints "step N:" and the plan, runs the model, samples
                 if out.finished:
-                    print(f"- {out.request_id} finished ({out.finish_reason}) with {len(out.token_ids)} new tokens: "
+                    c = out.outputs[0]
+                    print(f"- {out.request_id} finished ({c.finish_reason}) with {len(c.token_ids)} new tokens: "
                           "its pages and slot are free for the next step")  # fmt: skip
             timeline.record(engine)
             stats = engine.stats(requests=True)
@@ -180,9 +181,10 @@ def main(argv: list[str] | None = None) -> None:
 
     print(f"\nsteps: {engine.num_steps}, preemptions: {engine.num_preemptions}")
     for request_id, out in outputs.items():
-        shown = repr(out.text) if checkpoint.tokenizer is not None else f"ids {out.token_ids}"
-        print(f"{request_id}: {len(out.prompt_token_ids)} prompt + {len(out.token_ids)} new tokens, "
-              f"finish_reason={out.finish_reason}, preemptions={preemptions.get(request_id, 0)}: {shown}")  # fmt: skip
+        c = out.outputs[0]
+        shown = repr(c.text) if checkpoint.tokenizer is not None else f"ids {c.token_ids}"
+        print(f"{request_id}: {len(out.prompt_token_ids)} prompt + {len(c.token_ids)} new tokens, "
+              f"finish_reason={c.finish_reason}, preemptions={preemptions.get(request_id, 0)}: {shown}")  # fmt: skip
     if args.timeline:
         print(f"timeline: {timeline.write(args.timeline)}")
 

@@ -21,8 +21,9 @@ def show(labels: list[str], outputs) -> None:
     """Print each output: what it answers, its text, why it stopped, and its token counts."""
     for label, out in zip(labels, outputs, strict=True):
         print(f"-- {label}")
-        print(f"   {out.text!r}")
-        print(f"   finish_reason={out.finish_reason}, {len(out.prompt_token_ids)} prompt tokens, {len(out.token_ids)} generated")
+        c = out.outputs[0]
+        print(f"   {c.text!r}")
+        print(f"   finish_reason={c.finish_reason}, {len(out.prompt_token_ids)} prompt tokens, {len(c.token_ids)} generated")
 
 
 def main(argv: list[str] | None = None) -> None:

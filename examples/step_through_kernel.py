@@ -478,7 +478,7 @@ def run_model(block, thread, no_pdb):
     prompt = [1]  # one token: the simulator runs the prefill's matrix products slowly
     output = engine.add_request("0", prompt, SamplingParams(temperature=0, max_tokens=2))
     engine.step()  # prefill: the prompt through every layer (prefill attention); no stops armed
-    token = output.token_ids[-1]
+    token = output.outputs[0].token_ids[-1]
     print(f"tiny random Llama on the sim backend: prompt {prompt} prefilled, it predicted token {token}.")
     print(f"Now the decode step: token {token} at position {len(prompt)} goes through embedding -> RMSNorm fused "
           f"into the q/k/v product (gemv) -> RoPE -> cache write -> decode attention -> ...; stopping thread {thread}: "
@@ -488,7 +488,7 @@ def run_model(block, thread, no_pdb):
         stops += stack.enter_context(attention_stops(block, thread, no_pdb))
         engine.step()  # the decode step's forward pass; each stop fires once (layer 0)
     report_unreached(stops)
-    print(f"the decode step predicted token {output.token_ids[-1]}")
+    print(f"the decode step predicted token {output.outputs[0].token_ids[-1]}")
 
 
 def report_unreached(stops):

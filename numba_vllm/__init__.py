@@ -3,7 +3,7 @@
     from numba_vllm import LLM, SamplingParams
     llm = LLM()                                    # SmolLM2-135M-Instruct; backend: GPU if usable
     out = llm.chat([{"role": "user", "content": "What is 2+2?"}], SamplingParams(temperature=0))
-    print(out[0].text)
+    print(out[0].outputs[0].text)
 """
 
 from numba_vllm.engine.llm_engine import LLM, LLMEngine

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from numba_vllm.engine.config import BACKENDS, SCHEDULING_MODES, EngineConfig
+from numba_vllm.engine.config import BACKENDS, GENERATION_CONFIGS, SCHEDULING_MODES, EngineConfig
 from numba_vllm.engine.lengths import MaxTokensError
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
@@ -130,6 +130,11 @@ def engine_options(command):
             "--enforce-eager", is_flag=True, help="cuda: launch decode steps kernel by kernel instead of replaying CUDA graphs."
         ),
         PREFIX_CACHING_OPTION,
+        click.option(
+            "--generation-config", type=click.Choice(GENERATION_CONFIGS), default="auto", show_default=True,
+            help="auto: the sampling values of the model's generation_config.json (temperature, top_p, top_k) are the "
+            "defaults of every request that does not set them; vllm: vLLM's neutral defaults instead.",
+        ),
     ]
     for option in reversed(options):
         command = option(command)
@@ -157,9 +162,12 @@ def engine_options(command):
 @click.option("--max-tokens", type=click.IntRange(1), default=128, show_default=True,
               help="New tokens per prompt at most. Given explicitly, it must fit beside each prompt within the "
               "model length (as the server's 400); the default is shortened to fit.")  # fmt: skip
-@click.option("--temperature", type=FiniteFloat(0), default=0.0, show_default=True, help="0 = greedy (so is below 1e-5).")
-@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--top-k", type=click.IntRange(-1), default=0, show_default=True, help="0 or -1 = no limit.")
+@click.option("--temperature", type=FiniteFloat(0), default=None,
+              help="0 = greedy (so is below 1e-5). Default: the model's generation_config.json value, else 0.")  # fmt: skip
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=None,
+              help="Default: the model's generation_config.json value, else 1.")  # fmt: skip
+@click.option("--top-k", type=click.IntRange(-1), default=None,
+              help="0 or -1 = no limit. Default: the model's generation_config.json value, else 0.")  # fmt: skip
 @click.option("--seed", type=click.IntRange(0), default=None, help="Random seed for sampling.")
 @click.option("--stop", multiple=True, help="A string that ends the output, not included (repeatable).")
 @click.option("--ignore-eos", is_flag=True, help="Keep generating past end-of-sequence tokens.")
@@ -179,13 +187,14 @@ def run(ctx, prompts, model, load_format, backend, max_tokens, temperature, top_
     """Generate answers to PROMPTS (default: a sample question), all batched together.
 
     Several prompts print one after another, a blank line between them (with --json: one object a line).
+    The sampling values the model's generation_config.json sets (temperature, top_p, top_k) are the
+    defaults of --temperature, --top-p and --top-k (--generation-config vllm: they are not read); what
+    it leaves out is greedy: temperature 0.
     """
     if any(not p.strip() for p in prompts):
         raise click.BadParameter("a prompt is empty", param_hint="PROMPTS")
-    params = SamplingParams(
-        temperature=temperature, top_p=top_p, top_k=top_k, seed=seed, max_tokens=max_tokens, stop=list(stop),
-        ignore_eos=ignore_eos,
-    )  # fmt: skip
+    given = {k: v for k, v in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k)) if v is not None}
+    fixed = {"seed": seed, "max_tokens": max_tokens, "stop": list(stop), "ignore_eos": ignore_eos}
     explicit_max_tokens = ctx.get_parameter_source("max_tokens") is not click.core.ParameterSource.DEFAULT
     engine_config = EngineConfig(backend=backend, verbose=verbose, **engine_args)
     texts = list(prompts)
@@ -215,9 +224,11 @@ def run(ctx, prompts, model, load_format, backend, max_tokens, temperature, top_
             raise click.ClickException(f"prompt {i + 1}: the prompt has {len(ids)} tokens; this model's maximum context "
                                        f"length is {limit} tokens (prompt plus at least one new token)")  # fmt: skip
     engine = LLMEngine(ckpt, engine_config)
+    # run's own default is greedy; the model's suggestions come before it, what is given before both
+    params = SamplingParams(**{"temperature": 0.0, **engine.sampling_defaults, **given, **fixed})
     _log(
         f"model {ckpt.source.name}: {ckpt.config.num_parameters() / 1e6:.0f}M parameters, "
-        f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}"
+        f"ready in {time.perf_counter() - t0:.1f} s, backend {engine.backend}{_sampling_note(engine, given)}"
     )
     recorder = None
     if timeline is not None:
@@ -229,6 +240,14 @@ def run(ctx, prompts, model, load_format, backend, max_tokens, temperature, top_
         _log(f"timeline: {recorder.write(timeline)}")
     if not ok:
         sys.exit(1)
+
+
+def _sampling_note(engine: LLMEngine, given: dict) -> str:
+    """', sampling defaults from generation_config.json: ...' when the model's values are used (as vLLM says)."""
+    used = {k: v for k, v in engine.sampling_defaults.items() if k not in given}
+    if not used:
+        return ""
+    return ", sampling defaults from generation_config.json: " + ", ".join(f"{k}={v}" for k, v in used.items())
 
 
 def _run_batch(engine, encoded: list[list[int]], params, as_json: bool, explicit_max_tokens: bool, timeline=None) -> bool:
@@ -260,13 +279,14 @@ def _run_batch(engine, encoded: list[list[int]], params, as_json: bool, explicit
                 break
             for out in engine.step():
                 first_token_at.setdefault(int(out.request_id), time.perf_counter() - t0)
-                if out.finish_reason == "error":
+                if out.error is not None:
                     errors[int(out.request_id)] = f"prompt {int(out.request_id) + 1}: {out.error}"
                     _log(f"Error: {errors[int(out.request_id)]}")
             if timeline is not None:
                 timeline.record(engine)
-            if not as_json and current < len(outputs) and outputs[current] is not None and outputs[current].text[shown:]:
-                text = outputs[current].text
+            streaming = outputs[current] if current < len(outputs) else None
+            if not as_json and streaming is not None and streaming.outputs[0].text[shown:]:
+                text = streaming.outputs[0].text
                 _separate(outputs, current, shown)
                 click.echo(text[shown:], nl=False)
                 sys.stdout.flush()
@@ -282,7 +302,7 @@ def _run_batch(engine, encoded: list[list[int]], params, as_json: bool, explicit
     total = time.perf_counter() - t0
     done = [o for o in outputs if o is not None]
     if done:
-        num_generated = sum(len(o.token_ids) for o in done)
+        num_generated = sum(len(c.token_ids) for o in done for c in o.outputs)
         num_cached = sum(o.num_cached_tokens for o in done)
         ttft = min(first_token_at.values(), default=0.0)
         _log(
@@ -309,19 +329,23 @@ def _finish_one(outputs, errors, current: int, shown: int, as_json: bool) -> tup
         if out is None or current in errors:
             obj = {"error": errors[current]}
         else:
-            obj = {k: getattr(out, k) for k in ("prompt_token_ids", "token_ids", "text", "finish_reason", "num_cached_tokens")}
+            c = out.outputs[0]
+            obj = {"prompt_token_ids": out.prompt_token_ids, "token_ids": c.token_ids, "text": c.text,
+                   "finish_reason": c.finish_reason, "num_cached_tokens": out.num_cached_tokens}  # fmt: skip
         click.echo(json.dumps(obj))
     elif out is not None and current not in errors:
         _separate(outputs, current, shown)
-        click.echo(out.text[shown:])
+        click.echo(out.outputs[0].text[shown:])
     elif shown:
         click.echo()
     return current + 1, 0
 
 
 @main.command()
+@click.argument("model_arg", metavar="[MODEL]", required=False, default=None, callback=_model_path)
 @click.option("--model", "-m", default=None, callback=_model_path,
-              help="Model directory or .gguf file. Default: SmolLM2-135M-Instruct.")  # fmt: skip
+              help="Model directory or .gguf file, as MODEL (give one of the two). "
+              "Default: SmolLM2-135M-Instruct.")  # fmt: skip
 @click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True, help="auto: cuda if a GPU is usable.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
@@ -348,10 +372,17 @@ def _finish_one(outputs, errors, current: int, shown: int, as_json: bool) -> tup
 @click.option("--log-level", type=click.Choice(["critical", "error", "warning", "info", "debug"]), default="info",
               show_default=True)  # fmt: skip
 @click.option("--no-access-log", is_flag=True, help="Do not log every HTTP request.")
-def serve(model, backend, host, port, served_model_name, api_key, load_format, max_request_bytes, max_prompts_per_request,
-          max_waiting_requests, header_timeout, body_timeout, write_timeout, allowed_hosts, shutdown_timeout, log_level,
-          no_access_log, **engine_args):  # fmt: skip
-    """Serve the model over an OpenAI-compatible HTTP API (needs: pip install 'numba-vllm[serve]')."""
+def serve(model_arg, model, backend, host, port, served_model_name, api_key, load_format, max_request_bytes,
+          max_prompts_per_request, max_waiting_requests, header_timeout, body_timeout, write_timeout, allowed_hosts,
+          shutdown_timeout, log_level, no_access_log, **engine_args):  # fmt: skip
+    """Serve MODEL over an OpenAI-compatible HTTP API (needs: pip install 'numba-vllm[serve]').
+
+    A request that leaves out temperature, top_p or top_k takes the model's generation_config.json
+    value (--generation-config vllm: vLLM's neutral defaults); a value it gives wins.
+    """
+    if model_arg is not None and model is not None and model_arg != model:
+        raise click.UsageError(f"MODEL ({model_arg}) and --model ({model}) name different models; give one of them")
+    model = model if model is not None else model_arg
     try:
         from numba_vllm.server import ServerLimits, listen, run_server
     except ImportError as e:

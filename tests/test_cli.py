@@ -241,3 +241,25 @@ def test_prefix_caching_option_and_verbose_shared_pages(tiny_dir):
     assert [o["num_cached_tokens"] for o in on] == [0, 32] and [o["num_cached_tokens"] for o in off] == [0, 0]
     assert "prefill     8 tok  pos 32..39  pages 3 (2 shared)" in cached.stderr and "cached pages" in cached.stderr
     assert "shared" not in uncached.stderr and "(32 cached)" in cached.stderr
+
+
+def test_run_takes_its_sampling_defaults_from_generation_config(tmp_path):
+    """The file's top_k 1 makes an unseeded run greedy; a value given on the command line wins, and
+    --generation-config vllm ignores the file. The reference: the same prompt run with --temperature 0."""
+    path = tiny_checkpoint(tmp_path / "suggesting")
+    (path / "generation_config.json").write_text(json.dumps({"temperature": 0.9, "top_k": 1}))
+    base = ["--model", str(path), "--backend", "numpy", "--prompt-ids", "5,6,7", "--max-tokens", "8", "--ignore-eos", "--json"]
+
+    def ids(*extra):
+        r = run(*base, *extra)
+        assert r.exit_code == 0, r.output
+        return json.loads(r.stdout)["token_ids"], r.stderr
+
+    greedy, _ = ids("--temperature", "0")
+    from_file, log = ids()
+    assert from_file == greedy and "sampling defaults from generation_config.json: temperature=0.9, top_k=1" in log
+    assert ids("--top-k", "0", "--seed", "1")[0] != greedy  # sampled at the file's temperature 0.9
+    assert ids("--generation-config", "vllm")[0] == greedy  # run's own default: greedy
+    assert ids("--generation-config", "vllm", "--temperature", "1", "--seed", "1")[0] != greedy
+    help_text = CliRunner().invoke(main, ["run", "--help"]).output
+    assert "generation_config.json" in help_text and "--generation-config [auto|vllm]" in help_text

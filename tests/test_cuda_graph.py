@@ -41,7 +41,7 @@ def tiny(tmp_path_factory):
     """A 1-layer GQA model and its NumPy greedy tokens for PROMPTS."""
     path = tiny_checkpoint(tmp_path_factory.mktemp("tiny"), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                            num_key_value_heads=2, intermediate_size=64, vocab_size=64, max_position_embeddings=64)  # fmt: skip
-    return str(path), [o.token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
+    return str(path), [o.outputs[0].token_ids for o in LLM(str(path), backend="numpy").generate(PROMPTS, GREEDY3)]
 
 
 def _sim_with_emulated_graphs(path, **engine_args):
@@ -55,7 +55,7 @@ def _sim_with_emulated_graphs(path, **engine_args):
 def test_padded_graph_inputs_give_numpy_tokens_in_the_simulator(tiny):
     path, want = tiny
     sim = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8)
-    assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
+    assert [o.outputs[0].token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
     assert set(sim.engine.runner.decode_graphs._graphs) == {(4, MIN_TABLE_WIDTH)}  # every decode step took the graph path
 
 
@@ -79,7 +79,7 @@ def test_warm_up_runs_every_variant_on_the_null_page_and_changes_no_output(tiny,
     sim.engine.warm_up()
     assert prefill_rows == [16]  # one layer: the full-budget prefill ran its attention
     assert set(sim.engine.runner.decode_graphs._graphs) == {(1, MIN_TABLE_WIDTH), (2, MIN_TABLE_WIDTH)}
-    assert [o.token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
+    assert [o.outputs[0].token_ids for o in sim.generate(PROMPTS, GREEDY3)] == want
 
 
 @pytest.mark.slow
@@ -95,5 +95,5 @@ def test_sampling_inside_the_graph_matches_the_eager_sampler(tiny):
     ]
     graph = _sim_with_emulated_graphs(path, max_num_seqs=4, num_pages=8).generate(PROMPTS[:3], params)
     eager = LLM(path, backend="sim", max_num_seqs=4, num_pages=8).generate(PROMPTS[:3], params)
-    assert [o.token_ids for o in graph] == [o.token_ids for o in eager]
-    assert graph[0].token_ids == want[0]
+    assert [o.outputs[0].token_ids for o in graph] == [o.outputs[0].token_ids for o in eager]
+    assert graph[0].outputs[0].token_ids == want[0]

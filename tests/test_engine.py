@@ -26,12 +26,12 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def alone(tiny_dir):
     llm = LLM(str(tiny_dir), backend="numpy")
-    return [llm.generate([p], GREEDY, use_tqdm=False)[0].token_ids for p in PAGE_EDGE_PROMPTS]
+    return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PAGE_EDGE_PROMPTS]
 
 
 def test_batched_equals_alone(tiny_dir, alone):
     outs = LLM(str(tiny_dir), backend="numpy", max_num_seqs=3).generate(PAGE_EDGE_PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == alone
+    assert [o.outputs[0].token_ids for o in outs] == alone
 
 
 def test_staggered_arrivals_and_chunked_prefill_equal_alone(tiny_dir, alone):
@@ -43,7 +43,7 @@ def test_staggered_arrivals_and_chunked_prefill_equal_alone(tiny_dir, alone):
             i, p = pending.pop(0)
             outputs[i] = engine.add_request(f"r{i}", p, GREEDY)
         engine.step()
-    assert [outputs[i].token_ids for i in range(len(PAGE_EDGE_PROMPTS))] == alone
+    assert [outputs[i].outputs[0].token_ids for i in range(len(PAGE_EDGE_PROMPTS))] == alone
 
 
 def test_preempted_and_recomputed_equals_alone(tiny_dir, alone):
@@ -53,16 +53,16 @@ def test_preempted_and_recomputed_equals_alone(tiny_dir, alone):
     llm = LLM(str(tiny_dir), backend="numpy", max_num_seqs=5, num_pages=6)
     outs = llm.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     longer = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    full_alone = [LLM(str(tiny_dir), backend="numpy").generate([p], longer)[0].token_ids for p in PAGE_EDGE_PROMPTS]
-    assert [o.token_ids for o in outs] == full_alone
+    full_alone = [LLM(str(tiny_dir), backend="numpy").generate([p], longer)[0].outputs[0].token_ids for p in PAGE_EDGE_PROMPTS]
+    assert [o.outputs[0].token_ids for o in outs] == full_alone
     assert llm.engine.num_preemptions > 0
 
 
 def test_seeded_sampling_is_batch_invariant(tiny_dir):
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=s, max_tokens=5, ignore_eos=True) for s in range(3)]
     llm = LLM(str(tiny_dir), backend="numpy")
-    together = [o.token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:3], params)]
-    apart = [llm.generate([p], sp)[0].token_ids for p, sp in zip(PAGE_EDGE_PROMPTS[:3], params, strict=True)]
+    together = [o.outputs[0].token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:3], params)]
+    apart = [llm.generate([p], sp)[0].outputs[0].token_ids for p, sp in zip(PAGE_EDGE_PROMPTS[:3], params, strict=True)]
     assert together == apart
 
 
@@ -73,7 +73,7 @@ def test_a_too_long_prompt_is_rejected_alone(tiny_dir):
         engine.add_request("long", [1] * 128, GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-    assert ok.finish_reason == "length" and len(ok.token_ids) == 6
+    assert ok.outputs[0].finish_reason == "length" and len(ok.outputs[0].token_ids) == 6
 
 
 def test_abort_frees_pages(tiny_dir):
@@ -82,7 +82,7 @@ def test_abort_frees_pages(tiny_dir):
     engine.step()
     assert engine.stats().num_pages_free == 19 - 3  # 40 tokens on 3 of the 19 usable pages
     engine.abort_request("a")
-    assert out.finish_reason == "abort" and engine.stats().num_pages_free == 19
+    assert out.outputs[0].finish_reason == "abort" and engine.stats().num_pages_free == 19
     assert not engine.has_unfinished_requests()
 
 
@@ -100,7 +100,7 @@ def test_a_short_request_interleaves_with_a_long_prefill_on_numpy(tmp_path):
     while not short.finished:
         engine.step()
     (running,) = engine.stats(requests=True).running
-    assert running.request_id == "long" and not long.token_ids
+    assert running.request_id == "long" and not long.outputs[0].token_ids
     assert running.num_computed_tokens <= 2 * 128  # the short one waited for one 128-token chunk, not for 3000 tokens
 
 
@@ -142,7 +142,7 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_goes_on(tiny_dir, 
     engine.runner.execute = failing
     failed = engine.step()
     assert [o.request_id for o in failed] == ["r0", "r1"]
-    assert all(o.finish_reason == "error" and "FloatingPointError: NaN in the sampler" in o.error for o in failed)
+    assert all(o.outputs[0].finish_reason == "error" and "FloatingPointError: NaN in the sampler" in o.error for o in failed)
     engine.scheduler.check_invariants()
     stats = engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_pages_used, stats.num_failed_steps) == (0, 1, 0, 1)
@@ -153,7 +153,7 @@ def test_a_failed_step_fails_only_its_requests_and_the_engine_goes_on(tiny_dir, 
     late = engine.add_request("late", PAGE_EDGE_PROMPTS[3], GREEDY)
     while engine.has_unfinished_requests():
         engine.step()
-    assert outputs[2].token_ids == alone[2] and late.token_ids == alone[3]
+    assert outputs[2].outputs[0].token_ids == alone[2] and late.outputs[0].token_ids == alone[3]
     assert engine.stats().num_pages_used == 0
 
 
@@ -172,7 +172,7 @@ def test_an_interrupted_step_fails_nobody(tiny_dir, alone):
     engine.runner.execute = execute
     while engine.has_unfinished_requests():
         engine.step()
-    assert out.token_ids == alone[4] and engine.stats().num_failed_steps == 0
+    assert out.outputs[0].token_ids == alone[4] and engine.stats().num_failed_steps == 0
 
 
 def test_llm_generate_raises_for_a_failed_step_and_stays_usable(tiny_dir, alone):
@@ -182,13 +182,13 @@ def test_llm_generate_raises_for_a_failed_step_and_stays_usable(tiny_dir, alone)
     with pytest.raises(StepFailedError, match="ZeroDivisionError"):
         llm.generate(PAGE_EDGE_PROMPTS[:2], GREEDY, use_tqdm=False)
     llm.engine.runner.execute = execute
-    assert [o.token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:2], GREEDY, use_tqdm=False)] == alone[:2]
+    assert [o.outputs[0].token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:2], GREEDY, use_tqdm=False)] == alone[:2]
 
 
 def test_a_tiny_temperature_is_greedy(tiny_dir, alone):
     llm = LLM(str(tiny_dir), backend="numpy")
     params = SamplingParams(temperature=1e-310, max_tokens=6, ignore_eos=True)
-    assert [o.token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:2], params, use_tqdm=False)] == alone[:2]
+    assert [o.outputs[0].token_ids for o in llm.generate(PAGE_EDGE_PROMPTS[:2], params, use_tqdm=False)] == alone[:2]
 
 
 @pytest.mark.slow  # three prefill steps of the whole model in the simulator
@@ -196,7 +196,7 @@ def test_simulated_chunk_steps_that_sample_nothing(tiny_dir, alone):
     """A prompt longer than the token budget, alone: its first chunks sample no token (no logits)."""
     sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=1, max_num_batched_tokens=16, num_pages=8)
     out = sim.generate([PAGE_EDGE_PROMPTS[4]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
-    assert out.token_ids == alone[4][:1]  # 33 tokens: chunks of 16 and 16 (no sample), then 1
+    assert out.outputs[0].token_ids == alone[4][:1]  # 33 tokens: chunks of 16 and 16 (no sample), then 1
 
 
 @pytest.mark.slow  # five prompts through the whole model in the simulator: ~90 s on 2 cores
@@ -205,7 +205,7 @@ def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alon
     """The cuda code path, run in the simulator, gives NumPy's greedy tokens (bf16 KV cache)."""
     sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=8, num_pages=24)
     outs = sim.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    assert [o.token_ids for o in outs] == [a[:3] for a in alone]
+    assert [o.outputs[0].token_ids for o in outs] == [a[:3] for a in alone]
 
 
 # ---- static batching ---------------------------------------------------------------------------
@@ -234,8 +234,8 @@ def test_static_scheduling_gives_the_same_tokens_and_admits_batch_by_batch(tiny_
     continuous, static = engine("continuous"), engine("static")
     c_outputs, _ = run_recording_admissions(continuous, PAGE_EDGE_PROMPTS, MIXED)
     s_outputs, steps = run_recording_admissions(static, PAGE_EDGE_PROMPTS, MIXED)
-    assert [o.token_ids for o in s_outputs] == [o.token_ids for o in c_outputs]
-    assert [len(o.token_ids) for o in s_outputs] == [9, 2, 6, 1, 3]
+    assert [o.outputs[0].token_ids for o in s_outputs] == [o.outputs[0].token_ids for o in c_outputs]
+    assert [len(o.outputs[0].token_ids) for o in s_outputs] == [9, 2, 6, 1, 3]
     batches = []
     for before, admitted in steps:
         if before:  # a batch is running: nobody joins it
@@ -251,8 +251,8 @@ def test_static_scheduling_with_preemption_equals_alone(tiny_dir):
     longer = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     llm = LLM(str(tiny_dir), backend="numpy", max_num_seqs=5, num_pages=4, scheduling="static")  # 3 usable pages
     outs = llm.generate(PAGE_EDGE_PROMPTS, longer)
-    full_alone = [LLM(str(tiny_dir), backend="numpy").generate([p], longer)[0].token_ids for p in PAGE_EDGE_PROMPTS]
-    assert [o.token_ids for o in outs] == full_alone
+    full_alone = [LLM(str(tiny_dir), backend="numpy").generate([p], longer)[0].outputs[0].token_ids for p in PAGE_EDGE_PROMPTS]
+    assert [o.outputs[0].token_ids for o in outs] == full_alone
     assert llm.engine.num_preemptions > 0
 
 

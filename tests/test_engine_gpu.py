@@ -66,11 +66,11 @@ def _assert_follows_the_reference(ckpt, prompts, outs, logits) -> None:
     reference's argmax up to that tolerance."""
     reference = ReferenceModel(ckpt.config, ckpt.weights)
     for prompt, out in zip(prompts, outs, strict=True):
-        seq = prompt + out.token_ids
+        seq = prompt + out.outputs[0].token_ids
         want = reference.forward(np.asarray(seq), 0, KVCache(ckpt.config, len(seq)), all_logits=True)[len(prompt) - 1 : -1]
         got = np.stack(logits[out.request_id])  # (8, V): one row per sampled token
         assert got.shape == want.shape
-        for step, (g, w, token) in enumerate(zip(got, want, out.token_ids, strict=True)):
+        for step, (g, w, token) in enumerate(zip(got, want, out.outputs[0].token_ids, strict=True)):
             scale = float(np.sqrt(np.mean(w * w)))
             assert token == int(np.argmax(g)), (len(prompt), step)  # the device argmax picked from these logits
             assert np.linalg.norm(g - w) / np.linalg.norm(w) < LOGIT_RTOL, (len(prompt), step)
@@ -89,7 +89,7 @@ def test_cuda_graph_replay_equals_eager_launches(tmp_path):
         llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=256, enforce_eager=eager)
         logits = _record_sampled_logits(llm.engine.runner)
         outs = llm.generate(prompts, params)
-        runs[eager] = ([o.token_ids for o in outs], [np.stack(logits[o.request_id]) for o in outs], llm.engine.runner)
+        runs[eager] = ([o.outputs[0].token_ids for o in outs], [np.stack(logits[o.request_id]) for o in outs], llm.engine.runner)
     assert runs[True][2].decode_graphs is None
     assert runs[False][2].decode_graphs.num_graphs >= 4  # batches of 11, 10 .. 1 use buckets 16, 8, 4, 2, 1
     assert runs[False][0] == runs[True][0]
@@ -126,7 +126,7 @@ def test_smollm2_on_cuda_gives_the_reference_first_20_greedy_tokens(llm):
     outs = llm.chat([_conv(c) for c in REF["prompts"]], SamplingParams(temperature=0, max_tokens=FIRST))
     for out, case in zip(outs, REF["prompts"], strict=True):
         assert out.prompt_token_ids == case["prompt_ids"]
-        assert out.token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.text)
+        assert out.outputs[0].token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.outputs[0].text)
 
 
 @needs_smollm2
@@ -137,22 +137,22 @@ def test_smollm2_on_cuda_gives_the_reference_tokens_from_cached_prefixes(llm):
     outs = llm.chat([_conv(c) for c in REF["prompts"]], SamplingParams(temperature=0, max_tokens=FIRST))
     assert all(o.num_cached_tokens > 0 for o in outs)
     for out, case in zip(outs, REF["prompts"], strict=True):
-        assert out.token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.text)
+        assert out.outputs[0].token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.outputs[0].text)
     uncached = LLM(backend="cuda", max_num_seqs=8, enable_prefix_caching=False)
     outs = uncached.chat([_conv(c) for c in REF["prompts"]], SamplingParams(temperature=0, max_tokens=FIRST))
     assert all(o.num_cached_tokens == 0 for o in outs) and uncached.engine.stats().num_prefix_cache_hits == 0
     for out, case in zip(outs, REF["prompts"], strict=True):
-        assert out.token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.text)
+        assert out.outputs[0].token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.outputs[0].text)
 
 
 @needs_smollm2
 def test_batch_invariance_on_cuda(llm):
     params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     convs = [_conv(c) for c in REF["prompts"]]
-    alone = [llm.chat([c], params)[0].token_ids[:FIRST] for c in convs]
-    batched = [o.token_ids[:FIRST] for o in llm.chat(convs, params)]
+    alone = [llm.chat([c], params)[0].outputs[0].token_ids[:FIRST] for c in convs]
+    batched = [o.outputs[0].token_ids[:FIRST] for o in llm.chat(convs, params)]
     assert batched == alone
     small = LLM(backend="cuda", max_num_seqs=5, num_pages=12)  # 11 usable pages: forces preemption
-    preempted = [o.token_ids[:FIRST] for o in small.chat(convs, params)]
+    preempted = [o.outputs[0].token_ids[:FIRST] for o in small.chat(convs, params)]
     assert small.engine.num_preemptions > 0
     assert preempted == alone

@@ -62,7 +62,7 @@ def ref(model_dir):
             (out,) = llm.generate([prompt], params, use_tqdm=False)
         else:
             (out,) = llm.chat(prompt, params, use_tqdm=False)
-        return out.token_ids, out.text, out.finish_reason
+        return out.outputs[0].token_ids, out.outputs[0].text, out.outputs[0].finish_reason
 
     return answer
 

@@ -67,7 +67,7 @@ def test_the_server_keeps_to_its_schema(fuzz_server, mode):
 
 def test_after_the_fuzzing_nothing_is_held_and_greedy_is_unchanged(fuzz_dir, fuzz_server):
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    want = LLM(str(fuzz_dir), backend="numpy").generate([PROBE], params, use_tqdm=False)[0].token_ids
+    want = LLM(str(fuzz_dir), backend="numpy").generate([PROBE], params, use_tqdm=False)[0].outputs[0].token_ids
     r = fuzz_server.client().completions.create(
         model=TINY_NAME, prompt=PROBE, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}
     )

@@ -2,7 +2,7 @@
 
 
 from numba_vllm.engine.lengths import LengthPolicy
-from numba_vllm.engine.output import OutputBuilder, RequestOutput
+from numba_vllm.engine.output import CompletionOutput, OutputBuilder, RequestOutput
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.model.config import ModelConfig
 from tests.helpers.tiny_llama import tiny_config_dict
@@ -11,16 +11,17 @@ CONFIG = ModelConfig.from_dict(tiny_config_dict(eos_token_id=2))
 
 
 def builder(params, tokenizer=None, prompt=(5, 6), max_model_len=256):
-    out = RequestOutput("r", list(prompt))
+    """A builder for one sequence, and that sequence (a CompletionOutput)."""
+    request = RequestOutput("r", None, list(prompt), [CompletionOutput(0)])
     budget = LengthPolicy(max_model_len, CONFIG.vocab_size).max_new_tokens(len(prompt), params.max_tokens)
-    return out, OutputBuilder(out, params, CONFIG, tokenizer, budget)
+    return request.outputs[0], OutputBuilder(request, request.outputs[0], params, CONFIG, tokenizer, budget)
 
 
 def test_eos_stops_and_is_kept_in_ids_but_ignore_eos_goes_on():
     out, b = builder(SamplingParams(max_tokens=10))
     b.add(7)
     b.add(2)
-    assert out.token_ids == [7, 2] and out.finish_reason == "stop"
+    assert out.token_ids == [7, 2] and out.finish_reason == "stop" and out.stop_reason is None  # EOS: no stop_reason
     out, b = builder(SamplingParams(max_tokens=3, ignore_eos=True))
     for t in (2, 2, 2):
         b.add(t)
@@ -30,7 +31,7 @@ def test_eos_stops_and_is_kept_in_ids_but_ignore_eos_goes_on():
 def test_stop_token_ids_and_length_limit_of_the_model():
     out, b = builder(SamplingParams(max_tokens=100, stop_token_ids=[9]))
     b.add(9)
-    assert out.finish_reason == "stop"
+    assert out.finish_reason == "stop" and out.stop_reason == 9 and out.token_ids == [9]
     out, b = builder(SamplingParams(max_tokens=100), prompt=[1] * 250, max_model_len=253)
     for t in (3, 4, 5):
         b.add(t)
@@ -52,6 +53,27 @@ class TestWithTokenizer:
         pieces = []
         for t in ids:
             pieces.append(b.add(t))
-            if out.finished:
+            if out.finished():
                 break
         assert out.finish_reason == "stop" and out.text == "one two " and "".join(pieces) == out.text
+        assert out.stop_reason == "three f"
+
+
+def test_request_output_has_vllms_fields_and_is_finished_when_every_sequence_is():
+    request = RequestOutput("r", "hi", [5, 6], [CompletionOutput(0), CompletionOutput(1)])
+    assert (request.prompt, request.prompt_logprobs, request.num_cached_tokens, request.error) == ("hi", None, 0, None)
+    c = request.outputs[0]
+    assert (c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs, c.finish_reason, c.stop_reason) == (
+        0, "", [], None, None, None, None
+    )
+    request.outputs[0].finish_reason = "length"
+    assert request.outputs[0].finished() and not request.finished
+    request.outputs[1].finish_reason = "stop"
+    assert request.finished
+
+
+def test_fail_marks_the_sequence_and_the_request():
+    out, b = builder(SamplingParams(max_tokens=5))
+    b.add(7)
+    b.fail("the engine step failed: boom")
+    assert out.finish_reason == "error" and out.token_ids == [7] and b.output.error == "the engine step failed: boom"

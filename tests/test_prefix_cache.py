@@ -303,13 +303,13 @@ def uncached(tiny_dir):
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in ENGINE_PROMPTS]
     assert all(o.num_cached_tokens == 0 for o in outs) and llm.engine.stats().num_prefix_cache_queries == 0
     assert not llm.engine.stats().prefix_caching
-    return [o.token_ids for o in outs]
+    return [o.outputs[0].token_ids for o in outs]
 
 
 def test_one_at_a_time_each_prompt_reuses_the_pages_before_it(tiny_dir, uncached):
     llm = LLM(str(tiny_dir), backend="numpy")
     outs = [llm.generate([p], GREEDY, use_tqdm=False)[0] for p in ENGINE_PROMPTS]
-    assert [o.token_ids for o in outs] == uncached
+    assert [o.outputs[0].token_ids for o in outs] == uncached
     # The first prompt finds nothing; the next three share SHARED's 2 full pages (the fourth is the
     # first again, but its third page was never full: 38 + 5 computed tokens); the fifth finds 3 of
     # the third's pages (its 4th is its last page: recomputed, for the last token's logits).
@@ -331,7 +331,7 @@ def test_batched_chunked_and_preempted_runs_give_the_uncached_tokens(tiny_dir, u
             outputs[i] = engine.add_request(f"r{i}", p, GREEDY)
         engine.step()
         engine.scheduler.check_invariants()
-    assert [outputs[i].token_ids for i in range(len(ENGINE_PROMPTS))] == uncached
+    assert [outputs[i].outputs[0].token_ids for i in range(len(ENGINE_PROMPTS))] == uncached
     assert engine.stats().num_prefix_cache_hits > 0
     if num_pages is not None:
         assert engine.num_preemptions > 0
@@ -365,7 +365,7 @@ def test_simulated_kernels_read_a_cached_prefix(tiny_dir):
     prompts = [SHARED[:33], SHARED[:33], SHARED[:32] + [60] * 9]
     params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     numpy = LLM(str(tiny_dir), backend="numpy", enable_prefix_caching=False)
-    want = [numpy.generate([p], params, use_tqdm=False)[0].token_ids for p in prompts]
+    want = [numpy.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     sim = LLMEngine(load_checkpoint(tiny_dir), EngineConfig(backend="sim", max_num_seqs=2, num_pages=16))
     outs = [sim.add_request("first", prompts[0], params)]
     sim.step()  # computes (and caches) the first two pages
@@ -373,4 +373,4 @@ def test_simulated_kernels_read_a_cached_prefix(tiny_dir):
     sim.step()
     assert not sim.has_unfinished_requests() and sim.num_steps == 2
     assert [o.num_cached_tokens for o in outs] == [0, 32, 32]
-    assert [o.token_ids for o in outs] == want
+    assert [o.outputs[0].token_ids for o in outs] == want

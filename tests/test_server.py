@@ -43,7 +43,7 @@ def ref(tiny_dir):
 
     def generate(prompt, **sampling) -> list[int]:
         (out,) = llm.generate([prompt], SamplingParams(**sampling), use_tqdm=False)
-        return out.token_ids
+        return out.outputs[0].token_ids
 
     return generate
 
@@ -242,7 +242,8 @@ BAD = [  # (path, body: dict, or bytes sent as they are, status, param or None, 
     ("/v1/completions", {"prompt": [1, 2], "stop": ""}, 400, "stop", "non-empty strings"),
     ("/v1/completions", {"prompt": [1, 2], "stop": [1]}, 400, "stop", "a string or a list of strings"),
     ("/v1/completions", {"prompt": [1, 2], "stream": "yes"}, 400, "stream", "valid boolean"),
-    ("/v1/completions", {"prompt": [1, 2], "n": 2}, 400, "n", "n must be 1"),
+    ("/v1/completions", {"prompt": [1, 2], "n": 0}, 400, "n", "n must be an integer >= 1"),
+    ("/v1/completions", {"prompt": [1, 2], "n": 2, "best_of": 3}, 400, "best_of", "only equal to n"),
     ("/v1/completions", {"prompt": [1, 2], "logprobs": 2}, 400, "logprobs", "not supported"),
     ("/v1/completions", {"prompt": [1, 2], "model": "gpt-4"}, 404, "model", "does not exist"),
     ("/v1/completions", {"prompt": [1, 1000]}, 400, "prompt", "outside the vocabulary"),
@@ -290,8 +291,8 @@ def test_bad_input_gets_a_4xx_and_does_not_disturb_a_running_request(tiny, ref):
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="nope", prompt=[1], max_tokens=1)
     assert e.value.code == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="n must be 1"):
-        client.completions.create(model=TINY_NAME, prompt=[1], n=3)
+    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+        client.completions.create(model=TINY_NAME, prompt=[1], n=3, best_of=2)
     thread.join(60)
     assert got["ids"] == want
     r = client.completions.create(
@@ -369,9 +370,9 @@ def test_chat_streamed_and_not_match_llm_chat(smol):
     server, conversation, want, _ = smol
     client = server.client()
     r = client.chat.completions.create(model="smollm2", messages=conversation, max_tokens=6, temperature=0)
-    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.text
-    assert r.choices[0].finish_reason == want.finish_reason == "length" and r.object == "chat.completion"
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.token_ids))
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == want.outputs[0].text
+    assert r.choices[0].finish_reason == want.outputs[0].finish_reason == "length" and r.object == "chat.completion"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(want.prompt_token_ids), len(want.outputs[0].token_ids))
     # The fixture's own llm.chat of this conversation cached every full page of the prompt; the last
     # token is always computed, so a prompt of n tokens finds 16 * ((n - 1) // 16) of them.
     cached = 16 * ((len(want.prompt_token_ids) - 1) // 16)
@@ -393,7 +394,7 @@ def test_chat_streamed_and_not_match_llm_chat(smol):
 def test_text_completion_on_smollm2(smol):
     server, _, _, want = smol
     r = server.client().completions.create(model="smollm2", prompt="Once upon a time", max_tokens=4, temperature=0)
-    assert r.choices[0].text == want.text and r.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert r.choices[0].text == want.outputs[0].text and r.usage.prompt_tokens == len(want.prompt_token_ids)
     with pytest.raises(openai.BadRequestError, match="only text parts"):
         server.client().chat.completions.create(
             model="smollm2", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]

@@ -40,7 +40,8 @@ def tiny_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def want(tiny_dir):
     llm = LLM(str(tiny_dir), backend="numpy", max_model_len=MAX_LEN)
-    return llm.generate([PROBE], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0].token_ids
+    (out,) = llm.generate([PROBE], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
+    return out.outputs[0].token_ids
 
 
 def serve(tiny_dir, **kw) -> ServerThread:

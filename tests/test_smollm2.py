@@ -29,8 +29,8 @@ def test_one_prompt_matches_transformers(llm, case):
     ids = llm.tokenizer.apply_chat_template(_conversation(case), add_generation_prompt=True)
     assert ids == case["prompt_ids"]
     (out,) = llm.chat(_conversation(case), GREEDY)
-    assert out.prompt_token_ids == case["prompt_ids"] and out.token_ids == case["greedy_ids"]
-    assert out.finish_reason == "stop" and out.text == llm.tokenizer.decode(out.token_ids)
+    assert out.prompt_token_ids == case["prompt_ids"] and out.outputs[0].token_ids == case["greedy_ids"]
+    assert out.outputs[0].finish_reason == "stop" and out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids)
 
 
 @pytest.mark.timeout(900)  # every reference prompt to its end: ~100 s on 2 cores
@@ -38,4 +38,4 @@ def test_all_prompts_batched_match_transformers(llm):
     outs = llm.chat([_conversation(c) for c in REF["prompts"]], GREEDY)
     for out, case in zip(outs, REF["prompts"], strict=True):
         assert out.prompt_token_ids == case["prompt_ids"]
-        assert out.token_ids == case["greedy_ids"], case["prompt"]
+        assert out.outputs[0].token_ids == case["greedy_ids"], case["prompt"]

@@ -41,6 +41,11 @@ def tiny(tiny_dir):
     return LLM(tiny_dir, backend="numpy")
 
 
+def _first(outputs) -> list:
+    """Each request's sequence (n = 1): its CompletionOutput."""
+    return [o.outputs[0] for o in outputs]
+
+
 def _params(constraint: StructuredOutputsParams, seed: int | None, max_tokens: int = 24) -> SamplingParams:
     if seed is None:
         return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=constraint)
@@ -110,11 +115,11 @@ def test_compiled_constraints_are_cached_by_kind_and_text(tiny, monkeypatch):
 # ---- generating on the tiny random model ---------------------------------------------------------
 @pytest.mark.parametrize("seed", [None, *SEEDS])
 def test_a_random_model_follows_a_regex_and_a_choice(tiny, seed):
-    outs = tiny.generate(
+    outs = _first(tiny.generate(
         [[5, 6, 7], [8, 9]],
         [_params(StructuredOutputsParams(regex=REGEX), seed), _params(StructuredOutputsParams(choice=CHOICES), seed)],
         use_tqdm=False,
-    )
+    ))
     assert re.fullmatch(REGEX, outs[0].text), outs[0].text
     assert outs[1].text in CHOICES
     assert [o.finish_reason for o in outs] == ["stop", "stop"]
@@ -124,11 +129,11 @@ def test_a_random_model_follows_a_regex_and_a_choice(tiny, seed):
 def test_a_random_model_follows_a_lark_and_a_gbnf_grammar(tiny, seed):
     lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,2}/'
     gbnf = 'root ::= "x" [a-c]+ "y"'
-    outs = tiny.generate(
+    outs = _first(tiny.generate(
         [[5, 6, 7], [8, 9]],
         [_params(StructuredOutputsParams(grammar=lark), seed, 40), _params(StructuredOutputsParams(grammar=gbnf), seed, 40)],
         use_tqdm=False,
-    )
+    ))
     assert re.fullmatch(r"\([0-9]{1,2}(,[0-9]{1,2})*\)", outs[0].text) or outs[0].finish_reason == "length", outs[0].text
     assert re.fullmatch(r"x[a-c]+y", outs[1].text) or outs[1].finish_reason == "length", outs[1].text
     for out in outs:
@@ -136,10 +141,18 @@ def test_a_random_model_follows_a_lark_and_a_gbnf_grammar(tiny, seed):
             assert out.text and len(out.token_ids) == 40
 
 
+def test_each_of_n_sequences_follows_the_constraint_with_its_own_state(tiny):
+    params = SamplingParams(n=4, temperature=1.0, seed=11, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=REGEX))
+    (out,) = tiny.generate([[5, 6, 7]], params, use_tqdm=False)
+    assert len(out.outputs) == 4
+    for seq in out.outputs:
+        assert re.fullmatch(REGEX, seq.text) and seq.finish_reason == "stop", seq.text
+
+
 def test_unconstrained_rows_beside_constrained_ones_are_unchanged(tiny):
     free = SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
-    alone = tiny.generate([[3, 4]], free, use_tqdm=False)[0].token_ids
-    mixed = tiny.generate([[3, 4], [5, 6]], [free, _params(StructuredOutputsParams(regex=REGEX), 1)], use_tqdm=False)
+    alone = _first(tiny.generate([[3, 4]], free, use_tqdm=False))[0].token_ids
+    mixed = _first(tiny.generate([[3, 4], [5, 6]], [free, _params(StructuredOutputsParams(regex=REGEX), 1)], use_tqdm=False))
     assert mixed[0].token_ids == alone
 
 
@@ -162,12 +175,12 @@ def test_the_simulated_kernels_mask_as_numpy_does(tiny_dir, tiny, graphs):
         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),  # unconstrained, beside
         _params(StructuredOutputsParams(choice=["hi", "ab", "x"]), 3, 4),
     ]
-    want = tiny.generate(prompts[:2], params[:2], use_tqdm=False)
+    want = _first(tiny.generate(prompts[:2], params[:2], use_tqdm=False))
     sim = LLM(tiny_dir, backend="sim", max_num_seqs=4, num_pages=8)
     if graphs:
         runner = sim.engine.runner
         runner.decode_graphs = DecodeGraphs(runner.model, runner.max_num_seqs, capture=False)
-    outs = sim.generate(prompts, params, use_tqdm=False)
+    outs = _first(sim.generate(prompts, params, use_tqdm=False))
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in want]  # greedy: the same tokens as NumPy
     assert re.fullmatch(r"[a-c][0-9]", outs[0].text)
     assert outs[2].text in ["hi", "ab", "x"]  # sampled on the device (another noise than NumPy's): in the choice
@@ -220,7 +233,7 @@ def test_smollm2_output_parses_and_validates_against_its_schema(smollm2, name):
     schema = SCHEMAS[name]
     constraint = StructuredOutputsParams(json=schema)
     params = [_params(constraint, seed, 80) for seed in (None, *SEEDS)]
-    outs = smollm2.chat([[{"role": "user", "content": QUESTION}]] * len(params), params, use_tqdm=False)
+    outs = _first(smollm2.chat([[{"role": "user", "content": QUESTION}]] * len(params), params, use_tqdm=False))
     validator = jsonschema_rs.validator_for(schema)
     for out in outs:
         assert out.finish_reason == "stop", out.text
@@ -239,7 +252,7 @@ def test_smollm2_follows_a_json_object_a_regex_and_a_choice(smollm2):
     }
     names = [n for n in constraints for _ in (None, *constraints[n][2])]
     params = [_params(constraints[n][0], seed, 80) for n in constraints for seed in (None, *constraints[n][2])]
-    outs = smollm2.chat([[{"role": "user", "content": constraints[n][1]}] for n in names], params, use_tqdm=False)
+    outs = _first(smollm2.chat([[{"role": "user", "content": constraints[n][1]}] for n in names], params, use_tqdm=False))
     for name, out in zip(names, outs, strict=True):
         assert out.finish_reason == "stop", (name, out.text)
         if name == "json_object":

@@ -167,13 +167,13 @@ def _measure_batch(engine, batch_size: int, prompts: list[list[int]], output_len
         e = time.perf_counter()
         if ttft is not None and len(updated) == batch_size:
             decode.append(e - s)
-        if ttft is None and all(o.token_ids for o in outs):
+        if ttft is None and all(o.outputs[0].token_ids for o in outs):
             ttft = e - t0
     synchronize(engine.backend)
     total = time.perf_counter() - t0
     for o in outs:
-        if len(o.token_ids) != output_len:
-            raise BenchError(f"request {o.request_id} generated {len(o.token_ids)} tokens, expected {output_len}")
+        if len(o.outputs[0].token_ids) != output_len:
+            raise BenchError(f"request {o.request_id} generated {len(o.outputs[0].token_ids)} tokens, expected {output_len}")
     stats = ms_stats(decode)
     return {
         "batch_size": batch_size,
@@ -183,7 +183,7 @@ def _measure_batch(engine, batch_size: int, prompts: list[list[int]], output_len
         "decode_ms_mean": stats["mean_ms"],
         "decode_steps": len(decode),
         "decode_tokens_per_s": None if not stats["median_ms"] else batch_size / (stats["median_ms"] * 1e-3),
-        "output_tokens": sum(len(o.token_ids) for o in outs),
+        "output_tokens": sum(len(o.outputs[0].token_ids) for o in outs),
         "steps": engine.num_steps - steps0,
         "preemptions": engine.num_preemptions - preempt0,
         "total_s": total,

@@ -217,7 +217,7 @@ def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len:
             step_times.append(now - s)
             step_ends.append(now - t0)
             step_tokens.append(len(updated))
-            first_token_s += [now - t0] * sum(1 for o in updated if len(o.token_ids) == 1)
+            first_token_s += [now - t0] * sum(1 for o in updated if len(o.outputs[0].token_ids) == 1)
             if len(step_times) % 10 == 0:
                 memory.sample()
         synchronize(backend)
@@ -232,9 +232,10 @@ def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len:
         del engine
         release_device_memory(backend)
     for o, n in zip(outs, workload.output_lens, strict=True):
-        if len(o.token_ids) != n or o.finish_reason != "length":
-            raise BenchError(f"request {o.request_id} ended with {len(o.token_ids)} tokens ({o.finish_reason}), expected {n}")
-    generated = sum(len(o.token_ids) for o in outs)
+        c = o.outputs[0]
+        if len(c.token_ids) != n or c.finish_reason != "length":
+            raise BenchError(f"request {o.request_id} ended with {len(c.token_ids)} tokens ({c.finish_reason}), expected {n}")
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
     return {
         "scheduling": mode,
         "prefix_caching": options.enable_prefix_caching,

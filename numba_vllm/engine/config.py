@@ -13,6 +13,8 @@ SCHEDULING_MODES = ("continuous", "static")
 # (fp32 FMA, the readable one), kernels/gemm_wgmma.py (bf16 wgmma, sm_90a only)
 PREFILL_GEMMS = ("auto", "tensor_cores", "fp32", "wgmma")
 PREFILL_ATTENTIONS = ("cuda_cores", "tensor_cores")  # kernels/prefill_attention.py (readable) or prefill_attention_tc.py
+# auto: the model's generation_config.json sampling values are the requests' defaults; vllm: vLLM's neutral ones
+GENERATION_CONFIGS = ("auto", "vllm")
 
 
 @dataclass(frozen=True)
@@ -32,12 +34,14 @@ class EngineConfig:
     prefill_gemm: str = "auto"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
     prefill_attention: str = "tensor_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
     enable_prefix_caching: bool = True  # reuse the K/V pages of prompts' shared prefixes (engine/prefix_cache.py)
+    generation_config: str = "auto"  # where requests' sampling defaults come from (GENERATION_CONFIGS)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
         for name, allowed in (
-            ("scheduling", SCHEDULING_MODES), ("prefill_gemm", PREFILL_GEMMS), ("prefill_attention", PREFILL_ATTENTIONS)
+            ("scheduling", SCHEDULING_MODES), ("prefill_gemm", PREFILL_GEMMS), ("prefill_attention", PREFILL_ATTENTIONS),
+            ("generation_config", GENERATION_CONFIGS),
         ):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}: {getattr(self, name)!r} is not one of {', '.join(allowed)}")

@@ -5,20 +5,33 @@ the scheduler picks what runs (`StepPlan`), the runner executes it and samples, 
 advances the requests, and each request's `OutputBuilder` turns its new token into text and decides
 whether it stops; finished requests give back their pages and slot. `LLM` is the offline API on
 top: hand it all prompts, get all outputs back in order.
+
+A request with `n` > 1 sequences is fanned out into n child requests (as vLLM V1 does), which share
+the prompt's full KV pages through the prefix cache: only the first child is scheduled at first, its
+siblings join once its prompt is computed (its first token is out), so each finds the prompt's full
+pages cached instead of computing them beside it in the same step. Only the prompt's last, partial
+page (and at least its last token) is computed per child. With prefix caching off there is nothing
+to share and all children are scheduled at once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
 
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
 from numba_vllm.engine.lengths import LengthPolicy
-from numba_vllm.engine.output import OutputBuilder, RequestOutput
+from numba_vllm.engine.llm_args import llm_engine_config, normalize_prompts
+from numba_vllm.engine.output import CompletionOutput, OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.sampling_defaults import model_sampling_defaults
 from numba_vllm.engine.scheduler import Scheduler, StepPlan
 from numba_vllm.engine.stats import EngineStats, StepStats, collect_stats, step_stats
 from numba_vllm.engine.structured import StructuredOutputs
@@ -28,6 +41,15 @@ from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 WARM_UP_GRAPH_TOKENS = 4096  # `warm_up` records decode graphs for sequences up to this long; longer ones on first use
 
 _STATUS_OF_REASON = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH}
+
+
+@dataclass
+class _Family:
+    """The child requests of one request (one child when n is 1; its id is the request's own)."""
+
+    output: RequestOutput
+    child_ids: list[str]  # child i fills output.outputs[i]
+    held: list[Request]  # children not yet given to the scheduler: they wait for child 0's prompt
 
 
 class StepFailedError(RuntimeError):
@@ -56,7 +78,11 @@ class LLMEngine:
         )  # fmt: skip
         eos_ids = [*self.config.eos_token_ids, *(self.tokenizer.stop_token_ids if self.tokenizer is not None else ())]
         self.structured = StructuredOutputs(self.tokenizer, self.config.vocab_size, eos_ids)  # compiles constraints
-        self._builders: dict[str, OutputBuilder] = {}
+        # Sampling values requests take unless they set their own (engine/sampling_defaults.py).
+        self.sampling_defaults = model_sampling_defaults(self.config, ec.generation_config)
+        self._builders: dict[str, OutputBuilder] = {}  # by child request id, while it runs
+        self._families: dict[str, _Family] = {}  # by request id, until every child has finished
+        self._holding: dict[str, _Family] = {}  # the families with held children, by request id
         self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -75,9 +101,11 @@ class LLMEngine:
 
         A prompt the model cannot run (empty, too long for `max_model_len`, ids outside the
         vocabulary) raises `PromptError` (a ValueError) for this request alone, and so does a
-        structured-output constraint that does not compile (`GrammarError`).
+        structured-output constraint that does not compile (`GrammarError`). With `params.n` > 1
+        the request runs as n children `f"{i}_{request_id}"` (vLLM's naming); child i samples with
+        seed `params.seed + i` when a seed is given, so the sequences differ and each is reproducible.
         """
-        if request_id in self._builders:
+        if request_id in self._families:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
@@ -89,20 +117,44 @@ class LLMEngine:
             ids = [int(t) for t in prompt]
         self.lengths.check_prompt(ids)
         constraint = params.structured_outputs
-        grammar = self.structured.matcher(constraint) if constraint is not None else None  # GrammarError: a ValueError
-        request = Request(request_id, ids, params, next(self._arrivals), grammar=grammar)
-        self.scheduler.add(request)
-        output = RequestOutput(request_id, ids, prompt=text)
+        if constraint is not None:
+            self.structured.compile(constraint)  # GrammarError (a ValueError) before anything is queued
+        n = params.n
+        child_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
+        if any(c in self._builders for c in child_ids):
+            raise ValueError(f"request id {request_id!r} is already in use")
+        output = RequestOutput(request_id, text, ids, [CompletionOutput(i) for i in range(n)])
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
-        self._builders[request_id] = OutputBuilder(output, params, self.config, self.tokenizer, budget)
+        children = []
+        for i, child_id in enumerate(child_ids):
+            seed = None if params.seed is None else params.seed + i
+            child_params = params if n == 1 else dataclasses.replace(params, n=1, seed=seed)
+            grammar = self.structured.matcher(constraint) if constraint is not None else None  # each child its own state
+            children.append(Request(child_id, ids, child_params, next(self._arrivals), grammar=grammar))
+            self._builders[child_id] = OutputBuilder(output, output.outputs[i], child_params, self.config, self.tokenizer, budget)
+        share = self.scheduler.allocator.enable_caching  # the siblings wait only where there are pages to share
+        first, held = (children[:1], children[1:]) if share else (children, [])
+        for request in first:
+            self.scheduler.add(request)
+        self._families[request_id] = family = _Family(output, child_ids, held)
+        if held:
+            self._holding[request_id] = family
         return output
 
     def abort_request(self, request_id: str) -> None:
-        """Stop a request now (queued or running); its pages and slot are freed."""
-        builder = self._builders.pop(request_id, None)
-        if builder is not None and self.scheduler.abort(request_id):
+        """Stop a request now (queued or running, every one of its sequences); its pages and slots are freed."""
+        family = self._families.pop(request_id, None)
+        if family is None:
+            return
+        self._holding.pop(request_id, None)
+        held = {r.request_id for r in family.held}
+        for child_id in family.child_ids:
+            builder = self._builders.pop(child_id, None)
+            if builder is None:
+                continue
             builder.abort()
-            self.runner.release(request_id)
+            if child_id not in held and self.scheduler.abort(child_id):
+                self.runner.release(child_id)
 
     def warm_up(self) -> None:
         """Compile the kernels and record the decode-step CUDA graphs (for sequences of up to
@@ -113,7 +165,7 @@ class LLMEngine:
             warm(pages_for_tokens(min(self.capacity.max_model_len, WARM_UP_GRAPH_TOKENS)))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return bool(self._families) or self.scheduler.has_unfinished()
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -127,6 +179,7 @@ class LLMEngine:
         the same way forever, so the engine gives those requests up. A KeyboardInterrupt during the
         forward pass fails nobody: the step is dropped as if it never ran, and the interrupt goes on.
         """
+        self._release_siblings()
         plan = self.scheduler.schedule()
         self._last_plan = (self.num_steps, plan)
         if self.engine_config.verbose:
@@ -140,33 +193,67 @@ class LLMEngine:
             self.num_failed_steps += 1
             self.last_step_error = e
             message = f"the engine step failed: {type(e).__name__}: {e}"
-            return [self._fail(seq.request, message) for seq in plan.sequences]
+            failed: dict[int, RequestOutput] = {}
+            for seq in plan.sequences:
+                if seq.request.request_id in self._builders:  # not already ended with a failed sibling
+                    output = self._fail(seq.request, message)
+                    failed[id(output)] = output
+            return list(failed.values())
         self.num_steps += 1
         self.num_preemptions += len(plan.preempted_request_ids)
-        updated = []
+        updated: dict[int, RequestOutput] = {}  # each request's output once, however many of its children moved
         for request in self.scheduler.update(plan, sampled):
-            builder = self._builders[request.request_id]
+            builder = self._builders.get(request.request_id)
+            if builder is None:  # a sibling failed earlier in this loop, and ended it
+                continue
             output = builder.output
-            output.num_cached_tokens = request.num_cached_tokens
+            if builder.completion.index == 0:
+                output.num_cached_tokens = request.num_cached_tokens
             token = request.output_token_ids[-1]
             grammar = request.grammar
             if grammar is not None and not grammar.accept(token):  # the mask allowed it: a bug, or llguidance's limits
-                updated.append(self._fail(request, f"structured output: token {token} does not fit the grammar: {grammar.error}"))
+                output = self._fail(request, f"structured output: token {token} does not fit the grammar: {grammar.error}")
+                updated[id(output)] = output
                 continue
             builder.add(token, stop=grammar is not None and grammar.is_finished)
-            if output.finished:
-                self.scheduler.finish(request, _STATUS_OF_REASON[output.finish_reason])
+            if builder.completion.finished():
+                self.scheduler.finish(request, _STATUS_OF_REASON[builder.completion.finish_reason])
                 self.runner.release(request.request_id)
                 del self._builders[request.request_id]
-            updated.append(output)
-        return updated
+            updated[id(output)] = output
+        for output in updated.values():
+            if output.finished:
+                self._families.pop(output.request_id, None)  # (already gone if a sequence failed)
+        return list(updated.values())
+
+    def _release_siblings(self) -> None:
+        """Hand held children to the scheduler once child 0's prompt is computed (its first token is
+        out, or it has ended): the prompt's full pages are in the prefix cache for them to share."""
+        for request_id, family in list(self._holding.items()):
+            first = family.output.outputs[0]
+            if first.token_ids or first.finished():
+                for request in reversed(family.held):  # ahead of requests that arrived after theirs, in index order
+                    self.scheduler.add(request, front=True)
+                family.held = []
+                del self._holding[request_id]
 
     def _fail(self, request: Request, message: str) -> RequestOutput:
-        """End a request whose step failed (FINISHED_ERROR): pages and slot freed, output marked."""
+        """End a request whose step failed (FINISHED_ERROR): pages and slot freed, output marked; the
+        request's other sequences (its siblings) end with it."""
         self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
         self.runner.release(request.request_id)
         builder = self._builders.pop(request.request_id)
         builder.fail(message)
+        family = self._families.pop(builder.output.request_id)
+        self._holding.pop(builder.output.request_id, None)
+        held = {r.request_id for r in family.held}
+        for child_id in family.child_ids:
+            sibling = self._builders.pop(child_id, None)
+            if sibling is not None:
+                sibling.fail(message)
+                if child_id not in held:
+                    self.scheduler.abort(child_id)
+                    self.runner.release(child_id)
         return builder.output
 
     # ---- state ---------------------------------------------------------------------------------
@@ -192,28 +279,50 @@ def prefix_cache_key(checkpoint: Checkpoint) -> bytes:
 
 
 class LLM:
-    """Offline inference: `LLM(model).generate(prompts, params)` -> outputs in prompt order."""
+    """Offline inference: `LLM(model).generate(prompts, params)` -> outputs in prompt order.
 
-    def __init__(self, model: str | None = None, backend: str = "auto", **engine_args):
-        engine_config = EngineConfig(backend=backend, **engine_args)
-        prepare_backend(engine_config.backend)
+    Takes vLLM's common keywords (`engine/llm_args.py`: max_model_len, gpu_memory_utilization,
+    enforce_eager, max_num_seqs, max_num_batched_tokens, enable_prefix_caching, generation_config,
+    seed, dtype, tokenizer, tensor_parallel_size, ...) and numba-vllm's own EngineConfig fields;
+    a keyword or value that cannot be honoured is refused in one line naming `LLM`. `seed`: a request
+    without a seed of its own gets one drawn from a generator seeded with it, so a script's runs repeat.
+    """
+
+    def __init__(self, model: str | None = None, backend: str = "auto", **kwargs):
+        seed = kwargs.get("seed")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise ValueError(f"LLM: seed={seed!r} must be a non-negative integer")
+        prepare_backend(backend)
+        engine_config = llm_engine_config(model, backend, resolve_backend(backend), kwargs)
         self.engine = LLMEngine(load_checkpoint(model), engine_config)
+        self._seeds = None if seed is None else np.random.default_rng(seed)
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        """The model's tokenizer (`encode`, `decode`, `apply_chat_template`); None for a checkpoint without one."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no SamplingParams: the model's generation_config.json
+        values (with generation_config="auto", the default), else SamplingParams' own defaults."""
+        return SamplingParams(**self.engine.sampling_defaults)
+
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Sequence[int] | dict | Sequence[str | Sequence[int] | dict],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Run every prompt (text or token ids) to completion, batched; outputs in prompt order."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = _per_prompt(sampling_params, len(prompts))
+        """Run every prompt to completion, batched; outputs in prompt order. A prompt is a text, a list
+        of token ids, `{"prompt": text}` or `{"prompt_token_ids": [...]}`; one prompt or a list of them."""
+        prompts = normalize_prompts(prompts)
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        params = [self._seeded(sp) for sp in _per_prompt(sampling_params, len(prompts))]
         outputs = [self.engine.add_request(f"gen-{next(self._ids)}", p, sp) for p, sp in zip(prompts, params, strict=True)]
         self._run(outputs, use_tqdm)
         return outputs
@@ -232,6 +341,12 @@ class LLM:
         ids = [self.tokenizer.apply_chat_template(list(c), add_generation_prompt=True) for c in conversations]
         return self.generate(ids, sampling_params, use_tqdm)
 
+    def _seeded(self, params: SamplingParams) -> SamplingParams:
+        """With LLM(seed=...): a request without a seed of its own gets the generator's next one."""
+        if self._seeds is None or params.seed is not None or params.greedy:
+            return params
+        return dataclasses.replace(params, seed=int(self._seeds.integers(2**31)))
+
     def _run(self, outputs: list[RequestOutput], use_tqdm: bool) -> None:
         """Step until every request is done. With ``use_tqdm`` and stderr a terminal, a tqdm bar (as in
         vLLM) shows prompts done, elapsed time and ETA, and the input (prompt) and output (generated)
@@ -246,11 +361,11 @@ class LLM:
         try:
             while self.engine.has_unfinished_requests():
                 updated = self.engine.step()  # each got exactly one new token, or failed
-                failed = next((o for o in updated if o.finish_reason == "error"), None)
+                failed = next((o for o in updated if o.error is not None), None)
                 if failed is not None:
                     raise StepFailedError(f"request {failed.request_id}: {failed.error}") from self.engine.last_step_error
                 if bar is not None:
-                    input_tokens += sum(len(o.prompt_token_ids) for o in updated if len(o.token_ids) == 1)
+                    input_tokens += sum(len(o.prompt_token_ids) for o in updated if len(o.outputs[0].token_ids) == 1)
                     output_tokens += len(updated)
                     elapsed = max(bar.format_dict["elapsed"], 1e-9)
                     rates = f"input {input_tokens / elapsed:.1f} tok/s, output {output_tokens / elapsed:.1f} tok/s"

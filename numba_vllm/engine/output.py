@@ -1,10 +1,14 @@
 """A request's output as it grows: sampled ids in, streamed text and the stop decision out.
 
-Every request, whether run alone or in a continuous batch, turns its sampled tokens into text the
-same way and stops by the same rules:
+The shapes are vLLM's: a `RequestOutput` (the prompt, and what is known of the request as a whole)
+holds one `CompletionOutput` per generated sequence in `outputs` (several with `n` > 1). Every
+sequence, whether run alone or in a continuous batch, turns its sampled tokens into text the same
+way and stops by the same rules:
 - a stop token (the model's EOS ids unless `ignore_eos`, plus the request's `stop_token_ids`) ends
-  it with reason "stop"; the token is kept in the ids but adds no text;
-- a stop string ends it with reason "stop"; the text is cut where the string begins;
+  it with reason "stop"; the token is kept in the ids but adds no text; `stop_reason` is the id for a
+  `stop_token_ids` id, None for EOS;
+- a stop string ends it with reason "stop" and `stop_reason` the string; the text is cut where the
+  string begins;
 - its output budget (`max_tokens`, within the model's length limit) ends it with reason "length".
 Text is streamed as it becomes final: the incremental detokenizer never yields half a UTF-8
 character, and text that could still turn out to be the start of a stop string is held back.
@@ -20,57 +24,78 @@ from numba_vllm.model.config import ModelConfig
 
 
 @dataclass
-class RequestOutput:
-    """One request: what went in, what came out so far, and why it stopped (None while running)."""
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's `CompletionOutput`); a request with `n` > 1 has n."""
 
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
+    index: int  # its place among the request's sequences (0 .. n-1)
     text: str = ""
-    finish_reason: str | None = None  # "stop" (stop token or string), "length", "abort", or "error"
-    prompt: str | None = None
-    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set with the first token)
-    error: str | None = None  # with finish_reason "error": what failed (the step's exception, one line)
+    token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float | None = None  # None: logprobs were not requested
+    logprobs: list | None = None  # None: logprobs were not requested
+    finish_reason: str | None = None  # "stop" (stop token or string), "length", "abort", or "error"; None while running
+    stop_reason: int | str | None = None  # the stop string or stop_token_ids id that ended it; None for EOS or a limit
 
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
 
+@dataclass
+class RequestOutput:
+    """One request (vLLM's `RequestOutput`): its prompt and, in `outputs`, its sequences so far."""
+
+    request_id: str
+    prompt: str | None  # the text given, or None for a prompt given as token ids
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]  # in order of index
+    prompt_logprobs: list | None = None  # None: prompt logprobs were not requested
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set with the first token)
+    error: str | None = None  # the request failed (its sequences end with "error"): what failed, one line
+
+    @property
+    def finished(self) -> bool:
+        """Every sequence has ended."""
+        return all(c.finish_reason is not None for c in self.outputs)
+
+
 class OutputBuilder:
-    """Feeds one request's sampled tokens through stop checks and detokenization."""
+    """Feeds one sequence's sampled tokens through stop checks and detokenization."""
 
     def __init__(
         self,
         output: RequestOutput,
+        completion: CompletionOutput,
         params: SamplingParams,
         config: ModelConfig,
         tokenizer: Tokenizer | None,
         max_new_tokens: int,
     ):
-        """`max_new_tokens`: the request's output budget (`LengthPolicy.max_new_tokens`)."""
+        """`completion`: the sequence of `output` this builder fills; `max_new_tokens`: its output
+        budget (`LengthPolicy.max_new_tokens`)."""
         self.output = output
+        self.completion = completion
         self.max_new_tokens = max_new_tokens
-        self.stop_ids = set(params.stop_token_ids)
+        self.eos_ids: set[int] = set()
         if not params.ignore_eos:
-            self.stop_ids.update(config.eos_token_ids)
+            self.eos_ids.update(config.eos_token_ids)
             if tokenizer is not None and tokenizer.eos_token_id is not None:
-                self.stop_ids.add(tokenizer.eos_token_id)
+                self.eos_ids.add(tokenizer.eos_token_id)
+        self.stop_ids = set(params.stop_token_ids)
         self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids) if tokenizer is not None else None
         self.held = _StopStringFilter(params.stop)
 
     def add(self, token: int, stop: bool = False) -> str:
         """Append one sampled token; return the text that became final (sets finish_reason when done).
-        `stop`: the request ends with this token (its structured-output grammar is complete)."""
-        out = self.output
+        `stop`: the sequence ends with this token (its structured-output grammar is complete)."""
+        out = self.completion
         out.token_ids.append(token)  # a stop token is kept in the ids, never in the text
         delta = ""
-        if token in self.stop_ids:
+        if token in self.eos_ids or token in self.stop_ids:
             out.finish_reason = "stop"
+            out.stop_reason = None if token in self.eos_ids else token
         elif self.detok is not None:
             delta, hit = self.held.push(self.detok.add(token))
-            if hit:
-                out.finish_reason = "stop"
+            if hit is not None:
+                out.finish_reason, out.stop_reason = "stop", hit
         if stop and out.finish_reason is None:
             out.finish_reason = "stop"
         if out.finish_reason is None and len(out.token_ids) >= self.max_new_tokens:
@@ -81,20 +106,21 @@ class OutputBuilder:
         return delta
 
     def abort(self) -> None:
-        self.output.finish_reason = "abort"
+        if self.completion.finish_reason is None:
+            self.completion.finish_reason = "abort"
 
     def fail(self, error: str) -> None:
-        """End the request because its step failed; the text streamed so far stays."""
-        self.output.finish_reason = "error"
+        """End the sequence because its step failed; the text streamed so far stays."""
+        self.completion.finish_reason = "error"
         self.output.error = error
 
     def _flush(self) -> str:
-        """Text still held back once the request is over (not after a stop string)."""
-        if self.detok is None or self.held.hit:
+        """Text still held back once the sequence is over (not after a stop string)."""
+        if self.detok is None or self.held.hit is not None:
             return ""
         tail, hit = self.held.push(self.detok.flush())  # bytes still waiting for their UTF-8 sequence
-        if hit:
-            self.output.finish_reason = "stop"
+        if hit is not None:
+            self.completion.finish_reason, self.completion.stop_reason = "stop", hit
         return tail + self.held.flush()
 
 
@@ -104,27 +130,27 @@ class _StopStringFilter:
     def __init__(self, stops: list[str]):
         self.stops = stops
         self.pending = ""
-        self.hit = False
+        self.hit: str | None = None  # the stop string found
 
-    def push(self, text: str) -> tuple[str, bool]:
-        """Add text; return (text now safe to emit, whether a stop string was found)."""
-        if self.hit:
-            return "", True
+    def push(self, text: str) -> tuple[str, str | None]:
+        """Add text; return (text now safe to emit, the stop string found or None)."""
+        if self.hit is not None:
+            return "", self.hit
         self.pending += text
         if not self.stops:
             out, self.pending = self.pending, ""
-            return out, False
-        cut = min((i for i in (self.pending.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
-            self.hit = True
+            return out, None
+        found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
+            cut, self.hit = min(found, key=lambda f: f[0])  # the match that begins first
             out, self.pending = self.pending[:cut], ""
-            return out, True
+            return out, self.hit
         keep = max(len(s) for s in self.stops) - 1  # the longest tail that could begin a stop string
         safe = len(self.pending) - keep
         if safe <= 0:
-            return "", False
+            return "", None
         out, self.pending = self.pending[:safe], self.pending[safe:]
-        return out, False
+        return out, None
 
     def flush(self) -> str:
         out, self.pending = self.pending, ""

@@ -25,6 +25,7 @@ MIN_TEMPERATURE = 1e-5  # lower temperatures mean greedy (vLLM's _SAMPLING_EPS);
 class SamplingParams:
     """How to sample one request's tokens, and when to stop."""
 
+    n: int = 1  # sequences to generate from the prompt (they share its KV pages; LLMEngine.add_request)
     temperature: float = 1.0  # 0 = greedy; below MIN_TEMPERATURE it is set to 0
     top_p: float = 1.0  # nucleus: keep the smallest set of tokens with this much probability
     top_k: int = 0  # keep the k most likely tokens; 0 (or -1) = all
@@ -40,6 +41,8 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         _check_number("temperature", self.temperature)
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")

@@ -177,9 +177,10 @@ class Scheduler:
         return len(self._free_slots)
 
     # ---- requests in and out -------------------------------------------------------------------
-    def add(self, request: Request) -> None:
+    def add(self, request: Request, front: bool = False) -> None:
         """Queue a new request. Its prompt was checked by the engine's length policy (`lengths.py`):
-        it leaves room for at least one new token within `max_model_len`."""
+        it leaves room for at least one new token within `max_model_len`. `front`: at the head of the
+        queue (the held siblings of a request that was admitted already, so arrived before the rest)."""
         if request.request_id in self._requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.page_ids or request.num_computed_tokens:
@@ -187,7 +188,10 @@ class Scheduler:
         if request.num_tokens >= self.max_model_len:
             raise ValueError(f"request {request.request_id}: {request.num_tokens} tokens leave no room within max_model_len")
         self._requests[request.request_id] = request
-        self.waiting.append(request)
+        if front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def finish(self, request: Request, status: RequestStatus) -> None:
         """End a waiting or running request with a finished status, freeing its pages and slot."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +63,20 @@ class RopeScaling:
 
 @dataclass(frozen=True)
 class GenerationDefaults:
-    """Sampling defaults a checkpoint suggests (`generation_config.json`); None where it is silent."""
+    """Sampling defaults a checkpoint suggests (`generation_config.json`); None where it is silent.
+
+    The values vLLM takes from the file (`do_sample` is not read, as in vLLM: a temperature the file
+    gives is used as given)."""
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+
+    def values(self) -> dict[str, float | int]:
+        """The values the file sets, by SamplingParams field name."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
 
 
 @dataclass(frozen=True)
@@ -208,9 +217,11 @@ class ModelConfig:
             dtype=dtype,
             architecture=arch,
             generation=GenerationDefaults(
-                temperature=_opt_float(gen, "temperature") if gen.get("do_sample", True) else 0.0,
+                temperature=_opt_float(gen, "temperature"),
                 top_p=_opt_float(gen, "top_p"),
-                top_k=gen.get("top_k") if isinstance(gen.get("top_k"), int) else None,
+                top_k=gen.get("top_k") if isinstance(gen.get("top_k"), int) and not isinstance(gen.get("top_k"), bool) else None,
+                min_p=_opt_float(gen, "min_p"),
+                repetition_penalty=_opt_float(gen, "repetition_penalty"),
             ),
         )
         for tok in (*eos_ids, *(() if bos is None else (bos,))):
@@ -256,13 +267,7 @@ class ModelConfig:
     def generation_dict(self) -> dict[str, Any]:
         """The `generation_config.json` form of this config."""
         d: dict[str, Any] = {"bos_token_id": self.bos_token_id, "eos_token_id": list(self.eos_token_ids)}
-        g = self.generation
-        if g.temperature == 0.0:
-            d["do_sample"] = False
-        for name in ("temperature", "top_p", "top_k"):
-            value = getattr(g, name)
-            if value is not None and not (name == "temperature" and value == 0.0):
-                d[name] = value
+        d.update(self.generation.values())
         return d
 
 

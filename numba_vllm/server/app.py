@@ -65,7 +65,7 @@ from numba_vllm.server.protocol import (
     usage,
 )
 from numba_vllm.server.streams import EventStream, Submission, collect, stream_chat, stream_completion, unless_disconnected
-from numba_vllm.server.tokenize import chat_prompt_ids, tokenize
+from numba_vllm.server.tokenize import chat_prompt_ids, detokenize, tokenize
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -198,6 +198,10 @@ def create_app(
     async def tokenize_prompt(request: Request) -> dict:  # vLLM's; prefix-aware routers call it
         return await tokenize(engine, await _read_body(request, state.limits), state.resolve_model)
 
+    @app.post("/detokenize")
+    async def detokenize_ids(request: Request) -> dict:  # vLLM's: token ids back to text
+        return await detokenize(engine, await _read_body(request, state.limits), state.resolve_model)
+
     @app.get("/v1/models")
     async def list_models() -> dict:
         return {"object": "list", "data": [model_card(n) for n in state.model_names]}
@@ -212,7 +216,7 @@ def create_app(
         req = parse_body(await _read_body(request, state.limits), CompletionRequest)
         model = state.resolve_model(req.model)
         check_supported(req)
-        params = sampling_params(req)
+        params = sampling_params(req, engine.sampling_defaults)
         await _compile_constraint(engine, params, req)
         prompts = await _completion_prompts(engine, req, state.limits.max_prompts_per_request)
         return await _generate(state, request, "cmpl", prompts, params, req, model, arrival, "prompt")
@@ -223,7 +227,7 @@ def create_app(
         req = parse_body(await _read_body(request, state.limits), ChatCompletionRequest)
         model = state.resolve_model(req.model)
         check_supported(req)
-        params = sampling_params(req)
+        params = sampling_params(req, engine.sampling_defaults)
         await _compile_constraint(engine, params, req)
         ids = await chat_prompt_ids(engine.tokenizer, req, model)
         return await _generate(state, request, "chatcmpl", [ids], params, req, model, arrival, "messages")
@@ -304,8 +308,12 @@ async def _generate(
         check_length(engine.lengths, ids, req, explicit, param)
     if state.draining:
         raise APIError(503, "the server is shutting down", code="service_unavailable")
+    n = params.n
+    if len(prompts) * n > state.limits.max_prompts_per_request:
+        most = state.limits.max_prompts_per_request
+        raise bad_request(f"{len(prompts)} prompts x n={n} choices is more than the {most} one request may ask for", "n")
     limit = state.limits.max_waiting_requests
-    if state.engine_loop.num_waiting() + len(prompts) > limit:
+    if state.engine_loop.num_waiting() + len(prompts) * n > limit:
         raise APIError(
             503,
             f"the server is busy: {limit} requests are waiting already; retry later",
@@ -314,7 +322,7 @@ async def _generate(
         )
     base_id = f"{prefix}-{uuid.uuid4().hex}"
     ids = [base_id] if len(prompts) == 1 else [f"{base_id}-{i}" for i in range(len(prompts))]
-    submission = Submission(state, ids, prompts)
+    submission = Submission(state, ids, prompts, n)
     await submission.start(params, arrival)  # closes the submission itself if it raises
     chat = prefix == "chatcmpl"
     if req.stream:
@@ -330,7 +338,7 @@ async def _generate(
         return Response(status_code=499)
     texts, token_ids, reasons, cached_tokens = result
     choices = []
-    for i in range(len(prompts)):
+    for i in range(len(prompts) * n):  # choice i: prompt i // n, its sequence i % n (OpenAI's order)
         if chat:
             choice = {
                 "index": i,
@@ -341,7 +349,7 @@ async def _generate(
         else:
             choice = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
         if req.return_token_ids:
-            choice.update(prompt_token_ids=prompts[i], token_ids=token_ids[i])
+            choice.update(prompt_token_ids=prompts[i // n], token_ids=token_ids[i])
         choices.append(choice)
     body = envelope(base_id, "chat.completion" if chat else "text_completion", model)
     body.update(choices=choices, usage=usage(sum(map(len, prompts)), sum(map(len, token_ids)), cached_tokens))

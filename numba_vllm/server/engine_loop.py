@@ -31,7 +31,7 @@ import threading
 import time
 import traceback
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.output import RequestOutput
@@ -59,7 +59,7 @@ class Sink:
     """Where one engine request's news goes, on the event loop that waits for it."""
 
     loop: asyncio.AbstractEventLoop
-    index: int  # the choice index within its HTTP request
+    index: int  # the choice index of the request's first sequence within its HTTP request (sequence i: index + i)
     accepted: asyncio.Future  # None once the engine took it; an APIError if it refused
     queue: asyncio.Queue  # Deltas (shared by the choices of one HTTP request)
 
@@ -85,14 +85,19 @@ _ACCEPTED = object()
 
 @dataclass
 class _Live:
-    """Engine-thread bookkeeping of one running request."""
+    """Engine-thread bookkeeping of one running request (its sequences: what each has sent)."""
 
     sink: Sink
     output: RequestOutput
     arrival: float  # time.perf_counter() when the HTTP request came in
-    sent_text: int = 0
-    sent_tokens: int = 0
+    sent_text: list[int] = field(init=False)  # per sequence: characters sent
+    sent_tokens: list[int] = field(init=False)  # per sequence: token ids sent
+    sent_final: list[bool] = field(init=False)  # per sequence: its last Delta went out
     last_token_at: float | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.output.outputs)
+        self.sent_text, self.sent_tokens, self.sent_final = [0] * n, [0] * n, [False] * n
 
 
 class EngineLoop:
@@ -242,7 +247,9 @@ class EngineLoop:
             except Exception:  # the engine is broken already; the client's answer matters more
                 pass
             self.metrics.finished.labels("error").inc()
-            self._outbox.append((live.sink, Delta(live.sink.index, "", [], None, internal_error(request_id))))
+            for i, final in enumerate(live.sent_final):
+                if not final:
+                    self._outbox.append((live.sink, Delta(live.sink.index + i, "", [], None, internal_error(request_id))))
         self._live.clear()
 
     def _step(self) -> None:
@@ -265,29 +272,38 @@ class EngineLoop:
                 self._emit(output.request_id, live, now)
 
     def _emit(self, request_id: str, live: _Live, now: float) -> None:
-        """Queue the request's news since its last Delta; record its latencies."""
+        """Queue each of the request's sequences' news since its last Delta; record its latencies (a
+        request's time to first token is its first sequence's, its time per token the mean over its
+        sequences' new tokens)."""
         out = live.output
-        new_tokens = out.token_ids[live.sent_tokens :]
         m = self.metrics
-        if new_tokens:
-            m.generation_tokens.inc(len(new_tokens))
+        new_tokens = [c.token_ids[sent:] for c, sent in zip(out.outputs, live.sent_tokens, strict=True)]
+        num_new = sum(map(len, new_tokens))
+        if num_new:
+            m.generation_tokens.inc(num_new)
             if live.last_token_at is None:
                 m.ttft.observe(now - live.arrival)
             else:
-                m.tpot.observe((now - live.last_token_at) / len(new_tokens))
+                m.tpot.observe((now - live.last_token_at) * len(out.outputs) / num_new)
             live.last_token_at = now
+        for i, c in enumerate(out.outputs):
+            if live.sent_final[i] or not (new_tokens[i] or c.finished() or out.error is not None):
+                continue
+            if out.error is not None:
+                delta = Delta(live.sink.index + i, "", [], None, internal_error(request_id))
+            else:
+                delta = Delta(live.sink.index + i, c.text[live.sent_text[i] :], list(new_tokens[i]), c.finish_reason,
+                              num_cached_tokens=out.num_cached_tokens)  # fmt: skip
+                if c.finished():
+                    m.finished.labels(c.finish_reason).inc()
+            live.sent_text[i], live.sent_tokens[i] = len(c.text), len(c.token_ids)
+            live.sent_final[i] = delta.final
+            self._outbox.append((live.sink, delta))
+        if out.error is not None:
+            m.finished.labels("error").inc()
         if out.finished:
-            m.finished.labels(out.finish_reason).inc()
             m.e2e.observe(now - live.arrival)
-        if out.finish_reason == "error":
-            delta = Delta(live.sink.index, "", [], None, internal_error(request_id))
-        else:
-            delta = Delta(live.sink.index, out.text[live.sent_text :], list(new_tokens), out.finish_reason,
-                          num_cached_tokens=out.num_cached_tokens)  # fmt: skip
-        live.sent_text, live.sent_tokens = len(out.text), len(out.token_ids)
-        if out.finished:
             del self._live[request_id]
-        self._outbox.append((live.sink, delta))
 
     def _snapshot(self) -> None:
         """Publish the engine's state (requests, pages, steps) to the metrics and the dashboard; with

@@ -14,7 +14,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from numba_vllm.server.protocol import ChatCompletionRequest, CompletionRequest
-from numba_vllm.server.tokenize import TokenizeRequest
+from numba_vllm.server.tokenize import DetokenizeRequest, TokenizeRequest
 
 ERROR_SCHEMA = {
     "type": "object",
@@ -107,6 +107,17 @@ def document_errors(app: FastAPI) -> None:
         }
         operation["responses"] = {
             "200": {"description": "The ids generation would run", "content": {"application/json": {"schema": answer}}},
+            **_errors(TOKENIZE_ERRORS),
+        }  # fmt: skip
+        body = DetokenizeRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+        components["DetokenizeRequest"] = body
+        answer = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+        paths["/detokenize"]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": {"$ref": "#/components/schemas/DetokenizeRequest"}}},
+        }
+        paths["/detokenize"]["post"]["responses"] = {
+            "200": {"description": "The ids as text", "content": {"application/json": {"schema": answer}}},
             **_errors(TOKENIZE_ERRORS),
         }  # fmt: skip
         for path in ("/v1/models", "/v1/models/{model}"):

@@ -2,7 +2,7 @@
 
 Requests are parsed by pydantic in strict mode: a JSON string is not a number, `true` is not 1.
 Every field is honoured or refused, never silently dropped: fields the OpenAI API (or vLLM's
-extensions) define but this engine cannot honour (`logprobs`, `echo`, penalties, tools, `n` > 1,
+extensions) define but this engine cannot honour (`logprobs`, `echo`, penalties, tools, `best_of`,
 `min_p`, ...) get a 400 naming the field, and so does a field nobody here knows (as the OpenAI API
 answers). Before validation the body is checked as JSON: at most `MAX_JSON_DEPTH` levels of nesting,
 and no lone UTF-16 surrogate (`"\\ud800"`) in any string, which no tokenizer or encoder can take.
@@ -99,14 +99,14 @@ class _GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None  # None: the served model
-    temperature: float | None = None  # None: 1.0 (OpenAI's default)
-    top_p: float | None = None
-    top_k: int | None = None  # extension (vLLM's): 0 or -1 = no limit
+    temperature: float | None = None  # None: the model's default (generation_config.json), else 1.0 (OpenAI's)
+    top_p: float | None = None  # None: the model's default, else 1.0
+    top_k: int | None = None  # extension (vLLM's): 0 or -1 = no limit; None: the model's default, else no limit
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None  # extension
     ignore_eos: bool = False  # extension
-    n: int | None = 1
+    n: int | None = 1  # choices per prompt
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
@@ -266,8 +266,6 @@ def _param_of(loc: tuple) -> tuple[str, str]:
 # ---- request -> engine inputs ---------------------------------------------------------------------
 def check_supported(req: _GenerationRequest) -> None:
     """Reject OpenAI fields this engine cannot honour, naming the field."""
-    if req.n not in (None, 1):
-        raise bad_request(f"n must be 1 (got {req.n}): this server returns one choice per prompt; send several requests", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name) not in (None, 0):
             raise bad_request(f"{name} is not supported (only 0)", name)
@@ -290,8 +288,8 @@ def check_supported(req: _GenerationRequest) -> None:
             raise bad_request("echo is not supported", "echo")
         if req.logprobs is not None:
             raise bad_request("logprobs is not supported", "logprobs")
-        if req.best_of not in (None, 1):
-            raise bad_request("best_of must be 1", "best_of")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad_request(f"best_of is not supported (only equal to n, {req.n or 1})", "best_of")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
     else:
@@ -312,13 +310,16 @@ def requested_max_tokens(req: _GenerationRequest) -> int | None:
     return req.max_tokens
 
 
-def sampling_params(req: _GenerationRequest) -> SamplingParams:
-    """The request's SamplingParams; a value SamplingParams refuses becomes a 400 naming the field."""
+def sampling_params(req: _GenerationRequest, defaults: dict[str, Any] | None = None) -> SamplingParams:
+    """The request's SamplingParams; a value SamplingParams refuses becomes a 400 naming the field.
+
+    `defaults` (the model's, `LLMEngine.sampling_defaults`) fill what the request leaves out (a field
+    absent or null), as in vLLM; a value given explicitly wins; the rest take SamplingParams' own."""
+    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
     try:
         return SamplingParams(
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=0 if req.top_k is None else req.top_k,
+            **{**(defaults or {}), **given},
+            n=1 if req.n is None else req.n,
             seed=req.seed,
             max_tokens=requested_max_tokens(req),
             stop=[] if req.stop is None else req.stop,

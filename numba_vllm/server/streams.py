@@ -1,7 +1,8 @@
 """One HTTP request's life after validation: its engine requests, and the answer, collected or streamed.
 
-A `Submission` holds the engine requests of one HTTP request (one per prompt; choice i is prompt i)
-and the asyncio queue their `Delta`s arrive on. `collect` gathers them into one answer;
+A `Submission` holds the engine requests of one HTTP request (one per prompt, each with `n`
+sequences; choice i is sequence i % n of prompt i // n, OpenAI's order) and the asyncio queue their
+`Delta`s arrive on. `collect` gathers them into one answer;
 `stream_completion` and `stream_chat` turn them into server-sent events: every Delta that carries
 tokens becomes a chunk (Deltas that queued up while the event loop was busy are merged, as vLLM
 does), then an optional usage chunk, then `data: [DONE]`. `EventStream` and `unless_disconnected`
@@ -33,14 +34,17 @@ logger = logging.getLogger("uvicorn.error")
 
 
 class Submission:
-    """The engine requests of one HTTP request (one per prompt), and their shared queue of Deltas."""
+    """The engine requests of one HTTP request (one per prompt, `n` choices each), and their shared
+    queue of Deltas."""
 
-    def __init__(self, state: ServerState, request_ids: list[str], prompts: list[list[int]]):
+    def __init__(self, state: ServerState, request_ids: list[str], prompts: list[list[int]], n: int = 1):
         self.state = state
         self.request_ids = request_ids
         self.prompts = prompts
+        self.n = n
+        self.num_choices = len(prompts) * n
         self.queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self.unfinished = set(range(len(request_ids)))
+        self.unfinished = set(range(self.num_choices))
         self.sinks: list[Sink] = []
         self.closed = False
         state.submissions.add(self)
@@ -48,7 +52,7 @@ class Submission:
     async def start(self, params: SamplingParams, arrival: float) -> None:
         """Hand every prompt to the engine; return once all are accepted (APIError if one is not)."""
         loop = asyncio.get_running_loop()
-        self.sinks = [Sink(loop, i, loop.create_future(), self.queue) for i in range(len(self.prompts))]
+        self.sinks = [Sink(loop, i * self.n, loop.create_future(), self.queue) for i in range(len(self.prompts))]
         try:
             for request_id, prompt, sink in zip(self.request_ids, self.prompts, self.sinks, strict=True):
                 self.state.engine_loop.add(request_id, prompt, params, sink, arrival)
@@ -84,8 +88,8 @@ class Submission:
         if self.closed:
             return
         self.closed = True
-        for i in self.unfinished:
-            self.state.engine_loop.abort(self.request_ids[i])
+        for p in sorted({i // self.n for i in self.unfinished}):
+            self.state.engine_loop.abort(self.request_ids[p])
         self.state.submissions.discard(self)
 
 
@@ -160,9 +164,10 @@ async def unless_disconnected(request: Request, work):
 
 
 async def collect(submission: Submission) -> tuple[list[str], list[list[int]], list[str | None], int]:
-    """Every choice's text, token ids and finish reason, and the prompt tokens the prefix cache supplied."""
-    n = len(submission.request_ids)
-    texts, token_ids, reasons, cached = [""] * n, [[] for _ in range(n)], [None] * n, [0] * n
+    """Every choice's text, token ids and finish reason, and the prompt tokens the prefix cache supplied
+    (counted once per prompt, as its prompt tokens are)."""
+    n = submission.num_choices
+    texts, token_ids, reasons, cached = [""] * n, [[] for _ in range(n)], [None] * n, [0] * len(submission.prompts)
     async for batch in submission.batches():
         for d in batch:
             if d.error is not None:
@@ -170,7 +175,7 @@ async def collect(submission: Submission) -> tuple[list[str], list[list[int]], l
             texts[d.index] += d.text
             token_ids[d.index] += d.token_ids
             reasons[d.index] = d.finish_reason
-            cached[d.index] = max(cached[d.index], d.num_cached_tokens)
+            cached[d.index // submission.n] = max(cached[d.index // submission.n], d.num_cached_tokens)
     return texts, token_ids, reasons, sum(cached)
 
 
@@ -186,14 +191,14 @@ async def stream_completion(sub: Submission, base_id: str, model: str, with_ids:
                 yield sse("[DONE]")
                 return
             completion_tokens += len(d.token_ids)
-            cached[d.index] = max(cached[d.index], d.num_cached_tokens)
+            cached[d.index // sub.n] = max(cached[d.index // sub.n], d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             choice = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
             if with_ids:
                 choice["token_ids"] = d.token_ids
                 if d.index not in started:
-                    choice["prompt_token_ids"] = sub.prompts[d.index]
+                    choice["prompt_token_ids"] = sub.prompts[d.index // sub.n]
             started.add(d.index)
             chunk = envelope(base_id, "text_completion", model, created)
             chunk["choices"] = [choice]
@@ -208,13 +213,14 @@ async def stream_completion(sub: Submission, base_id: str, model: str, with_ids:
 async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool):
     created = int(time.time())
 
-    def chunk(delta: dict, finish_reason: str | None = None, **extra) -> bytes:
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, **extra) -> bytes:
         c = envelope(base_id, "chat.completion.chunk", model, created)
-        c["choices"] = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason, **extra}]
+        c["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason, **extra}]
         return sse(c)
 
     first = {"prompt_token_ids": sub.prompts[0]} if with_ids else {}
-    yield chunk({"role": "assistant", "content": ""}, **first)
+    for i in range(sub.num_choices):  # every choice opens with its role, as vLLM's do
+        yield chunk(i, {"role": "assistant", "content": ""}, **first)
     completion_tokens = 0
     cached = 0
     async for batch in sub.batches():
@@ -228,7 +234,7 @@ async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool,
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             extra = {"token_ids": d.token_ids} if with_ids else {}
-            yield chunk({"content": d.text} if d.text or not d.finish_reason else {}, d.finish_reason, **extra)
+            yield chunk(d.index, {"content": d.text} if d.text or not d.finish_reason else {}, d.finish_reason, **extra)
     if include_usage:
         c = envelope(base_id, "chat.completion.chunk", model, created)
         c.update(choices=[], usage=usage(len(sub.prompts[0]), completion_tokens, cached))

@@ -12,6 +12,9 @@ to the least loaded replica. The body is one of vLLM's two forms:
 
 and the answer `{"count": n, "max_model_len": m, "tokens": [ids], "token_strs": null}` (the
 vocabulary strings with `"return_token_strs": true`).
+
+`POST /detokenize` is the way back, as vLLM's: `{"tokens": [ids]}` in, `{"prompt": text}` out (the
+ids decoded with their special tokens, as vLLM's tokenizer decodes them).
 """
 
 from __future__ import annotations
@@ -77,3 +80,28 @@ async def tokenize(engine: LLMEngine, raw: bytes, resolve_model: Callable[[str |
         ids = await run_in_threadpool(tok.encode, req.prompt, add_special_tokens=req.add_special_tokens)
     strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+class DetokenizeRequest(BaseModel):
+    """vLLM's /detokenize body."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: str | None = None
+    tokens: list[int]
+
+
+async def detokenize(engine: LLMEngine, raw: bytes, resolve_model: Callable[[str | None], str]) -> dict:
+    """The answer body for a /detokenize request; APIError(400) for a bad body, an id outside the
+    vocabulary or a model without a tokenizer; an unknown model as `resolve_model` raises."""
+    req = parse_body(raw, DetokenizeRequest)
+    resolve_model(req.model)
+    tok = engine.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer: there is no text to decode to", "tokens")
+    vocab = engine.config.vocab_size
+    bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise bad_request(f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})", "tokens")
+    text = await run_in_threadpool(tok.decode, req.tokens, skip_special_tokens=False)
+    return {"prompt": text}
