@@ -1,22 +1,26 @@
 """What structured output costs a decode step: B requests decoded with no constraint, then with a
 JSON schema (and a regex), same prompts, same seeds; milliseconds per step where every request got
-a token (median), and the share of it spent on the host computing the token masks.
+a token (median), and the share of it spent on the host computing the token masks. The regex run's
+texts are checked against the regex (every prefix of a match is one), which checks the mask on the
+backend measured.
 
     python benchmarks/structured_output.py --model DIR_OR_GGUF [--batch 32] [--steps 64] [--backend cuda]
     python benchmarks/structured_output.py --random-weights tests/data/llama-3.2-1b-instruct --tokenizer DIR_OR_GGUF
 
 `--random-weights` takes a config directory (random bf16 weights, as `bench latency`); the grammar
-then needs a tokenizer from elsewhere (`--tokenizer`: a model directory with tokenizer.json, or a
-GGUF file), whose ids must not exceed the config's vocabulary. A random model picks among the
-allowed tokens almost uniformly, so inside the JSON string most tokens are allowed and requests rarely
+then needs a tokenizer from elsewhere (`--tokenizer`: a directory holding tokenizer.json, or a GGUF
+file) whose ids fit the config's vocabulary. A random model picks among the allowed tokens almost
+uniformly, so inside the JSON string most tokens are allowed and requests rarely
 close their object early; steps after the first request finished are not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -26,6 +30,7 @@ from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.structured import StructuredOutputsParams
 from numba_vllm.executor import kernel_runner, numpy_runner
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
+from numba_vllm.loading.tokenizer import Tokenizer
 
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}, "score": {"type": "integer"}}, "required": ["answer"]}
 CONSTRAINTS = {
@@ -36,8 +41,9 @@ CONSTRAINTS = {
 PROMPT_LEN = 128
 
 
-def run(engine, prompts, constraint, steps: int, mask_seconds: list[float]) -> list[float]:
-    """Decode `prompts` together for up to `steps` tokens; the step times while every request runs."""
+def run(engine, prompts, constraint, steps: int, mask_seconds: list[float]) -> tuple[list[tuple[float, float]], list[str]]:
+    """Decode `prompts` together for up to `steps` tokens: ((step time, mask time) of the steps while
+    every request runs, the texts)."""
     outs = []
     for i, prompt in enumerate(prompts):
         params = SamplingParams(temperature=1.0, seed=i, max_tokens=steps, ignore_eos=True, structured_outputs=constraint)
@@ -51,7 +57,7 @@ def run(engine, prompts, constraint, steps: int, mask_seconds: list[float]) -> l
         elapsed = time.perf_counter() - t0
         if all(len(o.outputs[0].token_ids) > 1 for o in outs) and not any(o.finished for o in outs):
             times.append((elapsed, sum(mask_seconds)))
-    return times
+    return times, [o.outputs[0].text for o in outs]
 
 
 def main() -> None:
@@ -65,7 +71,9 @@ def main() -> None:
     args = ap.parse_args()
     ckpt, what, _ = load_model(args.model, args.random_weights)
     if args.tokenizer:
-        ckpt = Checkpoint(ckpt.config, ckpt.weights, load_checkpoint(args.tokenizer).tokenizer, ckpt.source)
+        path = Path(args.tokenizer)
+        tokenizer = Tokenizer.from_dir(path) if path.is_dir() else load_checkpoint(path).tokenizer
+        ckpt = Checkpoint(ckpt.config, ckpt.weights, tokenizer, ckpt.source)
     options = EngineOptions(backend=args.backend, max_num_seqs=max(args.batch, 8))
     engine, _ = build_engine(ckpt, options.engine_config(PROMPT_LEN + args.steps + 16))
     warm_up(engine, PROMPT_LEN)
@@ -86,13 +94,16 @@ def main() -> None:
     print(f"{'constraint':<12} {'steps':>5} {'ms/step':>8} {'masks ms':>9}")
     for name, constraint in CONSTRAINTS.items():
         run(engine, prompts, constraint, 4, mask_seconds)  # compiles the grammar, records graphs
-        times = run(engine, prompts, constraint, args.steps, mask_seconds)
+        times, texts = run(engine, prompts, constraint, args.steps, mask_seconds)
+        valid = ""
+        if constraint is not None and constraint.regex is not None:
+            valid = f"  {sum(re.fullmatch(constraint.regex, t) is not None for t in texts)}/{len(texts)} texts match"
         if not times:
-            print(f"{name:<12} every run had a request finish at once")
+            print(f"{name:<12} every run had a request finish at once{valid}")
             continue
         step_ms = statistics.median(t for t, _ in times) * 1e3
         mask_ms = statistics.median(m for _, m in times) * 1e3
-        print(f"{name:<12} {len(times):>5} {step_ms:>8.3f} {mask_ms:>9.3f}")
+        print(f"{name:<12} {len(times):>5} {step_ms:>8.3f} {mask_ms:>9.3f}{valid}")
 
 
 if __name__ == "__main__":

@@ -163,6 +163,7 @@ def test_the_cost_benchmark_runs(tiny_dir):
                        cwd=REPO, timeout=240)  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert [line.split()[0] for line in r.stdout.splitlines()[2:]] == ["none", "json", "regex"], r.stdout
+    assert r.stdout.splitlines()[-1].endswith("2/2 texts match"), r.stdout
 
 
 # ---- the kernel runner in the simulator --------------------------------------------------------
