@@ -170,11 +170,13 @@ def test_the_cost_benchmark_runs(tiny_dir):
 @pytest.mark.slow  # a tiny model in the simulator: a few seconds a step
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graph"])
 def test_the_simulated_kernels_mask_as_numpy_does(tiny_dir, tiny, graphs):
-    prompts = [[5, 6, 7], [8, 9], [10]]
+    prompts = [[5, 6, 7], [8, 9], [10], [11, 12]]
     params = [
         _params(StructuredOutputsParams(regex=r"[a-c][0-9]"), None, 4),
         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),  # unconstrained, beside
         _params(StructuredOutputsParams(choice=["hi", "ab", "x"]), 3, 4),
+        SamplingParams(temperature=1.0, top_k=3, seed=2, max_tokens=4,  # sampled on the host, from the masked row
+                       structured_outputs=StructuredOutputsParams(regex=r"[a-c][0-9]")),
     ]
     want = _first(tiny.generate(prompts[:2], params[:2], use_tqdm=False))
     sim = LLM(tiny_dir, backend="sim", max_num_seqs=4, num_pages=8)
@@ -185,8 +187,35 @@ def test_the_simulated_kernels_mask_as_numpy_does(tiny_dir, tiny, graphs):
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in want]  # greedy: the same tokens as NumPy
     assert re.fullmatch(r"[a-c][0-9]", outs[0].text)
     assert outs[2].text in ["hi", "ab", "x"]  # sampled on the device (another noise than NumPy's): in the choice
+    assert re.fullmatch(r"[a-c][0-9]", outs[3].text)
     if graphs:
         assert runner.decode_graphs._graphs  # decode steps took the graph path
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [True, False], ids=["eager", "graphs"])
+def test_on_cuda_every_sequence_follows_its_constraint(tiny_dir, enforce_eager):
+    """The cuda backend (bf16: its tokens need not be NumPy's): greedy, device-sampled and host-sampled
+    (top-k) rows under each kind of constraint, with unconstrained rows beside, eager and replayed."""
+    gpu = LLM(tiny_dir, backend="cuda", max_num_seqs=8, enforce_eager=enforce_eager)
+    lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,2}/'
+    checks = {  # the pattern the text must match: its constraint
+        REGEX: StructuredOutputsParams(regex=REGEX),
+        "|".join(map(re.escape, CHOICES)): StructuredOutputsParams(choice=CHOICES),
+        r"\([0-9]{1,2}(,[0-9]{1,2})*\)": StructuredOutputsParams(grammar=lark),  # unbounded: "length" is possible
+    }
+    for seed in (None, *SEEDS):
+        params, patterns = [], []
+        for pattern, constraint in checks.items():
+            params.append(_params(constraint, seed, 40))
+            patterns.append(pattern)
+        params.append(SamplingParams(temperature=1.0, top_k=4, seed=seed, max_tokens=40, structured_outputs=checks[REGEX]))
+        patterns.append(REGEX)
+        params.append(SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True))  # unconstrained
+        outs = _first(gpu.generate([[5 + i, 6, 7] for i in range(len(params))], params, use_tqdm=False))
+        for pattern, out in zip(patterns, outs, strict=False):
+            assert re.fullmatch(pattern, out.text) or out.finish_reason == "length", (pattern, out.text)
+        assert len(outs[-1].token_ids) == 8
 
 
 # ---- SmolLM2 ---------------------------------------------------------------------------------
