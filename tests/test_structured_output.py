@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jsonschema_rs
 import pytest
 
 from numba_vllm.engine import structured as structured_module
@@ -266,6 +265,8 @@ def smollm2():
 @pytest.mark.slow  # SmolLM2 on NumPy: ~30 constrained answers of up to 80 tokens
 @pytest.mark.parametrize("name", list(SCHEMAS))
 def test_smollm2_output_parses_and_validates_against_its_schema(smollm2, name):
+    import jsonschema_rs  # a test dependency (dev extra), not needed by the GPU tests of this file
+
     schema = SCHEMAS[name]
     constraint = StructuredOutputsParams(json=schema)
     params = [_params(constraint, seed, 80) for seed in (None, *SEEDS)]
