@@ -10,6 +10,7 @@ every step and all come back at the end.
 """
 
 import queue
+import re
 import threading
 import time
 
@@ -22,6 +23,7 @@ from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.request import Request
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
+from numba_vllm.engine.structured import StructuredOutputsParams
 from numba_vllm.loading.checkpoint import load_checkpoint
 from tests.helpers.tiny_llama import tiny_checkpoint, write_chat_checkpoint
 
@@ -44,7 +46,8 @@ class FakeStep:
 class FakeDevice:
     """The NumPy runner behind a queue: `mode` "thread" runs steps on a worker after random delays,
     "lazy" only when a step is collected (then every step launched before it first). Steps with a
-    top-k or top-p row do not feed the next one (as on the GPU: the host samples them)."""
+    top-k or top-p row do not feed the next one (as on the GPU: the host samples them), nor do steps
+    with a structured-output row (as on every backend: its grammar must see the token first)."""
 
     def __init__(self, runner, mode: str, seed: int = 0):
         self.runner, self.mode = runner, mode
@@ -69,7 +72,9 @@ class FakeDevice:
         assert previous is None or previous.feeds_next, "fed from a step whose tokens the host samples"
         assert all(s.feeds_next for s in self.uncollected), "launched before collecting a step that does not feed"
         sampling = [s.request.sampling_params for s in plan.sequences if s.samples]
-        step = FakeStep(plan, previous, feeds_next=not any(p.top_k or p.top_p < 1 for p in sampling if not p.greedy))
+        host_sampled = any(p.top_k or p.top_p < 1 for p in sampling if not p.greedy)
+        constrained = any(s.request.grammar is not None for s in plan.sequences if s.samples)
+        step = FakeStep(plan, previous, feeds_next=not (host_sampled or constrained))
         self.uncollected.append(step)
         self.launched.append(step)
         self._enqueue(("step", step))
@@ -110,6 +115,7 @@ class FakeDevice:
             self.runner.release(what)
             return
         what.inner = self.runner.launch(what.plan, what.previous.inner if what.previous is not None else None)
+        assert what.inner.feeds_next or not what.feeds_next, "the runner feeds from a step the fake device would not"
         what.done.set()
 
 
@@ -203,6 +209,41 @@ def test_host_sampled_steps_are_collected_before_the_next_is_scheduled(tiny_dir)
     engine = overlapped[0]
     assert {rid: o.token_ids for rid, o in run(engine, arrivals).items()} == want
     assert any(not s.feeds_next for s in engine.runner.launched) and any(s.previous for s in engine.runner.launched)
+
+
+def test_steps_with_constrained_rows_are_collected_before_the_next_is_scheduled(tmp_path):
+    """A structured-output row's next mask needs its token advanced through its grammar: a step with
+    one cannot feed the next (the fake device asserts that nothing is launched before it is collected,
+    and runs each step's masks when the step runs, on its own thread). Staggered arrivals put
+    constrained and free requests in one batch; their tokens are the serial engine's, every
+    constrained text matches, and the free requests' steps still overlap."""
+    path = write_chat_checkpoint(tmp_path)
+    regex = r"(ab|b[a-c]?){1,3}-[0-9]{2}"
+    choices = ["hello", "hi", "the world"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=24, structured_outputs=StructuredOutputsParams(choice=choices)),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=4, seed=5, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    arrivals = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS[:6], params, strict=True))]
+    serial, overlapped = engines(path, max_num_seqs=3, max_num_batched_tokens=16)
+    want = {rid: (o.token_ids, o.finish_reason) for rid, o in run(serial, arrivals).items()}
+    for rid in ("r1", "r4"):
+        assert want[rid][1] == "stop"
+    for engine in overlapped:
+        outputs = run(engine, arrivals)
+        assert {rid: (o.token_ids, o.finish_reason) for rid, o in outputs.items()} == want
+        assert re.fullmatch(regex, outputs["r1"].text) and re.fullmatch(regex, outputs["r4"].text)
+        assert outputs["r2"].text in choices and outputs["r2"].finish_reason == "stop"
+        launched = engine.runner.launched
+        constrained = [s for s in launched if any(q.request.grammar is not None for q in s.plan.sequences if q.samples)]
+        assert constrained and not any(s.feeds_next for s in constrained)
+        assert not any(s.previous in constrained for s in launched)  # never fed from one
+        assert any(s.previous is not None for s in launched)  # the free requests' steps overlap
+        assert _all_pages_back(engine)
 
 
 def test_the_first_call_launches_and_the_next_returns_its_outputs(tiny_dir):

@@ -21,7 +21,9 @@ this exact:
   still writes them: the device runs steps in launch order, so the new owner's writes come later;
 - a step whose tokens the host must sample (top-k, top-p: the runner reads its logits) is
   collected before the next step is scheduled (serial order), as is every step without
-  `async_scheduling`.
+  `async_scheduling`;
+- so is a step with a structured-output row: the next step's token mask is computed from the
+  request's grammar advanced by this step's token (`_complete`), which must be known first.
 A `step()` call therefore returns the outputs of the step launched by the call before it (the first
 call returns none).
 
@@ -53,6 +55,7 @@ from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.sampling_defaults import model_sampling_defaults
 from numba_vllm.engine.scheduler import Scheduler, StepPlan
 from numba_vllm.engine.stats import EngineStats, StepStats, collect_stats, step_stats
+from numba_vllm.engine.structured import StructuredOutputs
 from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
@@ -98,6 +101,7 @@ class LLMEngine:
             ec.max_num_seqs, cap.max_num_batched_tokens, allocator, cap.max_model_len, scheduling=ec.scheduling,
             long_prefill_token_threshold=cap.long_prefill_token_threshold, cache_key=prefix_cache_key(checkpoint),
         )  # fmt: skip
+        self.structured = StructuredOutputs.for_model(self.config, self.tokenizer)  # compiles constraints
         # Sampling values requests take unless they set their own (engine/sampling_defaults.py).
         self.sampling_defaults = model_sampling_defaults(self.config, ec.generation_config)
         self._builders: dict[str, OutputBuilder] = {}  # by child request id, while it runs
@@ -121,7 +125,8 @@ class LLMEngine:
         """Queue a prompt (text, or token ids); returns its output, filled in as steps run.
 
         A prompt the model cannot run (empty, too long for `max_model_len`, ids outside the
-        vocabulary) raises `PromptError` (a ValueError) for this request alone. With `params.n` > 1
+        vocabulary) raises `PromptError` (a ValueError) for this request alone, and so does a
+        structured-output constraint that does not compile (`GrammarError`). With `params.n` > 1
         the request runs as n children `f"{i}_{request_id}"` (vLLM's naming); child i samples with
         seed `params.seed + i` when a seed is given, so the sequences differ and each is reproducible.
         """
@@ -136,6 +141,9 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.lengths.check_prompt(ids)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            self.structured.compile(constraint)  # GrammarError (a ValueError) before anything is queued
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         if any(c in self._builders for c in child_ids):
@@ -146,7 +154,8 @@ class LLMEngine:
         for i, child_id in enumerate(child_ids):
             seed = None if params.seed is None else params.seed + i
             child_params = params if n == 1 else dataclasses.replace(params, n=1, seed=seed)
-            children.append(Request(child_id, ids, child_params, next(self._arrivals)))
+            grammar = self.structured.matcher(constraint) if constraint is not None else None  # each child its own state
+            children.append(Request(child_id, ids, child_params, next(self._arrivals), grammar=grammar))
             self._builders[child_id] = OutputBuilder(
                 output, output.outputs[i], child_params, self.config, self.tokenizer, budget, self.detokenize
             )
@@ -272,11 +281,19 @@ class LLMEngine:
             return self._fail_step(flight.plan, e)
         updated: dict[int, RequestOutput] = {}  # each request's output once, however many of its children moved
         for request in self.scheduler.fill(flight.plan, sampled):
-            builder = self._builders[request.request_id]
+            builder = self._builders.get(request.request_id)
+            if builder is None:  # a sibling failed earlier in this loop, and ended it
+                continue
             output = builder.output
             if builder.completion.index == 0:
                 output.num_cached_tokens = request.num_cached_tokens
-            builder.add(sampled[request.request_id])
+            token = sampled[request.request_id]
+            grammar = request.grammar
+            if grammar is not None and not grammar.accept(token):  # the mask allowed it: a bug, or llguidance's limits
+                output = self._fail(request, f"structured output: token {token} does not fit the grammar: {grammar.error}")
+                updated[id(output)] = output
+                continue
+            builder.add(token, stop=grammar is not None and grammar.is_finished)
             if builder.completion.finished():
                 self.scheduler.finish(request, _STATUS_OF_REASON[builder.completion.finish_reason])
                 self.runner.release(request.request_id)
@@ -284,7 +301,7 @@ class LLMEngine:
             updated[id(output)] = output
         for output in updated.values():
             if output.finished:
-                del self._families[output.request_id]
+                self._families.pop(output.request_id, None)  # (already gone if a sequence failed)
         return list(updated.values())
 
     def _release_siblings(self) -> None:

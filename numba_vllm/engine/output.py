@@ -86,8 +86,9 @@ class OutputBuilder:
         self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids) if detokenize else None
         self.held = _StopStringFilter(params.stop)
 
-    def add(self, token: int) -> str:
-        """Append one sampled token; return the text that became final (sets finish_reason when done)."""
+    def add(self, token: int, stop: bool = False) -> str:
+        """Append one sampled token; return the text that became final (sets finish_reason when done).
+        `stop`: the sequence ends with this token (its structured-output grammar is complete)."""
         out = self.completion
         out.token_ids.append(token)  # a stop token is kept in the ids, never in the text
         delta = ""
@@ -98,6 +99,8 @@ class OutputBuilder:
             delta, hit = self.held.push(self.detok.add(token))
             if hit is not None:
                 out.finish_reason, out.stop_reason = "stop", hit
+        if stop and out.finish_reason is None:
+            out.finish_reason = "stop"
         if out.finish_reason is None and len(out.token_ids) >= self.max_new_tokens:
             out.finish_reason = "length"
         if out.finish_reason is not None:

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from numba_vllm.engine.structured import StructuredOutputsParams
+
 MIN_TEMPERATURE = 1e-5  # lower temperatures mean greedy (vLLM's _SAMPLING_EPS); logits / 1e-5 stay finite in float64
 
 @dataclass
@@ -32,6 +34,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)  # strings that end the output (not included)
     stop_token_ids: list[int] = field(default_factory=list)  # extra ids that end the output
     ignore_eos: bool = False  # keep going past the model's EOS ids
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -60,6 +63,9 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            kind = type(self.structured_outputs).__name__
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {kind}")
 
     @property
     def greedy(self) -> bool:

@@ -10,13 +10,21 @@ with prefill tokens from piecewise graphs with its attention launched between th
 the tokens are the same either way. Sampling happens on the device (inside the graph for a replayed
 step): greedy rows by argmax, temperature-only rows by the Gumbel-max kernel (noise from the
 request's seed and output index, so a request's tokens do not depend on its batch); rows with top-k
-or top-p copy their logits to the host sampler.
+or top-p copy their logits to the host sampler. Rows with a structured-output constraint have the
+tokens their grammar forbids set to -inf on the device before sampling (`kernels/logits_mask.py`),
+so every sampler, the host's included, sees the masked logits: their bitmasks are computed on the
+host while the device runs the step's forward pass (`TokenMasks`). An eager step masks its logits
+before its sampler runs; a step replayed from graphs samples inside them (the decode graph, the
+piecewise head graph), so its constrained rows are masked after the graph and the step's rows
+sampled again (the samplers are deterministic: unconstrained rows get the same tokens).
 
 A step is launched and collected apart (`launch` queues everything on the runner's stream and
 returns; `collect` waits for its tokens), so the engine can schedule and launch step n+1 while step
 n runs. A decoding sequence whose last token was sampled by the previous step and is not on the host
 yet (its token id is None in the plan) gets it on the device: the previous step's sampled tokens are
-copied into this step's token ids (`gather_rows`) before its first kernel.
+copied into this step's token ids (`gather_rows`) before its first kernel. A step with a
+constrained row does not feed the next one: the next step's mask needs this step's token advanced
+through the grammar on the host, so the engine collects it first.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import pages_for_tokens
 from numba_vllm.engine.request import Request
 from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
+from numba_vllm.engine.structured import bitmask_words, fill_token_bitmasks
 from numba_vllm.executor.capacity import Capacity
 from numba_vllm.executor.cuda_graph import DecodeGraphs, GraphRecorder
 from numba_vllm.executor.host_sampling import RequestSamplers
@@ -38,6 +47,7 @@ from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
 from numba_vllm.executor.staging import StagingSlot, StepStaging
 from numba_vllm.kernels._launch import launching_on
 from numba_vllm.kernels.gather import gather_rows
+from numba_vllm.kernels.logits_mask import apply_token_bitmask
 from numba_vllm.model.llama import DeviceModel, StepInputs
 
 SEED_MASK = 0xFFFFFFFF  # the device sampler takes 32-bit seeds
@@ -51,12 +61,14 @@ class KernelStep:
     rows: dict[str, int]  # request id -> its row of the sampled tokens
     host_rows: list[int]  # rows whose token the host samples at collect time (top-k / top-p)
     slot: StagingSlot
+    constrained: bool = False  # a row has a structured-output constraint
 
     @property
     def feeds_next(self) -> bool:
         """Whether the next step may be launched before this one is collected: its sampled tokens
-        are final on the device (no row waits for the host sampler, which reads this step's logits)."""
-        return not self.host_rows
+        are final on the device (no row waits for the host sampler, which reads this step's logits),
+        and no grammar must see them before the next step's masks can be computed."""
+        return not self.host_rows and not self.constrained
 
 
 class KernelRunner:
@@ -78,6 +90,7 @@ class KernelRunner:
         self.decode_graphs = None if graphs == "none" else DecodeGraphs(model, recorder)
         self.piecewise_graphs = None if graphs == "none" else PiecewiseGraphs(model, recorder)
         self.host_samplers = RequestSamplers()
+        self.token_masks = TokenMasks(model.config.vocab_size, self.max_num_seqs, self.stream)
         self._seeds: dict[str, int] = {}
         self._seed_rng = np.random.default_rng()
         self._latest: KernelStep | None = None  # the step launched last
@@ -94,7 +107,8 @@ class KernelRunner:
             raise ValueError("launch: unknown tokens are fed only from the step launched just before, sampled on the device")
         requests = [s.request for s in seqs if s.samples]
         host_rows = [i for i, r in enumerate(requests) if _host_sampled(r)]
-        step = KernelStep(requests, {r.request_id: i for i, r in enumerate(requests)}, host_rows, None)
+        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
+        step = KernelStep(requests, {r.request_id: i for i, r in enumerate(requests)}, host_rows, None, bool(constrained))
         step.slot = self.staging.take_slot(step)
         packed = self.layout.pack(step.slot.host, seqs, self._sampling_rows(requests), fed_sources)
         shape = packed.shape
@@ -104,12 +118,21 @@ class KernelRunner:
             if fed_sources:  # the previous step's samples -> this step's token ids, on the device
                 sources, rows = self.layout.fed_views(self.staging.device, packed)
                 gather_rows(self.staging.tokens_2d, sources, rows)
+            sampled_in_graph = True
             if self.decode_graphs is not None and DecodeGraphs.handles(shape):
-                self.decode_graphs.run(shape, inputs, sampler)
+                self.decode_graphs.run(shape, inputs, sampler)  # forward and sampler
             elif self.piecewise_graphs is not None:
-                self.piecewise_graphs.run(shape, inputs, sampler)
+                self.piecewise_graphs.run(shape, inputs, sampler)  # pieces, attentions, then head and sampler
             else:
-                self.model.sample(self.model.forward(inputs), sampler)
+                sampled_in_graph = False
+                logits = self.model.forward(inputs)  # (B, V), queued: the masks are computed while it runs
+                if constrained:
+                    self.token_masks.apply(logits, constrained, requests)
+                self.model.sample(logits, sampler)
+            if constrained and sampled_in_graph:  # sampled unmasked: mask (computed while it runs), sample again
+                logits = self.model.buffers["logits"][: shape.num_sampled]  # (B, V) the head's rows
+                self.token_masks.apply(logits, constrained, requests)
+                self.model.sample(logits, sampler)
             self.staging.download(step.slot, packed.num_sampled)
         self._latest = step
         return step
@@ -203,6 +226,33 @@ class KernelRunner:
             seed = given & SEED_MASK if given is not None else int(self._seed_rng.integers(0, SEED_MASK))
             self._seeds[request.request_id] = seed
         return seed
+
+
+class TokenMasks:
+    """Structured output's token masks of a step: each constrained row's bitmask computed on the host
+    (llguidance, while the device runs the step's forward pass), copied to the device and applied to
+    the logits there. A step with no constrained row computes, copies and launches nothing."""
+
+    def __init__(self, vocab_size: int, max_rows: int, stream):
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        self.stream = stream  # the runner's numba stream: copies in order with the step's kernels
+        self._rows = None  # (max_rows,) int32 device: the constrained rows' indices
+        self._bitmask = None  # (max_rows, ceil(V / 32)) int32 device: their masks (made at the first constrained step)
+
+    def apply(self, logits, rows: list[int], requests: list[Request]) -> None:
+        """Compute the masks of `rows` (rows of `logits` (B, V) device, row i for requests[i], each with
+        a grammar) and queue their application on the stream."""
+        if self._bitmask is None:
+            self._rows = cuda.device_array(self.max_rows, np.int32)
+            self._bitmask = cuda.device_array((self.max_rows, bitmask_words(self.vocab_size)), np.int32)
+        c = len(rows)
+        bitmask = np.empty((c, bitmask_words(self.vocab_size)), np.int32)  # (C, ceil(V / 32)), pageable:
+        fill_token_bitmasks([requests[i].grammar for i in rows], bitmask)  # an async copy from it is staged at once
+        device_rows, device_bitmask = self._rows[:c], self._bitmask[:c]
+        device_rows.copy_to_device(np.array(rows, np.int32), stream=self.stream)
+        device_bitmask.copy_to_device(bitmask, stream=self.stream)
+        apply_token_bitmask(logits, device_rows, device_bitmask)
 
 
 def _host_sampled(request: Request) -> bool:

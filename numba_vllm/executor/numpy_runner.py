@@ -4,7 +4,9 @@ Three executors behind one interface, so the engine, its pages and its scheduler
 whatever runs the model: `launch(plan, previous=None) -> step` queues a step (a decoding sequence
 whose token is None takes the token `previous` sampled for it), `collect(step) -> {request_id:
 token_id}` waits for its tokens, `execute(plan)` does both, `release(request_id)` forgets a request;
-a step's `feeds_next` says whether the next may be launched before it is collected.
+a step's `feeds_next` says whether the next may be launched before it is collected (not when a
+row has a structured-output constraint: the next step's token mask needs this step's token, advanced
+through the request's grammar on the host; nor, on the device, when the host samples a row).
 - `NumpyRunner`: the float32 reference model (`reference.py`) over a paged K/V pool in host memory.
   Runs anywhere; the oracle the other two are tested against.
 - `KernelRunner` (`kernel_runner.py`): the Numba CUDA kernels, on the GPU (`cuda`) or, unchanged,
@@ -30,6 +32,7 @@ import numpy as np
 from threadpoolctl import ThreadpoolController
 
 from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.engine.structured import GrammarMatcher, bitmask_words, fill_token_bitmasks, mask_logits
 from numba_vllm.executor.host_sampling import RequestSamplers
 from numba_vllm.executor.inputs import kv_indices
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
@@ -76,7 +79,7 @@ class HostStep:
     """A step the NumPy runner has run: there is no device queue, so its tokens are there at once."""
 
     sampled: dict[str, int]  # request id -> sampled token
-    feeds_next: bool = True
+    feeds_next: bool = True  # False when a row is constrained (structured output): its grammar must see the token first
 
 
 class NumpyRunner:
@@ -94,6 +97,7 @@ class NumpyRunner:
     def launch(self, plan: StepPlan, previous: HostStep | None = None) -> HostStep:
         """Run the step now; a token still unknown to the engine (None) is the one `previous` sampled."""
         sampled = {}
+        constrained_rows = False
         with self.blas.limit(limits=NUMPY_BLAS_THREADS, user_api="blas"):
             for seq in plan.sequences:
                 token_ids = seq.token_ids
@@ -106,11 +110,24 @@ class NumpyRunner:
                 cache = self.cache.sequence(seq.page_ids)
                 logits = self.model.forward(np.asarray(token_ids), seq.start_position, cache)  # (V,)
                 if seq.samples:
+                    if seq.request.grammar is not None:
+                        logits = constrained(seq.request.grammar, logits)
+                        constrained_rows = True
                     sampled[seq.request.request_id] = self.samplers.sample(seq.request, logits)
-        return HostStep(sampled)
+        # A constrained row's token must pass through its grammar before the next step's mask exists.
+        return HostStep(sampled, feeds_next=not constrained_rows)
 
     def collect(self, step: HostStep) -> dict[str, int]:
         return step.sampled
 
     def release(self, request_id: str) -> None:
         self.samplers.release(request_id)
+
+
+def constrained(grammar: GrammarMatcher, logits: np.ndarray) -> np.ndarray:
+    """A copy of one row of logits (V,) f32 with the tokens its grammar forbids at -inf."""
+    bitmask = np.empty((1, bitmask_words(len(logits))), np.int32)  # (1, ceil(V / 32))
+    fill_token_bitmasks([grammar], bitmask)
+    masked = logits[None].copy()  # (1, V)
+    mask_logits(masked, bitmask)
+    return masked[0]
