@@ -660,9 +660,11 @@ def _parse_batch_sizes(s: str) -> list[int]:
 @click.option("--peak-bandwidth-tbs", type=click.FloatRange(0, min_open=True), default=4.24, show_default=True,
               help="Device bandwidth (TB/s) for the batch-1 floor; 4.24 = H200 copy bandwidth.")  # fmt: skip
 @click.option("--hf-compile", is_flag=True, help="With --compare-hf: static cache + torch.compile for transformers (slow).")
+@click.option("--logprobs", type=click.IntRange(0, 20), default=None,
+              help="Every request also asks for its tokens' top-k logprobs (to measure their cost).")  # fmt: skip
 @_one_line_errors
 def latency(model, load_format, random_weights, backend, seed, compare_hf, json_path, plot_path, batch_sizes, prompt_len,
-            output_len, warmup_runs, peak_bandwidth_tbs, hf_compile, **engine_args):  # fmt: skip
+            output_len, warmup_runs, peak_bandwidth_tbs, hf_compile, logprobs, **engine_args):  # fmt: skip
     """Decode ms per token at each batch size and time to first token (greedy, EOS ignored)."""
     from numba_vllm.bench.common import EngineOptions, write_json
     from numba_vllm.bench.latency import format_latency, run_latency
@@ -675,7 +677,7 @@ def latency(model, load_format, random_weights, backend, seed, compare_hf, json_
     result = run_latency(
         ckpt, desc, EngineOptions(backend=backend, **engine_args), batch_sizes=sizes, prompt_len=prompt_len,
         output_len=output_len, seed=seed, peak_bandwidth_tbs=peak_bandwidth_tbs, warmup_runs=warmup_runs,
-        compare_hf=compare_hf, hf_compile=hf_compile, log=_log,
+        compare_hf=compare_hf, hf_compile=hf_compile, log=_log, logprobs=logprobs,
     )  # fmt: skip
     click.echo(format_latency(result))
     write_json(json_path, result)

@@ -24,6 +24,7 @@ from numba_vllm.engine.request import Request
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
 from numba_vllm.engine.structured import StructuredOutputsParams
+from numba_vllm.executor.numpy_runner import prompt_logprob_targets
 from numba_vllm.loading.checkpoint import load_checkpoint
 from tests.helpers.tiny_llama import tiny_checkpoint, write_chat_checkpoint
 
@@ -42,12 +43,36 @@ class FakeStep:
         self.inner = None  # the NumPy runner's step, once run
         self.done = threading.Event()
 
+    @property
+    def logprobs(self):
+        return self.inner.logprobs
+
+    @property
+    def prompt_logprobs(self):
+        return self.inner.prompt_logprobs
+
+
+def _feeds_next(plan) -> bool:
+    """The GPU's rule: a step feeds the next unless a row is sampled on the host (top-k, top-p,
+    min-p), edits its logits (penalties, bias, ...), wants logprobs or has a structured-output
+    constraint (its grammar must see the token before the next mask), or a chunk wants prompt logprobs."""
+    for s in plan.sequences:
+        p = s.request.sampling_params
+        if prompt_logprob_targets(s) is not None:
+            return False
+        if s.samples and (p.logprobs is not None or s.request.logits_edits is not None or s.request.grammar is not None):
+            return False
+        if s.samples and not p.greedy and (p.top_k or p.top_p < 1 or p.min_p > 0):
+            return False
+    return True
+
 
 class FakeDevice:
     """The NumPy runner behind a queue: `mode` "thread" runs steps on a worker after random delays,
     "lazy" only when a step is collected (then every step launched before it first). Steps with a
-    top-k or top-p row do not feed the next one (as on the GPU: the host samples them), nor do steps
-    with a structured-output row (as on every backend: its grammar must see the token first)."""
+    top-k or top-p row, logits edits, logprobs or a structured-output row do not feed the next one
+    (`_feeds_next`), and run as they are launched (as the kernel runner works out the edits and the
+    token masks at launch)."""
 
     def __init__(self, runner, mode: str, seed: int = 0):
         self.runner, self.mode = runner, mode
@@ -71,13 +96,12 @@ class FakeDevice:
         assert previous is None or previous is self.launched[-1], "fed from a step other than the one just before"
         assert previous is None or previous.feeds_next, "fed from a step whose tokens the host samples"
         assert all(s.feeds_next for s in self.uncollected), "launched before collecting a step that does not feed"
-        sampling = [s.request.sampling_params for s in plan.sequences if s.samples]
-        host_sampled = any(p.top_k or p.top_p < 1 for p in sampling if not p.greedy)
-        constrained = any(s.request.grammar is not None for s in plan.sequences if s.samples)
-        step = FakeStep(plan, previous, feeds_next=not (host_sampled or constrained))
+        step = FakeStep(plan, previous, feeds_next=_feeds_next(plan))
         self.uncollected.append(step)
         self.launched.append(step)
         self._enqueue(("step", step))
+        if not step.feeds_next:  # run now: its host-side work (logits edits) reads the requests as they are at launch
+            self._wait(step)
         return step
 
     def collect(self, step):
@@ -85,12 +109,16 @@ class FakeDevice:
             self.interrupt_next_collect = False
             raise KeyboardInterrupt
         assert step is self.uncollected[0], "collected out of launch order"
+        self._wait(step)
+        self.uncollected.pop(0)
+        return self.runner.collect(step.inner)
+
+    def _wait(self, step):
+        """Until `step` has run (lazily: it and every step launched before it, now)."""
         if self.mode == "lazy":
             while not step.done.is_set():
                 self._run(self.pending.pop(0))
         assert step.done.wait(30)
-        self.uncollected.pop(0)
-        return self.runner.collect(step.inner)
 
     def release(self, request_id):
         self._enqueue(("release", request_id))  # in stream order: steps in flight may still sample for it
@@ -244,6 +272,36 @@ def test_steps_with_constrained_rows_are_collected_before_the_next_is_scheduled(
         assert not any(s.previous in constrained for s in launched)  # never fed from one
         assert any(s.previous is not None for s in launched)  # the free requests' steps overlap
         assert _all_pages_back(engine)
+def test_steps_with_logits_edits_or_logprobs_are_collected_before_the_next_is_scheduled(tiny_dir):
+    """Edits count the output on the host and logprobs read the step's logits when it is collected:
+    such steps do not feed the next one (the fake device asserts the engine waits). Tokens, logprobs
+    and prompt logprobs (of a prompt in chunks) are the serial engine's."""
+    params = [SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2, prompt_logprobs=1),
+              SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, presence_penalty=1.5, logit_bias={3: 2.0}),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)]  # fmt: skip
+    arrivals = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS[1:5], params, strict=True))]
+    config = dict(max_num_seqs=4, max_num_batched_tokens=16)
+    serial, overlapped = engines(tiny_dir, **config)
+
+    def results(engine):
+        outs = {rid: engine.add_request(rid, p, sp) for rid, p, sp in arrivals}
+        while engine.has_unfinished_requests():
+            engine.step()
+        lps = {rid: _values(o.outputs[0].logprobs or []) for rid, o in outs.items()}
+        return {rid: o.outputs[0].token_ids for rid, o in outs.items()}, lps, _values(outs["r1"].prompt_logprobs[1:])
+
+    want = results(serial)
+    assert len(want[2]) == len(PROMPTS[2]) - 1 and len(want[1]["r1"]) == 5
+    for engine in overlapped:
+        assert results(engine) == want
+        launched = engine.runner.launched
+        assert any(not s.feeds_next for s in launched) and any(s.previous for s in launched)  # r0 and r3 go on alone
+
+
+def _values(logprobs) -> list:
+    """Logprob dicts as comparable values: each position's sorted (token, logprob) pairs."""
+    return [sorted((t, lp.logprob) for t, lp in d.items()) for d in logprobs]
 
 
 def test_the_first_call_launches_and_the_next_returns_its_outputs(tiny_dir):

@@ -109,7 +109,7 @@ def test_several_prompts_are_separated_and_stop_strings_apply(tiny_dir, monkeypa
             return [int(w[1:]) for w in text.split()]
 
     class Detok:  # its incremental detokenizer
-        def __init__(self, tok, prompt_ids):
+        def __init__(self, tok, prompt_ids, skip_special_tokens=True):
             pass
 
         def add(self, token):

@@ -23,6 +23,7 @@ pytest.importorskip("zmq")
 httpx = pytest.importorskip("httpx")
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
+from numba_vllm.engine.logprobs import Logprob  # noqa: E402
 from numba_vllm.engine.output import CompletionOutput, RequestOutput  # noqa: E402
 from numba_vllm.engine.stats import EngineStats  # noqa: E402
 from numba_vllm.server.core_protocol import CoreAddresses, StepOutputs, encoder, event_decoder, news_since  # noqa: E402
@@ -52,18 +53,18 @@ def _greedy(model_dir, prompts, max_tokens: int, **sampling) -> list[CompletionO
 def test_news_carries_only_what_is_new_and_every_field():
     """Per-token lists (token ids, logprobs) are cut at what was sent, other fields pass as they are,
     request-level ones on the first and last news only; msgpack brings them back typed."""
-    out = RequestOutput("r", "a prompt", [1, 2, 3], [CompletionOutput(0, "text", [7, 8], -1.5, [{7: -0.5}, {8: -1.0}])],
-                        num_cached_tokens=16)  # fmt: skip
+    lps = [{7: Logprob(-0.5, 1, "x")}, {8: Logprob(-1.0, 2, None)}]
+    out = RequestOutput("r", "a prompt", [1, 2, 3], [CompletionOutput(0, "text", [7, 8], -1.5, list(lps))], num_cached_tokens=16)
     sent: dict[int, int] = {}
     first = news_since(out, sent, final=False)
     assert first.prompt is None and first.prompt_token_ids == [] and first.num_cached_tokens == 16
-    assert first.outputs == [CompletionOutput(0, "", [7, 8], -1.5, [{7: -0.5}, {8: -1.0}])] and sent == {0: 2}
+    assert first.outputs == [CompletionOutput(0, "", [7, 8], -1.5, lps)] and sent == {0: 2}
     c = out.outputs[0]
     c.token_ids.append(9)
-    c.logprobs.append({9: -2.0})
+    c.logprobs.append({9: Logprob(-2.0, 1, "y")})
     c.cumulative_logprob = -3.5
     middle = news_since(out, sent, final=False)
-    assert middle.outputs == [CompletionOutput(0, "", [9], -3.5, [{9: -2.0}])] and middle.num_cached_tokens == 0
+    assert middle.outputs == [CompletionOutput(0, "", [9], -3.5, [{9: Logprob(-2.0, 1, "y")}])] and middle.num_cached_tokens == 0
     c.finish_reason, c.stop_reason = "stop", 5
     out.error = None
     last = news_since(out, sent, final=True)
@@ -74,6 +75,7 @@ def test_news_carries_only_what_is_new_and_every_field():
     back = event_decoder().decode(wire)
     assert back.outputs == [first, middle, last] and back.stats == stats and back.accepted == ["r"]
     assert isinstance(back.outputs[0].outputs[0], CompletionOutput)
+    assert isinstance(back.outputs[0].outputs[0].logprobs[0][7], Logprob)
 
 
 class _SilentCore:

@@ -183,9 +183,11 @@ CHAT = [{"role": "user", "content": "hi"}]
 @pytest.mark.parametrize(
     "path, body, param, words",
     [
-        ("/v1/completions", {"prompt": [1], "repetition_penalty": 1.2}, "repetition_penalty", "not supported yet"),
-        ("/v1/completions", {"prompt": [1], "min_p": 0.1}, "min_p", "not supported yet"),
-        ("/v1/completions", {"prompt": [1], "min_tokens": 3}, "min_tokens", "not supported yet"),
+        ("/v1/completions", {"prompt": [1], "repetition_penalty": 0}, "repetition_penalty", "must be > 0"),
+        ("/v1/completions", {"prompt": [1], "min_p": 1.5}, "min_p", "must be in [0, 1]"),
+        ("/v1/completions", {"prompt": [1], "min_tokens": -1}, "min_tokens", "must be an integer >= 0"),
+        ("/v1/completions", {"prompt": [1], "logit_bias": {"1000": 1}}, "logit_bias", "outside the vocabulary"),
+        ("/v1/chat/completions", {"messages": CHAT, "top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
         ("/v1/completions", {"prompt": [1], "best_off": 2}, "best_off", "not a field this endpoint takes"),
         ("/v1/completions", {"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options", "stream: true"),
         ("/v1/chat/completions", {"messages": CHAT, "chat_template_kwargs": {"tools": [{}]}}, "chat_template_kwargs", "tools"),

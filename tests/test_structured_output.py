@@ -157,6 +157,27 @@ def test_unconstrained_rows_beside_constrained_ones_are_unchanged(tiny):
     assert mixed[0].token_ids == alone
 
 
+def _logprob_values(positions) -> list[dict[int, float]]:
+    return [{t: round(lp.logprob, 4) for t, lp in d.items()} for d in positions]
+
+
+def test_logprobs_of_constrained_and_edited_rows_are_the_models_own(tiny):
+    """vLLM's logprobs are the model's raw ones, before edits and the mask: a constrained greedy
+    request with a logit bias gives, for each of its tokens, what the same text fed back as a prompt
+    gives as prompt logprobs (the top 3 of the whole vocabulary, most of them outside the grammar)."""
+    prompt = [5, 6, 7]
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=3, logit_bias={ord("b"): 3.0},
+                            structured_outputs=StructuredOutputsParams(regex=REGEX))  # fmt: skip
+    (out,) = _first(tiny.generate([prompt], params, use_tqdm=False))
+    assert re.fullmatch(REGEX, out.text) and len(out.logprobs) == len(out.token_ids)
+    fed_params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=3)
+    (fed,) = tiny.generate([prompt + out.token_ids], fed_params, use_tqdm=False)
+    want = _logprob_values(fed.prompt_logprobs[len(prompt) :])
+    assert _logprob_values(out.logprobs) == want
+    allowed = set(out.token_ids)
+    assert any(set(d) - allowed for d in want)  # the top tokens are not only the grammar's
+
+
 def test_the_cost_benchmark_runs(tiny_dir):
     """benchmarks/structured_output.py on the tiny model and NumPy: a row per constraint."""
     args = ["--model", tiny_dir, "--backend", "numpy", "--batch", "2", "--steps", "5"]
@@ -178,8 +199,8 @@ def one_layer_dir(tmp_path_factory):
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "emulated-graph"])
 def test_the_simulated_kernels_mask_as_numpy_does(one_layer_dir, graphs):
     prompts = [[5, 6, 7], [8, 9], [10], [11, 12]]
-    params = [
-        _params(StructuredOutputsParams(regex=r"[a-c][0-9]"), None, 4),
+    params = [  # the first: masked, its logprobs the model's raw ones (copied before the mask)
+        SamplingParams(temperature=0, max_tokens=4, logprobs=2, structured_outputs=StructuredOutputsParams(regex=r"[a-c][0-9]")),
         SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),  # unconstrained, beside
         _params(StructuredOutputsParams(choice=["hi", "ab", "x"]), 3, 4),
         SamplingParams(temperature=1.0, top_k=3, seed=2, max_tokens=4,  # sampled on the host, from the masked row
@@ -192,6 +213,8 @@ def test_the_simulated_kernels_mask_as_numpy_does(one_layer_dir, graphs):
         runner.decode_graphs, runner.piecewise_graphs = DecodeGraphs(runner.model), PiecewiseGraphs(runner.model)
     outs = _first(sim.generate(prompts, params, use_tqdm=False))
     assert [o.token_ids for o in outs[:2]] == [o.token_ids for o in want]  # greedy: the same tokens as NumPy
+    for token, got, expected in zip(outs[0].token_ids, outs[0].logprobs, want[0].logprobs, strict=True):
+        assert got[token].logprob == pytest.approx(expected[token].logprob, abs=0.05)  # raw: masked would be ~4 higher
     assert re.fullmatch(r"[a-c][0-9]", outs[0].text)
     assert outs[2].text in ["hi", "ab", "x"]  # sampled on the device (another noise than NumPy's): in the choice
     assert re.fullmatch(r"[a-c][0-9]", outs[3].text)

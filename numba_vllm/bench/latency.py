@@ -69,8 +69,10 @@ def run_latency(
     compare_hf: bool = False,
     hf_compile: bool = False,
     log: Log = log_stderr,
+    logprobs: int | None = None,
 ) -> dict:
-    """Run the latency benchmark; returns the JSON-ready result (see the module docstring)."""
+    """Run the latency benchmark; returns the JSON-ready result (see the module docstring). `logprobs`:
+    every request also asks for the top-k logprobs of its tokens (their cost; None: not asked)."""
     batch_sizes = list(batch_sizes)
     if not batch_sizes or any(b < 1 for b in batch_sizes):
         raise BenchError(f"batch sizes must be positive integers, got {batch_sizes}")
@@ -104,9 +106,9 @@ def run_latency(
         for r in range(warmup_runs):  # the same shapes, untimed: CUDA graphs of its shapes are recorded now
             # other prompts (their own seed): the prefix cache must not serve the timed run's prompts
             rehearsal = latency_prompts([b], prompt_len, seed + 1 + r, config.vocab_size)[b]
-            _measure_batch(engine, b, rehearsal, output_len, tag=f"warmup{r}")
+            _measure_batch(engine, b, rehearsal, output_len, tag=f"warmup{r}", logprobs=logprobs)
         rehearsal_s = time.perf_counter() - t
-        row = _measure_batch(engine, b, prompts[b], output_len)
+        row = _measure_batch(engine, b, prompts[b], output_len, logprobs=logprobs)
         row["warmup_runs_s"] = rehearsal_s
         log(f"[latency] batch {b}: ttft {row['ttft_ms']:.1f} ms, decode median {fmt(row['decode_ms_median'])} ms/step")
         rows.append(row)
@@ -128,6 +130,7 @@ def run_latency(
             "batch_sizes": batch_sizes,
             "prompt_len": prompt_len,
             "output_len": output_len,
+            "logprobs": logprobs,
             "seed": seed,
             "warmup_runs": warmup_runs,
             "token_ids": f"uniform in [0, {min(10000, config.vocab_size)})",
@@ -154,8 +157,10 @@ def run_latency(
     return result
 
 
-def _measure_batch(engine, batch_size: int, prompts: list[list[int]], output_len: int, tag: str = "timed") -> dict:
-    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+def _measure_batch(
+    engine, batch_size: int, prompts: list[list[int]], output_len: int, tag: str = "timed", logprobs: int | None = None
+) -> dict:
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=logprobs)
     preempt0, steps0 = engine.num_preemptions, engine.num_steps
     t0 = time.perf_counter()
     outs = [engine.add_request(f"latency-{tag}-b{batch_size}-{i}", p, params) for i, p in enumerate(prompts)]
@@ -196,7 +201,8 @@ def format_latency(result: dict) -> str:
     head = [
         f"latency: {result['model']} ({count_text(result['num_parameters'])} parameters), backend {result['backend']} "
         f"({result['environment']['device']})",
-        f"prompt {result['workload']['prompt_len']} tokens, {result['workload']['output_len']} new tokens, greedy; "
+        f"prompt {result['workload']['prompt_len']} tokens, {result['workload']['output_len']} new tokens, greedy"
+        + ("" if result["workload"].get("logprobs") is None else f", top-{result['workload']['logprobs']} logprobs") + "; "
         f"engine load {result['load_s']:.1f} s, warm-up (compile) {result['warmup_s']:.1f} s",
     ]
     headers = ["batch", "TTFT ms", "decode ms/step p50", "p90", "tokens/s"]

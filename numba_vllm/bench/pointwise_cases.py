@@ -15,7 +15,8 @@
 The timing harness (warm-up, synchronisation, repetitions) is the caller's. Every kernel here is
 memory-bound: compare bytes / time with the H200's ~4.8 TB/s (a device copy reaches ~4.2).
 Sizes: T = 1 (decode), 64 (a decode batch or short prompt), 4096 (a long prefill) rows; the
-samplers use B = 1, 64 and 256 rows of the full vocabulary (decode batches, where sampling runs).
+samplers use B = 1, 64 and 256 rows of the full vocabulary (decode batches, where sampling runs);
+logprobs (top LOGPROBS_K) B = 1 and 32 rows, the cost a batch pays when every request asks for them.
 Some runs update their inputs in place (add_rms_norm keeps adding to the residual); values stay
 bounded over any practical number of repetitions.
 """
@@ -54,6 +55,8 @@ LLAMA_3_2_1B_ROPE = {  # the parts of Llama 3.2 1B's config.json that rope_inv_f
     },
 }
 SAMPLE_ROWS = (1, 64, 256)
+LOGPROBS_ROWS = (1, 32)
+LOGPROBS_K = 5
 
 
 def cases() -> list[dict]:
@@ -61,6 +64,7 @@ def cases() -> list[dict]:
 
     from numba_vllm.kernels.activation import silu_and_mul
     from numba_vllm.kernels.embedding import embedding
+    from numba_vllm.kernels.logprobs import logprobs
     from numba_vllm.kernels.rmsnorm import add_rms_norm, rms_norm
     from numba_vllm.kernels.rope import rope_and_cache_write
     from numba_vllm.kernels.sample import argmax, sample_gumbel
@@ -201,6 +205,23 @@ def cases() -> list[dict]:
                 "torch": (lambda x=tlogits: _torch_sample(torch, x, 0.8)) if torch else None,
             }
         )
+
+    # logprobs: each row's token logprob and rank, and its top k (two passes over the row)
+    for b in LOGPROBS_ROWS:
+        logits, k = randn(b, V), LOGPROBS_K
+        rows, token_ids = cuda.to_device(np.arange(b, dtype=np.int32)), cuda.to_device(rng.integers(0, V, b).astype(np.int32))
+        out_logprobs, out_ids = cuda.device_array((b, k + 1), np.float32), cuda.device_array((b, k + 1), np.int32)
+        tlogits = trandn(b, V) if torch else None
+        out.append(
+            {
+                "name": f"logprobs B={b} k={k}",
+                "shape": {"B": b, "V": V, "k": k},
+                "run": lambda x=logits, r=rows, t=token_ids, lp=out_logprobs, i=out_ids: logprobs(x, r, t, LOGPROBS_K, lp, i),
+                "bytes": b * V * 4 + b * (k + 1) * 8,
+                "flops": 3 * b * V,  # max, exp-and-add, compare
+                "torch": (lambda x=tlogits: _torch_logprobs(torch, x, LOGPROBS_K)) if torch else None,
+            }
+        )
     return out
 
 
@@ -221,6 +242,14 @@ def _torch_sample(torch, logits, temperature):
     """vLLM's sampler without top-k/top-p: softmax, then argmax(p / Exp(1)) (Gumbel-max in disguise)."""
     probs = torch.softmax(logits / temperature, dim=-1)
     return (probs / torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+
+def _torch_logprobs(torch, logits, k):
+    """vLLM's logprobs: log-softmax of the row, its top k, and the rank of token 0 (a stand-in)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    top = lp.topk(k, dim=-1)
+    rank = (lp >= lp[:, :1]).sum(dim=-1)
+    return top, rank
 
 
 def _seconds_per_call(fn, sync, repeats: int = 50) -> float:

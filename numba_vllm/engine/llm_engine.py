@@ -19,9 +19,10 @@ this exact:
   a request aborted while a step runs;
 - pages freed by a finished, aborted or preempted request may be handed out while a step in flight
   still writes them: the device runs steps in launch order, so the new owner's writes come later;
-- a step whose tokens the host must sample (top-k, top-p: the runner reads its logits) is
-  collected before the next step is scheduled (serial order), as is every step without
-  `async_scheduling`;
+- a step whose tokens the host must sample (top-k, top-p, min-p: the runner reads its logits), or
+  with logits edits (penalties, logit_bias, min_tokens, bad_words: they count each request's output
+  on the host) or logprobs (computed from its logits when it is collected), is collected before the
+  next step is scheduled (serial order), as is every step without `async_scheduling`;
 - so is a step with a structured-output row: the next step's token mask is computed from the
   request's grammar advanced by this step's token (`_complete`), which must be known first.
 A `step()` call therefore returns the outputs of the step launched by the call before it (the first
@@ -49,6 +50,8 @@ from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import PageAllocator, pages_for_tokens
 from numba_vllm.engine.lengths import LengthPolicy
 from numba_vllm.engine.llm_args import llm_engine_config, normalize_prompts
+from numba_vllm.engine.logits_edits import LogitsEdits, bad_word_token_ids
+from numba_vllm.engine.logprobs import LogprobsCollector
 from numba_vllm.engine.output import CompletionOutput, OutputBuilder, RequestOutput
 from numba_vllm.engine.request import Request, RequestStatus
 from numba_vllm.engine.sampling import SamplingParams
@@ -108,6 +111,8 @@ class LLMEngine:
         self._families: dict[str, _Family] = {}  # by request id, until every child has finished
         self._holding: dict[str, _Family] = {}  # the families with held children, by request id
         self._in_flight: _Flight | None = None  # launched, its tokens not collected yet
+        self._logprobs: dict[str, LogprobsCollector] = {}  # by child request id: those that asked for logprobs
+        self._token_texts: dict[int, str] = {}  # decoded tokens of logprobs, by id
         self._last_plan: tuple[int, StepPlan] | None = None  # (step index, plan) of the last step, for `last_step`
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -150,15 +155,21 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         output = RequestOutput(request_id, text, ids, [CompletionOutput(i) for i in range(n)])
         budget = self.lengths.max_new_tokens(len(ids), params.max_tokens)
+        # child i > 0 leaves the prompt's logprobs to child 0 (and so may share its cached pages)
+        child_params = [params] if n == 1 else [
+            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i,
+                                prompt_logprobs=params.prompt_logprobs if i == 0 else None)
+            for i in range(n)
+        ]  # fmt: skip
+        edits = [self._logits_edits(p, ids) for p in child_params]  # raises before anything is registered
         children = []
         for i, child_id in enumerate(child_ids):
-            seed = None if params.seed is None else params.seed + i
-            child_params = params if n == 1 else dataclasses.replace(params, n=1, seed=seed)
             grammar = self.structured.matcher(constraint) if constraint is not None else None  # each child its own state
-            children.append(Request(child_id, ids, child_params, next(self._arrivals), grammar=grammar))
+            children.append(Request(child_id, ids, child_params[i], next(self._arrivals), logits_edits=edits[i], grammar=grammar))
             self._builders[child_id] = OutputBuilder(
-                output, output.outputs[i], child_params, self.config, self.tokenizer, budget, self.detokenize
+                output, output.outputs[i], child_params[i], self.config, self.tokenizer, budget, self.detokenize
             )
+            self._collect_logprobs_of(child_id, child_params[i], output, output.outputs[i])
         share = self.scheduler.allocator.enable_caching  # the siblings wait only where there are pages to share
         first, held = (children[:1], children[1:]) if share else (children, [])
         for request in first:
@@ -167,6 +178,46 @@ class LLMEngine:
         if held:
             self._holding[request_id] = family
         return output
+
+    def _collect_logprobs_of(
+        self, child_id: str, params: SamplingParams, output: RequestOutput, completion: CompletionOutput
+    ) -> None:
+        """Give a child that asks for logprobs (or the prompt's) a collector; its lists are the output's."""
+        if params.logprobs is None and params.prompt_logprobs is None:
+            return
+        collector = LogprobsCollector(len(output.prompt_token_ids), params.logprobs is not None,
+                                      params.prompt_logprobs is not None, self._decode_token)  # fmt: skip
+        self._logprobs[child_id] = collector
+        completion.logprobs, completion.cumulative_logprob = collector.logprobs, collector.cumulative_logprob
+        if collector.prompt_logprobs is not None:
+            output.prompt_logprobs = collector.prompt_logprobs
+
+    def _decode_token(self, token_id: int) -> str | None:
+        """A logprob's decoded_token: the token's own text (special tokens included), None without a tokenizer."""
+        if self.tokenizer is None:
+            return None
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _logits_edits(self, params: SamplingParams, prompt_ids: list[int]) -> LogitsEdits | None:
+        """The request's logits edits (None when it has none); a logit_bias id outside the vocabulary,
+        or bad_words without a tokenizer, is a ValueError naming the field."""
+        if not params.edits_logits:
+            return None
+        outside = [t for t in params.logit_bias or () if t >= self.config.vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias: token id {outside[0]} is outside the vocabulary (0 .. {self.config.vocab_size - 1})")
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError(f"bad_words: {self.checkpoint.source} has no tokenizer to tokenize them")
+        bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.config.eos_token_ids)
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+                stop_ids.add(self.tokenizer.eos_token_id)
+        return LogitsEdits(params, prompt_ids, stop_ids, bad_words)
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (queued or running, every one of its sequences); its pages and slots are freed."""
@@ -177,6 +228,7 @@ class LLMEngine:
         held = {r.request_id for r in family.held}
         for child_id in family.child_ids:
             builder = self._builders.pop(child_id, None)
+            self._logprobs.pop(child_id, None)
             if builder is None:
                 continue
             builder.abort()
@@ -279,6 +331,8 @@ class LLMEngine:
             sampled = self.runner.collect(flight.handle)
         except Exception as e:
             return self._fail_step(flight.plan, e)
+        if self._logprobs:
+            self._collect_prompt_logprobs(flight.handle)
         updated: dict[int, RequestOutput] = {}  # each request's output once, however many of its children moved
         for request in self.scheduler.fill(flight.plan, sampled):
             builder = self._builders.get(request.request_id)
@@ -293,11 +347,16 @@ class LLMEngine:
                 output = self._fail(request, f"structured output: token {token} does not fit the grammar: {grammar.error}")
                 updated[id(output)] = output
                 continue
+            collector = self._logprobs.get(request.request_id) if self._logprobs else None
+            if collector is not None and collector.logprobs is not None:
+                collector.add_sampled(flight.handle.logprobs[request.request_id])
+                builder.completion.cumulative_logprob = collector.cumulative_logprob
             builder.add(token, stop=grammar is not None and grammar.is_finished)
             if builder.completion.finished():
                 self.scheduler.finish(request, _STATUS_OF_REASON[builder.completion.finish_reason])
                 self.runner.release(request.request_id)
                 del self._builders[request.request_id]
+                self._logprobs.pop(request.request_id, None)
             updated[id(output)] = output
         for output in updated.values():
             if output.finished:
@@ -315,6 +374,13 @@ class LLMEngine:
                     self.scheduler.add(request, front=True)
                 family.held = []
                 del self._holding[request_id]
+
+    def _collect_prompt_logprobs(self, handle) -> None:
+        """Hand a collected step's prompt logprobs (chunks that sample nothing included) to their requests."""
+        for request_id, (first, pos) in handle.prompt_logprobs.items():
+            collector = self._logprobs.get(request_id)
+            if collector is not None:
+                collector.add_prompt(first, pos)
 
     def _fail_step(self, plan: StepPlan, error: Exception) -> list[RequestOutput]:
         """Fail the requests of a step whose runner raised (those not finished yet)."""
@@ -339,6 +405,7 @@ class LLMEngine:
         self._holding.pop(builder.output.request_id, None)
         held = {r.request_id for r in family.held}
         for child_id in family.child_ids:
+            self._logprobs.pop(child_id, None)
             sibling = self._builders.pop(child_id, None)
             if sibling is not None:
                 sibling.fail(message)

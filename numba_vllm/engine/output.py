@@ -8,7 +8,8 @@ way and stops by the same rules:
   it with reason "stop"; the token is kept in the ids but adds no text; `stop_reason` is the id for a
   `stop_token_ids` id, None for EOS;
 - a stop string ends it with reason "stop" and `stop_reason` the string; the text is cut where the
-  string begins;
+  string begins (after it with `include_stop_str_in_output`); before `min_tokens` tokens are out,
+  stop strings are not looked for (and stop ids cannot come: the sampler masks them);
 - its output budget (`max_tokens`, within the model's length limit) ends it with reason "length".
 Text is streamed as it becomes final: the incremental detokenizer never yields half a UTF-8
 character, and text that could still turn out to be the start of a stop string is held back.
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from numba_vllm.engine.logprobs import Logprob  # at run time: msgspec rebuilds logprobs from these annotations
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.loading.tokenizer import IncrementalDetokenizer, Tokenizer
 from numba_vllm.model.config import ModelConfig
@@ -31,7 +33,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     cumulative_logprob: float | None = None  # None: logprobs were not requested
-    logprobs: list | None = None  # None: logprobs were not requested
+    logprobs: list[dict[int, Logprob]] | None = None  # one per token of token_ids; None: logprobs were not requested
     finish_reason: str | None = None  # "stop" (stop token or string), "length", "abort", or "error"; None while running
     stop_reason: int | str | None = None  # the stop string or stop_token_ids id that ended it; None for EOS or a limit
 
@@ -47,7 +49,8 @@ class RequestOutput:
     prompt: str | None  # the text given, or None for a prompt given as token ids
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # in order of index
-    prompt_logprobs: list | None = None  # None: prompt logprobs were not requested
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # one per prompt token (None for the first);
+    # None: prompt logprobs were not requested
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache (set with the first token)
     error: str | None = None  # the request failed (its sequences end with "error"): what failed, one line
 
@@ -83,8 +86,11 @@ class OutputBuilder:
                 self.eos_ids.add(tokenizer.eos_token_id)
         self.stop_ids = set(params.stop_token_ids)
         detokenize = detokenize and tokenizer is not None  # without text there are no stop strings either
-        self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids) if detokenize else None
-        self.held = _StopStringFilter(params.stop)
+        self.detok = None
+        if detokenize:
+            self.detok = IncrementalDetokenizer(tokenizer, output.prompt_token_ids, params.skip_special_tokens)
+        self.held = _StopStringFilter(params.stop, params.include_stop_str_in_output)
+        self.min_tokens = params.min_tokens
 
     def add(self, token: int, stop: bool = False) -> str:
         """Append one sampled token; return the text that became final (sets finish_reason when done).
@@ -96,7 +102,7 @@ class OutputBuilder:
             out.finish_reason = "stop"
             out.stop_reason = None if token in self.eos_ids else token
         elif self.detok is not None:
-            delta, hit = self.held.push(self.detok.add(token))
+            delta, hit = self.held.push(self.detok.add(token), look=len(out.token_ids) >= self.min_tokens)
             if hit is not None:
                 out.finish_reason, out.stop_reason = "stop", hit
         if stop and out.finish_reason is None:
@@ -130,22 +136,27 @@ class OutputBuilder:
 class _StopStringFilter:
     """Holds back streamed text that might be the start of a stop string; cuts at a full match."""
 
-    def __init__(self, stops: list[str]):
+    def __init__(self, stops: list[str], include_stop: bool = False):
+        """`include_stop`: the text found ends after the stop string, not before it."""
         self.stops = stops
+        self.include_stop = include_stop
         self.pending = ""
         self.hit: str | None = None  # the stop string found
 
-    def push(self, text: str) -> tuple[str, str | None]:
-        """Add text; return (text now safe to emit, the stop string found or None)."""
+    def push(self, text: str, look: bool = True) -> tuple[str, str | None]:
+        """Add text; return (text now safe to emit, the stop string found or None). Without `look`
+        (before min_tokens) no stop string is looked for: everything is emitted."""
         if self.hit is not None:
             return "", self.hit
         self.pending += text
-        if not self.stops:
+        if not self.stops or not look:
             out, self.pending = self.pending, ""
             return out, None
         found = [(i, s) for s in self.stops if (i := self.pending.find(s)) >= 0]
         if found:
             cut, self.hit = min(found, key=lambda f: f[0])  # the match that begins first
+            if self.include_stop:
+                cut += len(self.hit)
             out, self.pending = self.pending[:cut], ""
             return out, self.hit
         keep = max(len(s) for s in self.stops) - 1  # the longest tail that could begin a stop string

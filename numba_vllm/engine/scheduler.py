@@ -371,8 +371,11 @@ class Scheduler:
             self.num_batches += 1
 
     def _find_cached(self, request: Request) -> list[int]:
-        """The cached pages that begin a waiting request's known tokens ([] without prefix caching)."""
-        return self.prefix_cache.find(request) if self.prefix_cache is not None else []
+        """The cached pages that begin a waiting request's known tokens ([] without prefix caching, and
+        for a request that asks for prompt logprobs: they need the logits of every prompt position)."""
+        if self.prefix_cache is None or request.sampling_params.prompt_logprobs is not None:
+            return []
+        return self.prefix_cache.find(request)
 
     def _admit(self, request: Request, cached_page_ids: list[int]) -> None:
         """A waiting request takes the lowest free slot and its cached prefix (counted as computed)."""

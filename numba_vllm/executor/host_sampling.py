@@ -1,7 +1,7 @@
 """Sampling on the host, per request: each request keeps its own random generator (seeded by its
 `SamplingParams.seed`), so its tokens do not depend on what else shares the batch. The numpy runner
 samples every row here; the kernel runner only the rows its device samplers do not cover (top-k,
-top-p)."""
+top-p, min-p)."""
 
 from __future__ import annotations
 

@@ -9,45 +9,56 @@ with prefill tokens from piecewise graphs with its attention launched between th
 (`piecewise_graphs.py`); with `enforce_eager` it runs kernel by kernel, on the same padded shapes, so
 the tokens are the same either way. Sampling happens on the device (inside the graph for a replayed
 step): greedy rows by argmax, temperature-only rows by the Gumbel-max kernel (noise from the
-request's seed and output index, so a request's tokens do not depend on its batch); rows with top-k
-or top-p copy their logits to the host sampler. Rows with a structured-output constraint have the
-tokens their grammar forbids set to -inf on the device before sampling (`kernels/logits_mask.py`),
-so every sampler, the host's included, sees the masked logits: their bitmasks are computed on the
-host while the device runs the step's forward pass (`TokenMasks`). An eager step masks its logits
-before its sampler runs; a step replayed from graphs samples inside them (the decode graph, the
-piecewise head graph), so its constrained rows are masked after the graph and the step's rows
-sampled again (the samplers are deterministic: unconstrained rows get the same tokens).
+request's seed and output index, so a request's tokens do not depend on its batch); rows with top-k,
+top-p or min-p copy their logits to the host sampler.
+
+Logits edits, token masks and logprobs (`_edit_and_mask`, `_sampled_logprobs`, `_prompt_logprobs`):
+rows with penalties, logit_bias, min_tokens or bad_words are edited on the device in the step's
+logits buffer, then rows with a structured-output constraint have the tokens their grammar forbids
+set to -inf (`kernels/logits_mask.py`; their bitmasks are computed on the host while the device runs
+the step's forward pass, `TokenMasks`), so every sampler, the host's included, sees edited and
+masked logits. An eager step does this before its sampler runs; a step replayed from graphs samples
+inside them (the decode graph, the piecewise head graph), so its rows are edited and masked after
+the graph and sampled again (the samplers are deterministic: untouched rows draw the same tokens),
+before the tokens are downloaded. Rows that want logprobs have their raw logits copied aside first
+(vLLM's logprobs are the model's, unedited and unmasked). Logprobs are computed when the step is
+collected: of the sampled tokens from the raw logits, of prompt tokens from the head run again over
+the chunk's positions. Such a step does not feed the next (`KernelStep.feeds_next`): the edits count
+each request's output on the host, the next mask needs this step's token advanced through the
+grammar on the host, and the logprobs read the step's buffers, which the next step would overwrite.
 
 A step is launched and collected apart (`launch` queues everything on the runner's stream and
 returns; `collect` waits for its tokens), so the engine can schedule and launch step n+1 while step
 n runs. A decoding sequence whose last token was sampled by the previous step and is not on the host
 yet (its token id is None in the plan) gets it on the device: the previous step's sampled tokens are
-copied into this step's token ids (`gather_rows`) before its first kernel. A step with a
-constrained row does not feed the next one: the next step's mask needs this step's token advanced
-through the grammar on the host, so the engine collects it first.
+copied into this step's token ids (`gather_rows`) before its first kernel.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from numba import cuda
 
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.kv_cache import pages_for_tokens
+from numba_vllm.engine.logprobs import PositionLogprobs
 from numba_vllm.engine.request import Request
 from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
 from numba_vllm.engine.structured import bitmask_words, fill_token_bitmasks
 from numba_vllm.executor.capacity import Capacity
 from numba_vllm.executor.cuda_graph import DecodeGraphs, GraphRecorder
 from numba_vllm.executor.host_sampling import RequestSamplers
-from numba_vllm.executor.inputs import SamplingRows, StepLayout, null_sequences, table_width
+from numba_vllm.executor.inputs import SamplingRows, StepLayout, bucket, null_sequences, table_width
+from numba_vllm.executor.numpy_runner import prompt_logprob_targets
 from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
 from numba_vllm.executor.staging import StagingSlot, StepStaging
 from numba_vllm.kernels._launch import launching_on
 from numba_vllm.kernels.gather import gather_rows
+from numba_vllm.kernels.logits_edits import edit_logits
 from numba_vllm.kernels.logits_mask import apply_token_bitmask
+from numba_vllm.kernels.logprobs import logprobs
 from numba_vllm.model.llama import DeviceModel, StepInputs
 
 SEED_MASK = 0xFFFFFFFF  # the device sampler takes 32-bit seeds
@@ -59,16 +70,25 @@ class KernelStep:
 
     requests: list[Request]  # the sampling sequences' requests, in row order
     rows: dict[str, int]  # request id -> its row of the sampled tokens
-    host_rows: list[int]  # rows whose token the host samples at collect time (top-k / top-p)
+    host_rows: list[int]  # rows whose token the host samples at collect time (top-k / top-p / min-p)
     slot: StagingSlot
-    constrained: bool = False  # a row has a structured-output constraint
+    edited: list[int] = field(default_factory=list)  # rows whose logits are edited before sampling
+    constrained: list[int] = field(default_factory=list)  # rows with a structured-output constraint (masked before sampling)
+    logprob_rows: list[int] = field(default_factory=list)  # rows that want their sampled token's logprobs
+    prompt_targets: list[tuple[Request, int, int, np.ndarray]] = field(default_factory=list)
+    # ^ per sequence that wants prompt logprobs: (request, its first token row in the step, first prompt index, ids (P,))
+    raw: object = None  # (R, V) f32 device: the raw logits of logprob_rows, copied before edits and masks (None: untouched)
+    edit_inputs: tuple = ()  # the edits kernel's device inputs, kept until the step is collected
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # set by collect: id -> sampled token's
+    prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)  # id -> (first index, logprobs)
 
     @property
     def feeds_next(self) -> bool:
         """Whether the next step may be launched before this one is collected: its sampled tokens
         are final on the device (no row waits for the host sampler, which reads this step's logits),
-        and no grammar must see them before the next step's masks can be computed."""
-        return not self.host_rows and not self.constrained
+        no row's edits count its output on the host, no grammar must see its token before the next
+        step's masks can be computed, and no logprobs wait on its buffers."""
+        return not (self.host_rows or self.edited or self.constrained or self.logprob_rows or self.prompt_targets)
 
 
 class KernelRunner:
@@ -107,8 +127,8 @@ class KernelRunner:
             raise ValueError("launch: unknown tokens are fed only from the step launched just before, sampled on the device")
         requests = [s.request for s in seqs if s.samples]
         host_rows = [i for i, r in enumerate(requests) if _host_sampled(r)]
-        constrained = [i for i, r in enumerate(requests) if r.grammar is not None]
-        step = KernelStep(requests, {r.request_id: i for i, r in enumerate(requests)}, host_rows, None, bool(constrained))
+        step = KernelStep(requests, {r.request_id: i for i, r in enumerate(requests)}, host_rows, None)
+        _find_logits_work(step, seqs)
         step.slot = self.staging.take_slot(step)
         packed = self.layout.pack(step.slot.host, seqs, self._sampling_rows(requests), fed_sources)
         shape = packed.shape
@@ -126,12 +146,11 @@ class KernelRunner:
             else:
                 sampled_in_graph = False
                 logits = self.model.forward(inputs)  # (B, V), queued: the masks are computed while it runs
-                if constrained:
-                    self.token_masks.apply(logits, constrained, requests)
+                self._edit_and_mask(step, logits)
                 self.model.sample(logits, sampler)
-            if constrained and sampled_in_graph:  # sampled unmasked: mask (computed while it runs), sample again
-                logits = self.model.buffers["logits"][: shape.num_sampled]  # (B, V) the head's rows
-                self.token_masks.apply(logits, constrained, requests)
+            if sampled_in_graph and (step.edited or step.constrained):  # sampled from untouched rows: again
+                logits = self.model.buffers["logits"][: sampler.tokens.shape[0]]  # (B', V) this step's padded rows
+                self._edit_and_mask(step, logits)
                 self.model.sample(logits, sampler)
             self.staging.download(step.slot, packed.num_sampled)
         self._latest = step
@@ -143,12 +162,16 @@ class KernelRunner:
             raise RuntimeError("collect: a later step has taken this step's slot; collect each step before the next but one")
         step.slot.event.synchronize()
         tokens = step.slot.tokens[: len(step.requests)].tolist()
+        if not step.feeds_next and self._latest is not step:
+            raise RuntimeError("collect: a step that reads its logits when collected must be collected before the next launch")
         if step.host_rows:
-            if self._latest is not step:
-                raise RuntimeError("collect: a step with host-sampled rows must be collected before the next is launched")
-            logits = self.model.buffers["logits"]  # (>= B, V) this step's, as no later step has run
+            logits = self.model.buffers["logits"]  # (>= B, V) this step's (edited), as no later step has run
             for i in step.host_rows:
                 tokens[i] = self.host_samplers.sample(step.requests[i], logits[i].copy_to_host())
+        if step.logprob_rows:
+            self._sampled_logprobs(step, tokens)
+        if step.prompt_targets:
+            self._prompt_logprobs(step)
         return dict(zip((r.request_id for r in step.requests), tokens, strict=True))
 
     def release(self, request_id: str) -> None:
@@ -190,12 +213,24 @@ class KernelRunner:
         to a bucket, so these are all the shapes a product can have: every gemv variant, every tiling
         and K split the tensor-core GEMMs pick (a cached prefix's short chunk included), both
         attention kernels, the sampler; with graphs, each bucket's pieces and head are recorded. Then
-        the decode graphs of sequences up to `max_pages` pages.
+        the logits edits, token mask and logprobs kernels, and the decode graphs of sequences up to `max_pages` pages.
         """
         for num_tokens in self.layout.token_sizes:
             num_decodes = min(num_tokens, self.max_num_seqs) - 1
             self.execute(StepPlan(null_sequences(num_tokens - num_decodes, num_decodes), [], 0, 0))
+        self._warm_up_logits_work()
         self.record_decode_graphs(max_pages)
+
+    def _warm_up_logits_work(self) -> None:
+        """Compile the logits edits, token mask and logprobs kernels, on row 0 of the logits buffer
+        (no entries; every token allowed)."""
+        logits = self.model.buffers["logits"][:1]  # (1, V)
+        no_entries = (np.zeros(1, np.int32), np.zeros(2, np.int32), *[np.zeros(0, np.int32)] * 3, np.zeros(0, np.float32),
+                      np.ones((1, 3), np.float32))  # fmt: skip
+        edit_logits(logits, *(cuda.to_device(a) for a in no_entries))
+        all_allowed = np.full((1, bitmask_words(logits.shape[1])), -1, np.int32)  # (1, ceil(V / 32)): every bit set
+        apply_token_bitmask(logits, cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(all_allowed))
+        device_logprobs(logits, np.zeros(1, np.int32), np.zeros(1, np.int32), 0)
 
     def record_decode_graphs(self, max_pages: int) -> None:
         """Make every decode graph a sequence of up to `max_pages` pages can need, now (each (B, W)
@@ -207,6 +242,56 @@ class KernelRunner:
             for width in widths:
                 if not self.decode_graphs.has(batch, width):
                     self.execute(StepPlan(null_sequences(0, batch, width), [], 0, 0))
+
+    # ---- logits edits and logprobs -------------------------------------------------------------
+    def _edit_and_mask(self, step: KernelStep, logits) -> None:
+        """Queue, on the launch stream, before the step's (next) sampler: the raw logits of the
+        logprob rows copied aside (into `step.raw`), the edits of `step.edited`, then the token masks
+        of `step.constrained`, applied to `logits` (B', V) (the step's logits buffer) in place. Nothing
+        when no row is edited or constrained."""
+        if not (step.edited or step.constrained):
+            return
+        stream = self.stream
+        if step.logprob_rows:
+            step.raw = cuda.device_array((len(step.logprob_rows), logits.shape[1]), np.float32)  # (R, V)
+            gather_rows(logits, cuda.to_device(np.array(step.logprob_rows, np.int32), stream=stream), step.raw)
+        if step.edited:
+            step.edit_inputs = tuple(cuda.to_device(a, stream=stream) for a in _edit_entries(step))
+            edit_logits(logits, *step.edit_inputs)
+        if step.constrained:
+            self.token_masks.apply(logits, step.constrained, step.requests)
+
+    def _sampled_logprobs(self, step: KernelStep, tokens: list[int]) -> None:
+        """Logprobs of the sampled `tokens` of `step.logprob_rows`, from the raw logits (the copy made
+        before the edits, else the step's logits buffer), into `step.logprobs`."""
+        rows = step.logprob_rows
+        if step.raw is not None:
+            logits, at = step.raw, np.arange(len(rows), dtype=np.int32)
+        else:
+            logits, at = self.model.buffers["logits"], np.array(rows, np.int32)
+        chosen = np.array([tokens[i] for i in rows], np.int32)
+        k = max(step.requests[i].sampling_params.logprobs for i in rows)
+        computed = device_logprobs(logits, at, chosen, k)  # (R,) positions, the top k of the most asked
+        for p, i in enumerate(rows):
+            own = step.requests[i].sampling_params.logprobs
+            step.logprobs[step.requests[i].request_id] = _position(computed, p, own)
+
+    def _prompt_logprobs(self, step: KernelStep) -> None:
+        """Logprobs of the prompt tokens the step's chunks predict, into `step.prompt_logprobs`: the
+        head run again over each chunk's positions (prefilling sequences' rows lead the step, in
+        order), `max_num_seqs` rows at a time (padded to a batch bucket by repeating the last row,
+        so the head's products have shapes warm-up compiled), then the logprobs kernel. Overwrites
+        the step's logits."""
+        for request, first_row, first, targets in step.prompt_targets:
+            k = request.sampling_params.prompt_logprobs
+            parts = []
+            for start in range(0, len(targets), self.max_num_seqs):
+                chunk = targets[start : start + self.max_num_seqs]  # (P',)
+                rows = np.full(bucket(self.layout.batch_sizes, len(chunk)), first_row + start + len(chunk) - 1, np.int32)
+                rows[: len(chunk)] = np.arange(first_row + start, first_row + start + len(chunk))  # (P'' >= P',)
+                logits = self.model.head_rows(cuda.to_device(rows))  # (P'', V)
+                parts.append(device_logprobs(logits, np.arange(len(chunk), dtype=np.int32), chunk, k))
+            step.prompt_logprobs[request.request_id] = (first, _concat(parts))
 
     # ---- sampling ------------------------------------------------------------------------------
     def _sampling_rows(self, requests: list[Request]) -> SamplingRows:
@@ -256,6 +341,63 @@ class TokenMasks:
 
 
 def _host_sampled(request: Request) -> bool:
-    """Rows with top-k or top-p are sampled on the host (the device samplers do neither)."""
+    """Rows with top-k, top-p or min-p are sampled on the host (the device samplers do none of them)."""
     p = request.sampling_params
-    return not p.greedy and bool(p.top_k or p.top_p < 1)
+    return not p.greedy and bool(p.top_k or p.top_p < 1 or p.min_p > 0)
+
+
+def _find_logits_work(step: KernelStep, seqs: list[ScheduledSequence]) -> None:
+    """Fill in the step's edited rows, constrained rows, logprob rows and prompt-logprob sequences, in one pass over
+    `seqs` (in the step's order: prefilling first, their tokens' rows leading the step)."""
+    row = token_row = 0
+    for s in seqs:
+        r = s.request
+        if s.samples:
+            if r.sampling_params.logprobs is not None:
+                step.logprob_rows.append(row)
+            if r.logits_edits is not None:
+                step.edited.append(row)
+            if r.grammar is not None:
+                step.constrained.append(row)
+            row += 1
+        if r.sampling_params.prompt_logprobs is not None:
+            targets = prompt_logprob_targets(s)
+            if targets is not None:
+                step.prompt_targets.append((r, token_row, *targets))
+        token_row += s.num_new_tokens
+
+
+def _edit_entries(step: KernelStep) -> tuple[np.ndarray, ...]:
+    """The edits kernel's inputs for `step.edited`: rows (E,), offsets (E + 1,), then every row's
+    entries concatenated: tokens, flags, counts (N,) int32, bias (N,) float32; penalties (E, 3) float32."""
+    edits = [step.requests[i].logits_edits.row(step.requests[i].output_token_ids) for i in step.edited]
+    offsets = np.zeros(len(edits) + 1, np.int32)
+    offsets[1:] = np.cumsum([len(e.tokens) for e in edits])
+    entries = (np.concatenate([getattr(e, name) for e in edits]) for name in ("tokens", "flags", "counts", "bias"))
+    penalties = np.array([e.penalties for e in edits], np.float32).reshape(len(edits), 3)
+    return (np.array(step.edited, np.int32), offsets, *entries, penalties)
+
+
+def device_logprobs(logits, rows: np.ndarray, token_ids: np.ndarray, k: int) -> PositionLogprobs:
+    """The logprobs kernel over rows (R,) of the device `logits`, for tokens (R,), top k; only the
+    (R, k + 1) results come back."""
+    n = len(rows)
+    out_logprobs = cuda.device_array((n, k + 1), np.float32)
+    out_ids = cuda.device_array((n, k + 1), np.int32)
+    logprobs(logits, cuda.to_device(np.asarray(rows, np.int32)), cuda.to_device(np.asarray(token_ids, np.int32)), k,
+             out_logprobs, out_ids)  # fmt: skip
+    lp, ids = out_logprobs.copy_to_host(), out_ids.copy_to_host()
+    return PositionLogprobs(np.asarray(token_ids, np.int32), lp[:, 0], ids[:, 0], ids[:, 1:], lp[:, 1:])
+
+
+_FIELDS = ("token_ids", "logprobs", "ranks", "top_ids", "top_logprobs")
+
+
+def _position(pos: PositionLogprobs, p: int, k: int) -> PositionLogprobs:
+    """Position p of `pos` alone, with its top k."""
+    token_ids, lps, ranks, top_ids, top_lps = (getattr(pos, n)[p : p + 1] for n in _FIELDS)
+    return PositionLogprobs(token_ids, lps, ranks, top_ids[:, :k], top_lps[:, :k])
+
+
+def _concat(parts: list[PositionLogprobs]) -> PositionLogprobs:
+    return PositionLogprobs(*(np.concatenate([getattr(p, n) for p in parts]) for n in _FIELDS))

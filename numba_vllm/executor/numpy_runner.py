@@ -4,15 +4,18 @@ Three executors behind one interface, so the engine, its pages and its scheduler
 whatever runs the model: `launch(plan, previous=None) -> step` queues a step (a decoding sequence
 whose token is None takes the token `previous` sampled for it), `collect(step) -> {request_id:
 token_id}` waits for its tokens, `execute(plan)` does both, `release(request_id)` forgets a request;
-a step's `feeds_next` says whether the next may be launched before it is collected (not when a
-row has a structured-output constraint: the next step's token mask needs this step's token, advanced
-through the request's grammar on the host; nor, on the device, when the host samples a row).
+a step's `feeds_next` says whether the next may be launched before it is collected.
 - `NumpyRunner`: the float32 reference model (`reference.py`) over a paged K/V pool in host memory.
   Runs anywhere; the oracle the other two are tested against.
 - `KernelRunner` (`kernel_runner.py`): the Numba CUDA kernels, on the GPU (`cuda`) or, unchanged,
   in the Numba simulator (`sim`).
 Sampling is per request (`host_sampling.RequestSamplers`), so a request's tokens do not depend on
-what else shares the batch.
+what else shares the batch. Besides the tokens, a collected step holds the logprobs its requests
+asked for in `logprobs` and `prompt_logprobs` (`engine/logprobs.py`), read by the engine after
+`collect`. A step with logits edits, logprobs or a structured-output row does not feed the next
+(`feeds_next` is False): the edits count each request's output on the host, the kernel runner
+computes logprobs from the step's logits at collect time, and the next step's token mask needs this
+step's token advanced through the request's grammar on the host.
 
 BLAS threads: a step's products are small (one decode token is a (1, K) @ (K, N) product per
 layer), and OpenBLAS's worker threads spin while they wait for work, so beside any other busy thread
@@ -26,12 +29,14 @@ step only: the process's own setting is restored after it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from numba_vllm.engine.scheduler import StepPlan
+from numba_vllm.engine.logits_edits import apply_edits
+from numba_vllm.engine.logprobs import PositionLogprobs, raw_logprobs
+from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
 from numba_vllm.engine.structured import GrammarMatcher, bitmask_words, fill_token_bitmasks, mask_logits
 from numba_vllm.executor.host_sampling import RequestSamplers
 from numba_vllm.executor.inputs import kv_indices
@@ -79,7 +84,9 @@ class HostStep:
     """A step the NumPy runner has run: there is no device queue, so its tokens are there at once."""
 
     sampled: dict[str, int]  # request id -> sampled token
-    feeds_next: bool = True  # False when a row is constrained (structured output): its grammar must see the token first
+    feeds_next: bool = True  # False for a step with logits edits, logprobs or a structured-output row (see `_needs_serial`)
+    logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # request id -> its sampled token's
+    prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)  # id -> (first index, logprobs)
 
 
 class NumpyRunner:
@@ -96,8 +103,8 @@ class NumpyRunner:
 
     def launch(self, plan: StepPlan, previous: HostStep | None = None) -> HostStep:
         """Run the step now; a token still unknown to the engine (None) is the one `previous` sampled."""
-        sampled = {}
-        constrained_rows = False
+        step = HostStep({})
+        sampled = step.sampled
         with self.blas.limit(limits=NUMPY_BLAS_THREADS, user_api="blas"):
             for seq in plan.sequences:
                 token_ids = seq.token_ids
@@ -108,17 +115,32 @@ class NumpyRunner:
                         raise ValueError(f"request {rid}: its token is unknown and the previous step did not sample it")
                     token_ids = [known[rid]]
                 cache = self.cache.sequence(seq.page_ids)
-                logits = self.model.forward(np.asarray(token_ids), seq.start_position, cache)  # (V,)
+                targets = prompt_logprob_targets(seq)
+                logits = self.model.forward(np.asarray(token_ids), seq.start_position, cache, all_logits=targets is not None)
+                if targets is not None:  # (T, V): every position's logits, the last one samples
+                    first, ids = targets
+                    k = seq.request.sampling_params.prompt_logprobs
+                    step.prompt_logprobs[seq.request.request_id] = (first, raw_logprobs(logits[: len(ids)], ids, k))
+                    logits = logits[-1]  # (V,)
                 if seq.samples:
-                    if seq.request.grammar is not None:
-                        logits = constrained(seq.request.grammar, logits)
-                        constrained_rows = True
-                    sampled[seq.request.request_id] = self.samplers.sample(seq.request, logits)
-        # A constrained row's token must pass through its grammar before the next step's mask exists.
-        return HostStep(sampled, feeds_next=not constrained_rows)
+                    sampled[seq.request.request_id] = token = self._sample(seq.request, logits)
+                    k = seq.request.sampling_params.logprobs
+                    if k is not None:
+                        step.logprobs[seq.request.request_id] = raw_logprobs(logits[None], np.array([token]), k)
+                step.feeds_next &= not _needs_serial(seq, targets)
+        return step
 
     def collect(self, step: HostStep) -> dict[str, int]:
         return step.sampled
+
+    def _sample(self, request, logits: np.ndarray) -> int:
+        """One token from the row's raw logits (V,): edited first if the request edits them, then
+        masked by its grammar if it has a structured-output constraint (copies: `logits` stays raw)."""
+        if request.logits_edits is not None:
+            logits = apply_edits(logits, request.logits_edits.row(request.output_token_ids))
+        if request.grammar is not None:
+            logits = constrained(request.grammar, logits)
+        return self.samplers.sample(request, logits)
 
     def release(self, request_id: str) -> None:
         self.samplers.release(request_id)
@@ -131,3 +153,23 @@ def constrained(grammar: GrammarMatcher, logits: np.ndarray) -> np.ndarray:
     masked = logits[None].copy()  # (1, V)
     mask_logits(masked, bitmask)
     return masked[0]
+def _needs_serial(seq: ScheduledSequence, targets) -> bool:
+    """Whether the step of `seq` must be collected before the next is launched, as the kernel runner
+    has it: `seq` has prompt-logprob `targets`, or samples with logits edits (they count the output on
+    the host), logprobs, or a structured-output constraint (the next mask needs this token advanced
+    through the grammar)."""
+    r = seq.request
+    serial_row = r.logits_edits is not None or r.sampling_params.logprobs is not None or r.grammar is not None
+    return targets is not None or (seq.samples and serial_row)
+
+
+def prompt_logprob_targets(seq: ScheduledSequence) -> tuple[int, np.ndarray] | None:
+    """The prompt tokens whose logprobs this chunk gives, for a request that asks: (the index of the
+    first, its first position + 1; their ids (P,) int32, one per position of the chunk from its first,
+    as far as the prompt goes). None when the request asks for none or the chunk predicts no prompt token."""
+    r = seq.request
+    first = seq.start_position + 1
+    if r.sampling_params.prompt_logprobs is None or first >= r.num_prompt_tokens:
+        return None
+    end = min(seq.context_len + 1, r.num_prompt_tokens)  # the chunk's last position predicts token context_len
+    return first, np.array(r.prompt_token_ids[first:end], np.int32)

@@ -220,13 +220,19 @@ class DeviceModel:
         """The logits (B, V) of the sampled rows: gather them (from the whole residual buffer, so the
         launch depends on B only), final norm, vocabulary product. B = 0 (a step of prompt chunks
         that all stop short of their last token) launches nothing."""
-        nb = s.sample_rows.shape[0]
+        return self.head_rows(s.sample_rows)
+
+    def head_rows(self, rows):
+        """The logits (R, V) f32 of rows (R,) int32 (device) of the last step's tokens, into the
+        `logits` buffer (R at most `max_num_seqs`; a later call overwrites it): `head` for the
+        sampled rows, and for prompt logprobs the other positions of a prompt, some rows at a time."""
+        nb = rows.shape[0]
         views = self._views.get(("head", nb))
         if views is None:
             views = self._views[("head", nb)] = (self.buffers["last"][:nb], self.buffers["logits"][:nb])
         last, logits = views
         if nb:
-            gather_rows(self.buffers["x"], s.sample_rows, last)
+            gather_rows(self.buffers["x"], rows, last)
             self._linear(last, self.lm_head, logits, norm=(self.final_norm, self.config.rms_norm_eps), normed=last)
         return logits
 

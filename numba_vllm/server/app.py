@@ -52,6 +52,7 @@ from numba_vllm.server.guard import Guard
 from numba_vllm.server.http_protocol import with_header_timeout
 from numba_vllm.server.limits import ServerLimits
 from numba_vllm.server.log_limits import limit_server_logs
+from numba_vllm.server.logprobs import ChoiceLogprobs, join_completion_logprobs, prompt_logprobs_field
 from numba_vllm.server.metrics import CONTENT_TYPE
 from numba_vllm.server.openapi import document_errors
 from numba_vllm.server.protocol import (
@@ -62,6 +63,7 @@ from numba_vllm.server.protocol import (
     check_length,
     check_supported,
     constraint_field,
+    echo_only,
     envelope,
     parse_body,
     sampling_params,
@@ -228,7 +230,11 @@ def create_app(
         params = sampling_params(req, state.model.sampling_defaults)
         await _compile_constraint(state.structured, params, req)
         prompts = await _completion_prompts(state.model, req, state.limits.max_prompts_per_request)
-        return await _generate(state, request, "cmpl", prompts, params, req, model, arrival, "prompt")
+        echo_texts = None
+        if req.echo:  # the prompt as given, or decoded from its ids
+            given = [req.prompt] if isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int)) else req.prompt
+            echo_texts = [p if isinstance(p, str) else _decode(state.model, ids) for p, ids in zip(given, prompts, strict=True)]
+        return await _generate(state, request, "cmpl", prompts, params, req, model, arrival, "prompt", echo_texts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -300,6 +306,11 @@ async def _completion_prompts(model: ModelInfo, req: CompletionRequest, max_prom
     return [list(x) for x in p]
 
 
+def _decode(model: ModelInfo, ids: list[int]) -> str:
+    """Token ids as text, special tokens included (echoed prompts, logprobs' tokens); "" without a tokenizer."""
+    return "" if model.tokenizer is None else model.tokenizer.decode(ids, skip_special_tokens=False)
+
+
 async def _generate(
     state: ServerState,
     request: Request,
@@ -310,7 +321,10 @@ async def _generate(
     model: str,
     arrival: float,
     prompt_param: str,
+    echo_texts: list[str] | None = None,
 ) -> Response:
+    """Run the prompts; answer with their choices, whole or streamed. `echo_texts`: completions'
+    `echo`, each prompt's text to put before its output."""
     explicit = bool({"max_tokens", "max_completion_tokens"} & req.model_fields_set)
     for i, ids in enumerate(prompts):
         param = prompt_param if len(prompts) == 1 else f"{prompt_param}[{i}]"
@@ -334,10 +348,12 @@ async def _generate(
     submission = Submission(state, ids, prompts, n)
     await submission.start(params, arrival)  # closes the submission itself if it raises
     chat = prefix == "chatcmpl"
+    view = ChoiceLogprobs(chat, params.logprobs is not None, params.logprobs or 0, prompts, n, echo_texts, echo_only(req),
+                          lambda t: _decode(state.model, [t]), req.prompt_logprobs is not None)  # fmt: skip
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
         body = stream_chat if chat else stream_completion
-        stream = body(submission, base_id, model, req.return_token_ids, include_usage)
+        stream = body(submission, base_id, model, req.return_token_ids, include_usage, view)
         return EventStream(stream, submission, state.limits.write_timeout)
     try:
         result = await unless_disconnected(request, collect(submission))
@@ -345,23 +361,27 @@ async def _generate(
         submission.close()
     if result is None:  # the client is gone; nobody reads this
         return Response(status_code=499)
-    texts, token_ids, reasons, cached_tokens = result
+    answers, cached_tokens = result
     choices = []
-    for i in range(len(prompts) * n):  # choice i: prompt i // n, its sequence i % n (OpenAI's order)
+    for d in answers:  # choice i: prompt i // n, its sequence i % n (OpenAI's order)
+        echoed, prompt_logprobs = view.prefix(d.index, d.prompt_logprobs)
+        text, token_ids, logprobs = view.output(d.index, d.text, d.token_ids, d.logprobs)
+        if echoed:
+            text = echoed + text
+            logprobs = join_completion_logprobs(prompt_logprobs, logprobs) if logprobs is not None else prompt_logprobs
         if chat:
-            choice = {
-                "index": i,
-                "message": {"role": "assistant", "content": texts[i]},
-                "logprobs": None,
-                "finish_reason": reasons[i],
-            }
+            choice = {"index": d.index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                      "finish_reason": d.finish_reason}  # fmt: skip
         else:
-            choice = {"index": i, "text": texts[i], "logprobs": None, "finish_reason": reasons[i]}
+            choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
         if req.return_token_ids:
-            choice.update(prompt_token_ids=prompts[i // n], token_ids=token_ids[i])
+            choice.update(prompt_token_ids=prompts[d.index // n], token_ids=token_ids)
+        if req.prompt_logprobs is not None and d.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs_field(d.prompt_logprobs)
         choices.append(choice)
     body = envelope(base_id, "chat.completion" if chat else "text_completion", model)
-    body.update(choices=choices, usage=usage(sum(map(len, prompts)), sum(map(len, token_ids)), cached_tokens))
+    completion_tokens = 0 if view.echo_only else sum(len(d.token_ids) for d in answers)
+    body.update(choices=choices, usage=usage(sum(map(len, prompts)), completion_tokens, cached_tokens))
     return JSONResponse(body)
 
 

@@ -49,6 +49,7 @@ logger = logging.getLogger("uvicorn.error")  # printed by uvicorn's handler in a
 
 MAX_CONSECUTIVE_FAILED_STEPS = 3  # failed steps in a row after which the engine is taken to be broken
 LINGER_MS = 2000  # how long the last messages may wait for the front end once the loop has ended
+_MODEL_FIELDS = ("logit_bias", "bad_words")  # sampling fields checked against the model when a request is added
 
 
 class EngineBrokenError(RuntimeError):
@@ -138,8 +139,9 @@ class EngineCore:
             except GrammarError as e:  # a constraint that does not compile here (the front end compiled it too)
                 self._refused.append(Refused(request_id, 400, str(e), "structured_outputs"))
                 return
-            except ValueError as e:  # the prompt cannot run (the front end's checks should have caught it)
-                self._refused.append(Refused(request_id, 400, str(e), "prompt"))
+            except ValueError as e:  # the prompt cannot run (the front end's checks should have caught it), or a
+                field = str(e).split(":", 1)[0]  # sampling field needs the model (logit_bias ids, bad_words)
+                self._refused.append(Refused(request_id, 400, str(e), field if field in _MODEL_FIELDS else "prompt"))
                 return
             except Exception:
                 logger.error("add_request failed (request %s):\n%s", request_id, traceback.format_exc())

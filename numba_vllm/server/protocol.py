@@ -2,10 +2,13 @@
 
 Requests are parsed by pydantic in strict mode: a JSON string is not a number, `true` is not 1.
 Every field is honoured or refused, never silently dropped: fields the OpenAI API (or vLLM's
-extensions) define but this engine cannot honour (`logprobs`, `echo`, penalties, tools, `best_of`,
-`min_p`, ...) get a 400 naming the field, and so does a field nobody here knows (as the OpenAI API
-answers). Before validation the body is checked as JSON: at most `MAX_JSON_DEPTH` levels of nesting,
-and no lone UTF-16 surrogate (`"\\ud800"`) in any string, which no tokenizer or encoder can take.
+extensions) define but this engine cannot honour (tools, `suffix`, `best_of` other than n, ...) get
+a 400 naming the field, and so does a field nobody here knows (as the OpenAI API answers). The
+sampling fields (penalties, `logit_bias`, `min_p`, `min_tokens`, `bad_words`, ...) and logprobs
+(completions' `logprobs: k` and `echo`, chat's `logprobs` with `top_logprobs`) are honoured as vLLM
+does; a value `SamplingParams` refuses is a 400 naming the field. Before validation the body is
+checked as JSON: at most `MAX_JSON_DEPTH` levels of nesting, and no lone UTF-16 surrogate
+(`"\\ud800"`) in any string, which no tokenizer or encoder can take.
 Every error leaves as `{"error": {"message", "type", "param", "code"}}`.
 """
 
@@ -111,10 +114,10 @@ class _GenerationRequest(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (a JSON key, so a string) -> bias in [-100, 100]
     user: str | None = None  # the end user's id, for the client's records: accepted, no effect on generation
     return_token_ids: bool = False  # extension: token ids alongside the text (prompt and output)
-    repetition_penalty: float | None = None  # vLLM's extensions, not implemented yet: only their neutral values
+    repetition_penalty: float | None = None  # vLLM's extensions, as SamplingParams takes them
     min_p: float | None = None
     min_tokens: int | None = None
     # Structured output (at most one of these fields): OpenAI's, vLLM's, and vLLM's older names.
@@ -124,12 +127,15 @@ class _GenerationRequest(_Body):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # extension: top logprobs of every prompt token
     # What routers (vllm-router) add to every request they forward, at these values: accepted there,
-    # since they are what this server does anyway (stop strings cut, no hidden states, special
-    # tokens left out of the text); any other value is refused.
+    # since they are what this server does anyway (stop strings cut, no hidden states); any other
+    # value is refused.
     no_stop_trim: bool = False
     return_hidden_states: bool = False
-    skip_special_tokens: bool = True
 
 
 class CompletionRequest(_GenerationRequest):
@@ -266,15 +272,7 @@ def _param_of(loc: tuple) -> tuple[str, str]:
 # ---- request -> engine inputs ---------------------------------------------------------------------
 def check_supported(req: _GenerationRequest) -> None:
     """Reject OpenAI fields this engine cannot honour, naming the field."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0):
-            raise bad_request(f"{name} is not supported (only 0)", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", "logit_bias")
-    for name, neutral in (("repetition_penalty", 1), ("min_p", 0), ("min_tokens", 0)):
-        if getattr(req, name) not in (None, neutral):
-            raise bad_request(f"{name} is not supported yet (only {neutral})", name)
-    for name, neutral in (("no_stop_trim", False), ("return_hidden_states", False), ("skip_special_tokens", True)):
+    for name, neutral in (("no_stop_trim", False), ("return_hidden_states", False)):
         if getattr(req, name) != neutral:
             raise bad_request(f"{name} is not supported (only {str(neutral).lower()})", name)
     if isinstance(req, ChatCompletionRequest):
@@ -284,17 +282,15 @@ def check_supported(req: _GenerationRequest) -> None:
     if req.stream_options is not None and not req.stream:
         raise bad_request("stream_options is only allowed with stream: true", "stream_options")
     if isinstance(req, CompletionRequest):
-        if req.echo:
-            raise bad_request("echo is not supported", "echo")
-        if req.logprobs is not None:
-            raise bad_request("logprobs is not supported", "logprobs")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad_request("max_tokens must be an integer >= 1 (0 only with echo: the prompt alone)", "max_tokens")
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request(f"best_of is not supported (only equal to n, {req.n or 1})", "best_of")
         if req.suffix:
             raise bad_request("suffix is not supported", "suffix")
     else:
-        if req.logprobs or req.top_logprobs:
-            raise bad_request("logprobs is not supported", "logprobs")
+        if req.top_logprobs is not None and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         if req.tools:
             raise bad_request("tools are not supported", "tools")
         if req.tool_choice not in (None, "none"):
@@ -310,30 +306,59 @@ def requested_max_tokens(req: _GenerationRequest) -> int | None:
     return req.max_tokens
 
 
+def echo_only(req: _GenerationRequest) -> bool:
+    """A completions request for the prompt alone (echo with max_tokens 0): the engine runs the prompt
+    and samples one token, which the answer leaves out."""
+    return isinstance(req, CompletionRequest) and bool(req.echo) and req.max_tokens == 0
+
+
+def _logprobs_fields(req: _GenerationRequest) -> tuple[int | None, int | None, str]:
+    """(logprobs, prompt_logprobs, the request field logprobs came from) for SamplingParams:
+    completions' `logprobs: k` (and `echo`: the prompt's too), chat's `logprobs` + `top_logprobs`."""
+    if isinstance(req, CompletionRequest):
+        prompt = req.prompt_logprobs
+        if req.echo and req.logprobs is not None and prompt is None:
+            prompt = req.logprobs
+        return req.logprobs, prompt, "logprobs"
+    k = (req.top_logprobs or 0) if req.logprobs else None
+    return k, req.prompt_logprobs, "top_logprobs"
+
+
 def sampling_params(req: _GenerationRequest, defaults: dict[str, Any] | None = None) -> SamplingParams:
     """The request's SamplingParams; a value SamplingParams refuses becomes a 400 naming the field.
 
     `defaults` (the model's, `LLMEngine.sampling_defaults`) fill what the request leaves out (a field
     absent or null), as in vLLM; a value given explicitly wins; the rest take SamplingParams' own."""
-    given = {k: getattr(req, k) for k in ("temperature", "top_p", "top_k") if getattr(req, k) is not None}
+    logprobs, prompt_logprobs, logprobs_field = _logprobs_fields(req)
+    optional = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    given = {k: getattr(req, k) for k in optional if getattr(req, k) is not None}
     try:
         return SamplingParams(
             **{**(defaults or {}), **given},
             n=1 if req.n is None else req.n,
             seed=req.seed,
-            max_tokens=requested_max_tokens(req),
+            max_tokens=1 if echo_only(req) else requested_max_tokens(req),
             stop=[] if req.stop is None else req.stop,
             stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos,
             structured_outputs=structured_outputs(req),
+            logit_bias=req.logit_bias,
+            min_tokens=req.min_tokens or 0,
+            bad_words=req.bad_words or [],
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            skip_special_tokens=req.skip_special_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
     except ValueError as e:
         message = str(e)
-        param = message.split(" ", 1)[0]
+        param = message.split(" ", 1)[0].rstrip(":")
         if param not in SamplingParams.__dataclass_fields__:
             param = None
         elif param == "max_tokens" and isinstance(req, ChatCompletionRequest) and req.max_completion_tokens is not None:
             param = "max_completion_tokens"
+        elif param == "logprobs":
+            param = logprobs_field
         raise bad_request(message, param) from None
 
 

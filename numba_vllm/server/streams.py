@@ -25,6 +25,7 @@ from fastapi.responses import StreamingResponse
 
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.server.engine_loop import Delta, Sink
+from numba_vllm.server.logprobs import ChoiceLogprobs, prompt_logprobs_field
 from numba_vllm.server.protocol import APIError, envelope, sse, usage
 
 if TYPE_CHECKING:
@@ -99,10 +100,14 @@ def _merge(batch: list[Delta]) -> list[Delta]:
     for d in batch:
         m = merged.get(d.index)
         if m is None:
-            merged[d.index] = Delta(d.index, d.text, list(d.token_ids), d.finish_reason, d.error, d.num_cached_tokens)
+            merged[d.index] = Delta(d.index, d.text, list(d.token_ids), d.finish_reason, d.error, d.num_cached_tokens,
+                                    None if d.logprobs is None else list(d.logprobs), d.prompt_logprobs)  # fmt: skip
         else:
             m.text += d.text
             m.token_ids += d.token_ids
+            if d.logprobs is not None:
+                m.logprobs = (m.logprobs or []) + d.logprobs
+            m.prompt_logprobs = m.prompt_logprobs or d.prompt_logprobs
             m.finish_reason = d.finish_reason or m.finish_reason
             m.error = d.error or m.error
             m.num_cached_tokens = max(m.num_cached_tokens, d.num_cached_tokens)
@@ -171,46 +176,58 @@ async def unless_disconnected(request: Request, work):
     return task.result()
 
 
-async def collect(submission: Submission) -> tuple[list[str], list[list[int]], list[str | None], int]:
-    """Every choice's text, token ids and finish reason, and the prompt tokens the prefix cache supplied
-    (counted once per prompt, as its prompt tokens are)."""
-    n = submission.num_choices
-    texts, token_ids, reasons, cached = [""] * n, [[] for _ in range(n)], [None] * n, [0] * len(submission.prompts)
-    async for batch in submission.batches():
-        for d in batch:
-            if d.error is not None:
-                raise d.error
-            texts[d.index] += d.text
-            token_ids[d.index] += d.token_ids
-            reasons[d.index] = d.finish_reason
-            cached[d.index // submission.n] = max(cached[d.index // submission.n], d.num_cached_tokens)
-    return texts, token_ids, reasons, sum(cached)
+async def collect(submission: Submission) -> tuple[list[Delta], int]:
+    """Every choice's whole answer as one Delta (text, token ids, finish reason, logprobs), in choice
+    order, and the prompt tokens the prefix cache supplied (counted once per prompt, as its prompt
+    tokens are)."""
+    batches = [d async for batch in submission.batches() for d in batch]
+    for d in batches:
+        if d.error is not None:
+            raise d.error
+    choices = _merge(batches)
+    cached = [0] * len(submission.prompts)
+    for d in choices:
+        cached[d.index // submission.n] = max(cached[d.index // submission.n], d.num_cached_tokens)
+    return choices, sum(cached)
 
 
-async def stream_completion(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool):
+async def stream_completion(
+    sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool, view: ChoiceLogprobs
+):
+    """Completion chunks; with echo, each choice's first chunk is its prompt (and its logprobs)."""
     created = int(time.time())
     completion_tokens = 0
     cached = [0] * len(sub.prompts)
     started = set()
+
+    def chunk(choice: dict) -> bytes:
+        c = envelope(base_id, "text_completion", model, created)
+        c["choices"] = [choice]
+        return sse(c)
+
     async for batch in sub.batches():
         for d in _merge(batch):
             if d.error is not None:
                 yield sse(d.error.body())
                 yield sse("[DONE]")
                 return
-            completion_tokens += len(d.token_ids)
             cached[d.index // sub.n] = max(cached[d.index // sub.n], d.num_cached_tokens)
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
-            choice = {"index": d.index, "text": d.text, "logprobs": None, "finish_reason": d.finish_reason}
+            if d.index not in started and view.echo_texts is not None:
+                text, logprobs = view.prefix(d.index, d.prompt_logprobs)
+                yield chunk({"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": None})
+            text, token_ids, logprobs = view.output(d.index, d.text, d.token_ids, d.logprobs)
+            completion_tokens += len(token_ids)
+            choice = {"index": d.index, "text": text, "logprobs": logprobs, "finish_reason": d.finish_reason}
+            if view.prompt_field and d.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_field(d.prompt_logprobs)
             if with_ids:
-                choice["token_ids"] = d.token_ids
+                choice["token_ids"] = token_ids
                 if d.index not in started:
                     choice["prompt_token_ids"] = sub.prompts[d.index // sub.n]
             started.add(d.index)
-            chunk = envelope(base_id, "text_completion", model, created)
-            chunk["choices"] = [choice]
-            yield sse(chunk)
+            yield chunk(choice)
     if include_usage:
         chunk = envelope(base_id, "text_completion", model, created)
         chunk.update(choices=[], usage=usage(sum(map(len, sub.prompts)), completion_tokens, sum(cached)))
@@ -218,12 +235,12 @@ async def stream_completion(sub: Submission, base_id: str, model: str, with_ids:
     yield sse("[DONE]")
 
 
-async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool):
+async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool, include_usage: bool, view: ChoiceLogprobs):
     created = int(time.time())
 
-    def chunk(index: int, delta: dict, finish_reason: str | None = None, **extra) -> bytes:
+    def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs: dict | None = None, **extra) -> bytes:
         c = envelope(base_id, "chat.completion.chunk", model, created)
-        c["choices"] = [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason, **extra}]
+        c["choices"] = [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason, **extra}]
         return sse(c)
 
     first = {"prompt_token_ids": sub.prompts[0]} if with_ids else {}
@@ -242,7 +259,9 @@ async def stream_chat(sub: Submission, base_id: str, model: str, with_ids: bool,
             if not (d.text or d.token_ids or d.finish_reason):
                 continue
             extra = {"token_ids": d.token_ids} if with_ids else {}
-            yield chunk(d.index, {"content": d.text} if d.text or not d.finish_reason else {}, d.finish_reason, **extra)
+            _, _, logprobs = view.output(d.index, d.text, d.token_ids, d.logprobs)
+            content = {"content": d.text} if d.text or not d.finish_reason else {}
+            yield chunk(d.index, content, d.finish_reason, logprobs, **extra)
     if include_usage:
         c = envelope(base_id, "chat.completion.chunk", model, created)
         c.update(choices=[], usage=usage(len(sub.prompts[0]), completion_tokens, cached))
