@@ -349,22 +349,22 @@ def _host_sampled(request: Request) -> bool:
 def _find_logits_work(step: KernelStep, seqs: list[ScheduledSequence]) -> None:
     """Fill in the step's edited rows, constrained rows, logprob rows and prompt-logprob sequences, in one pass over
     `seqs` (in the step's order: prefilling first, their tokens' rows leading the step)."""
-    row = token_row = 0
-    for s in seqs:
+    row = 0
+    for i, s in enumerate(seqs):
         r = s.request
+        p = r.sampling_params
         if s.samples:
-            if r.sampling_params.logprobs is not None:
+            if p.logprobs is not None:
                 step.logprob_rows.append(row)
             if r.logits_edits is not None:
                 step.edited.append(row)
             if r.grammar is not None:
                 step.constrained.append(row)
             row += 1
-        if r.sampling_params.prompt_logprobs is not None:
+        if p.prompt_logprobs is not None:
             targets = prompt_logprob_targets(s)
-            if targets is not None:
-                step.prompt_targets.append((r, token_row, *targets))
-        token_row += s.num_new_tokens
+            if targets is not None:  # its first token's row: after the tokens of the sequences before it
+                step.prompt_targets.append((r, sum(q.num_new_tokens for q in seqs[:i]), *targets))
 
 
 def _edit_entries(step: KernelStep) -> tuple[np.ndarray, ...]:
