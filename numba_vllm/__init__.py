@@ -9,5 +9,6 @@
 from numba_vllm.engine.llm_engine import LLM, LLMEngine
 from numba_vllm.engine.output import RequestOutput
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.structured import StructuredOutputsParams
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputsParams"]

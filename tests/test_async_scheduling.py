@@ -10,6 +10,7 @@ every step and all come back at the end.
 """
 
 import queue
+import re
 import threading
 import time
 
@@ -22,6 +23,7 @@ from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.request import Request
 from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.scheduler import Scheduler
+from numba_vllm.engine.structured import StructuredOutputsParams
 from numba_vllm.executor.numpy_runner import prompt_logprob_targets
 from numba_vllm.loading.checkpoint import load_checkpoint
 from tests.helpers.tiny_llama import tiny_checkpoint, write_chat_checkpoint
@@ -52,12 +54,13 @@ class FakeStep:
 
 def _feeds_next(plan) -> bool:
     """The GPU's rule: a step feeds the next unless a row is sampled on the host (top-k, top-p,
-    min-p), edits its logits (penalties, bias, ...) or wants logprobs, or a chunk wants prompt logprobs."""
+    min-p), edits its logits (penalties, bias, ...), wants logprobs or has a structured-output
+    constraint (its grammar must see the token before the next mask), or a chunk wants prompt logprobs."""
     for s in plan.sequences:
         p = s.request.sampling_params
         if prompt_logprob_targets(s) is not None:
             return False
-        if s.samples and (p.logprobs is not None or s.request.logits_edits is not None):
+        if s.samples and (p.logprobs is not None or s.request.logits_edits is not None or s.request.grammar is not None):
             return False
         if s.samples and not p.greedy and (p.top_k or p.top_p < 1 or p.min_p > 0):
             return False
@@ -67,8 +70,9 @@ def _feeds_next(plan) -> bool:
 class FakeDevice:
     """The NumPy runner behind a queue: `mode` "thread" runs steps on a worker after random delays,
     "lazy" only when a step is collected (then every step launched before it first). Steps with a
-    top-k or top-p row, logits edits or logprobs do not feed the next one (`_feeds_next`), and run
-    as they are launched (as the kernel runner works out the edits at launch)."""
+    top-k or top-p row, logits edits, logprobs or a structured-output row do not feed the next one
+    (`_feeds_next`), and run as they are launched (as the kernel runner works out the edits and the
+    token masks at launch)."""
 
     def __init__(self, runner, mode: str, seed: int = 0):
         self.runner, self.mode = runner, mode
@@ -139,6 +143,7 @@ class FakeDevice:
             self.runner.release(what)
             return
         what.inner = self.runner.launch(what.plan, what.previous.inner if what.previous is not None else None)
+        assert what.inner.feeds_next or not what.feeds_next, "the runner feeds from a step the fake device would not"
         what.done.set()
 
 
@@ -234,6 +239,39 @@ def test_host_sampled_steps_are_collected_before_the_next_is_scheduled(tiny_dir)
     assert any(not s.feeds_next for s in engine.runner.launched) and any(s.previous for s in engine.runner.launched)
 
 
+def test_steps_with_constrained_rows_are_collected_before_the_next_is_scheduled(tmp_path):
+    """A structured-output row's next mask needs its token advanced through its grammar: a step with
+    one cannot feed the next (the fake device asserts that nothing is launched before it is collected,
+    and runs each step's masks when the step runs, on its own thread). Staggered arrivals put
+    constrained and free requests in one batch; their tokens are the serial engine's, every
+    constrained text matches, and the free requests' steps still overlap."""
+    path = write_chat_checkpoint(tmp_path)
+    regex = r"(ab|b[a-c]?){1,3}-[0-9]{2}"
+    choices = ["hello", "hi", "the world"]
+    params = [
+        SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=24, structured_outputs=StructuredOutputsParams(choice=choices)),
+        SamplingParams(temperature=1.0, seed=3, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_k=4, seed=5, max_tokens=24, structured_outputs=StructuredOutputsParams(regex=regex)),
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+    ]
+    arrivals = [(f"r{i}", p, sp) for i, (p, sp) in enumerate(zip(PROMPTS[:6], params, strict=True))]
+    serial, overlapped = engines(path, max_num_seqs=3, max_num_batched_tokens=16)
+    want = {rid: (o.token_ids, o.finish_reason) for rid, o in run(serial, arrivals).items()}
+    for rid in ("r1", "r4"):
+        assert want[rid][1] == "stop"
+    for engine in overlapped:
+        outputs = run(engine, arrivals)
+        assert {rid: (o.token_ids, o.finish_reason) for rid, o in outputs.items()} == want
+        assert re.fullmatch(regex, outputs["r1"].text) and re.fullmatch(regex, outputs["r4"].text)
+        assert outputs["r2"].text in choices and outputs["r2"].finish_reason == "stop"
+        launched = engine.runner.launched
+        constrained = [s for s in launched if any(q.request.grammar is not None for q in s.plan.sequences if q.samples)]
+        assert constrained and not any(s.feeds_next for s in constrained)
+        assert not any(s.previous in constrained for s in launched)  # never fed from one
+        assert any(s.previous is not None for s in launched)  # the free requests' steps overlap
+        assert _all_pages_back(engine)
 def test_steps_with_logits_edits_or_logprobs_are_collected_before_the_next_is_scheduled(tiny_dir):
     """Edits count the output on the host and logprobs read the step's logits when it is collected:
     such steps do not feed the next one (the fake device asserts the engine waits). Tokens, logprobs

@@ -1,12 +1,13 @@
 """The examples run and print what their docstrings promise: every mode of every example.
 
 `continuous_batching.py --tiny` runs on a tiny random Llama (about a second), in-process through its
-`main`; with a real model, and `offline_batch.py`, it needs the default model (SmolLM2) and is
-skipped when that is not installed. `step_through_kernel.py` runs as a program (it turns the
+`main`; with a real model, and `offline_batch.py` and `structured_output.py`, it needs the default
+model (SmolLM2) and is skipped when that is not installed. `step_through_kernel.py` runs as a program (it turns the
 simulator on before numba is imported), each kernel with `--no-pdb` and in pdb, fed `c` commands.
 """
 
 import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -74,6 +75,18 @@ def test_continuous_batching_rejects_a_prompt_longer_than_the_cache(capsys):
     assert "+ B rejected: the prompt has 40 tokens" in out
     assert "B: " not in out  # the others still run to the end
     assert re.search(r"steps: \d+, preemptions: \d+", out)
+
+
+@pytest.mark.slow  # SmolLM2 on the NumPy backend: two JSON answers, a choice and a date
+@needs_smollm2
+def test_structured_output_on_numpy(capsys):
+    load_example("structured_output").main(["--backend", "numpy"])
+    out = capsys.readouterr().out
+    assert out.startswith("backend: numpy")
+    people = [json.loads(text) for text in re.findall(r"^json \(seed \d\): (.*?)\n   parsed:", out, re.MULTILINE | re.DOTALL)]
+    assert len(people) == 2 and all(set(p) == {"name", "age", "likes"} for p in people)
+    assert re.search(r"^choice: (Paris|London|Madrid)$", out, re.MULTILINE)
+    assert re.search(r"^regex: (19|20)[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]$", out, re.MULTILINE)
 
 
 @pytest.mark.slow  # loads SmolLM2 and runs five prompts on the NumPy backend: ~20 s

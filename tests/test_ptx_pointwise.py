@@ -22,7 +22,7 @@ from tests.helpers.ptx import compile_ptx, ptx_problems
 pytestmark = pytest.mark.slow  # compiles every kernel (seconds each)
 
 VARIANTS = select(("embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "gather_rows", "argmax", "sample_gumbel",
-                   "reduce_parts", "rope"))  # fmt: skip
+                   "reduce_parts", "rope", "logits_mask"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

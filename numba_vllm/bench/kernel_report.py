@@ -178,6 +178,7 @@ REGISTRY: tuple[KernelVariant, ...] = (
     KernelVariant("sample_gumbel", "", "sample:sample_gumbel_kernel", f"(f32(2), f32(1), u32(1), i32(1), {PICK_TAIL})",
                   "SAMPLE_MAX_THREADS"),  # fmt: skip
     KernelVariant("reduce_parts", "", "sample:reduce_parts_kernel", "(f32(1), i32(1), int64, i32(1))", "WARP_SIZE"),
+    KernelVariant("logits_mask", "", "logits_mask:logits_mask_kernel", "(f32(2), i32(1), i32(2))", "MASK_THREADS"),
     KernelVariant("logits_edits", "", "logits_edits:logits_edits_kernel",
                   "(f32(2), i32(1), i32(1), i32(1), i32(1), i32(1), f32(1), f32(2))", "EDIT_THREADS"),  # fmt: skip
     # hot=False: each thread's top k is a local array indexed at run time (only rows asking for logprobs run it)

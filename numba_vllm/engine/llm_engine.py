@@ -22,7 +22,9 @@ this exact:
 - a step whose tokens the host must sample (top-k, top-p, min-p: the runner reads its logits), or
   with logits edits (penalties, logit_bias, min_tokens, bad_words: they count each request's output
   on the host) or logprobs (computed from its logits when it is collected), is collected before the
-  next step is scheduled (serial order), as is every step without `async_scheduling`.
+  next step is scheduled (serial order), as is every step without `async_scheduling`;
+- so is a step with a structured-output row: the next step's token mask is computed from the
+  request's grammar advanced by this step's token (`_complete`), which must be known first.
 A `step()` call therefore returns the outputs of the step launched by the call before it (the first
 call returns none).
 
@@ -56,6 +58,7 @@ from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.sampling_defaults import model_sampling_defaults
 from numba_vllm.engine.scheduler import Scheduler, StepPlan
 from numba_vllm.engine.stats import EngineStats, StepStats, collect_stats, step_stats
+from numba_vllm.engine.structured import StructuredOutputs
 from numba_vllm.executor.backend import create_runner, prepare_backend, resolve_backend
 from numba_vllm.loading.checkpoint import Checkpoint, load_checkpoint
 
@@ -101,6 +104,7 @@ class LLMEngine:
             ec.max_num_seqs, cap.max_num_batched_tokens, allocator, cap.max_model_len, scheduling=ec.scheduling,
             long_prefill_token_threshold=cap.long_prefill_token_threshold, cache_key=prefix_cache_key(checkpoint),
         )  # fmt: skip
+        self.structured = StructuredOutputs.for_model(self.config, self.tokenizer)  # compiles constraints
         # Sampling values requests take unless they set their own (engine/sampling_defaults.py).
         self.sampling_defaults = model_sampling_defaults(self.config, ec.generation_config)
         self._builders: dict[str, OutputBuilder] = {}  # by child request id, while it runs
@@ -126,7 +130,8 @@ class LLMEngine:
         """Queue a prompt (text, or token ids); returns its output, filled in as steps run.
 
         A prompt the model cannot run (empty, too long for `max_model_len`, ids outside the
-        vocabulary) raises `PromptError` (a ValueError) for this request alone. With `params.n` > 1
+        vocabulary) raises `PromptError` (a ValueError) for this request alone, and so does a
+        structured-output constraint that does not compile (`GrammarError`). With `params.n` > 1
         the request runs as n children `f"{i}_{request_id}"` (vLLM's naming); child i samples with
         seed `params.seed + i` when a seed is given, so the sequences differ and each is reproducible.
         """
@@ -141,6 +146,9 @@ class LLMEngine:
         else:
             ids = [int(t) for t in prompt]
         self.lengths.check_prompt(ids)
+        constraint = params.structured_outputs
+        if constraint is not None:
+            self.structured.compile(constraint)  # GrammarError (a ValueError) before anything is queued
         n = params.n
         child_ids = [request_id] if n == 1 else [f"{i}_{request_id}" for i in range(n)]
         if any(c in self._builders for c in child_ids):
@@ -156,7 +164,8 @@ class LLMEngine:
         edits = [self._logits_edits(p, ids) for p in child_params]  # raises before anything is registered
         children = []
         for i, child_id in enumerate(child_ids):
-            children.append(Request(child_id, ids, child_params[i], next(self._arrivals), logits_edits=edits[i]))
+            grammar = self.structured.matcher(constraint) if constraint is not None else None  # each child its own state
+            children.append(Request(child_id, ids, child_params[i], next(self._arrivals), logits_edits=edits[i], grammar=grammar))
             self._builders[child_id] = OutputBuilder(
                 output, output.outputs[i], child_params[i], self.config, self.tokenizer, budget, self.detokenize
             )
@@ -326,15 +335,23 @@ class LLMEngine:
             self._collect_prompt_logprobs(flight.handle)
         updated: dict[int, RequestOutput] = {}  # each request's output once, however many of its children moved
         for request in self.scheduler.fill(flight.plan, sampled):
-            builder = self._builders[request.request_id]
+            builder = self._builders.get(request.request_id)
+            if builder is None:  # a sibling failed earlier in this loop, and ended it
+                continue
             output = builder.output
             if builder.completion.index == 0:
                 output.num_cached_tokens = request.num_cached_tokens
+            token = sampled[request.request_id]
+            grammar = request.grammar
+            if grammar is not None and not grammar.accept(token):  # the mask allowed it: a bug, or llguidance's limits
+                output = self._fail(request, f"structured output: token {token} does not fit the grammar: {grammar.error}")
+                updated[id(output)] = output
+                continue
             collector = self._logprobs.get(request.request_id) if self._logprobs else None
             if collector is not None and collector.logprobs is not None:
                 collector.add_sampled(flight.handle.logprobs[request.request_id])
                 builder.completion.cumulative_logprob = collector.cumulative_logprob
-            builder.add(sampled[request.request_id])
+            builder.add(token, stop=grammar is not None and grammar.is_finished)
             if builder.completion.finished():
                 self.scheduler.finish(request, _STATUS_OF_REASON[builder.completion.finish_reason])
                 self.runner.release(request.request_id)
@@ -343,7 +360,7 @@ class LLMEngine:
             updated[id(output)] = output
         for output in updated.values():
             if output.finished:
-                del self._families[output.request_id]
+                self._families.pop(output.request_id, None)  # (already gone if a sequence failed)
         return list(updated.values())
 
     def _release_siblings(self) -> None:

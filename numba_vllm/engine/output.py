@@ -92,8 +92,9 @@ class OutputBuilder:
         self.held = _StopStringFilter(params.stop, params.include_stop_str_in_output)
         self.min_tokens = params.min_tokens
 
-    def add(self, token: int) -> str:
-        """Append one sampled token; return the text that became final (sets finish_reason when done)."""
+    def add(self, token: int, stop: bool = False) -> str:
+        """Append one sampled token; return the text that became final (sets finish_reason when done).
+        `stop`: the sequence ends with this token (its structured-output grammar is complete)."""
         out = self.completion
         out.token_ids.append(token)  # a stop token is kept in the ids, never in the text
         delta = ""
@@ -104,6 +105,8 @@ class OutputBuilder:
             delta, hit = self.held.push(self.detok.add(token), look=len(out.token_ids) >= self.min_tokens)
             if hit is not None:
                 out.finish_reason, out.stop_reason = "stop", hit
+        if stop and out.finish_reason is None:
+            out.finish_reason = "stop"
         if out.finish_reason is None and len(out.token_ids) >= self.max_new_tokens:
             out.finish_reason = "length"
         if out.finish_reason is not None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from numba_vllm.engine.logits_edits import LogitsEdits
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.structured import GrammarMatcher
 
 
 class RequestStatus(enum.Enum):
@@ -69,6 +70,7 @@ class Request:
     num_preemptions: int = 0  # times this request lost its pages and had to recompute
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its first admission
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its first full pages (prefix_cache.py)
+    grammar: GrammarMatcher | None = None  # its structured-output constraint's parser state (structured.py), if any
     logits_edits: LogitsEdits | None = None  # its penalties, bias and masks, if its sampling params edit logits
 
     def __post_init__(self) -> None:

@@ -15,7 +15,8 @@ Before temperature, the logits of a row are edited as vLLM does, in this order: 
 one multiplied), `frequency_penalty` (times the token's count in the output) and `presence_penalty`
 (once if the token is in the output) are subtracted. After temperature, `min_p` drops tokens whose
 probability is below min_p times the most likely token's, then top-k and top-p. Rows that use none
-of these cost nothing (`engine/logits_edits.py`, `kernels/logits_edits.py`).
+of these cost nothing (`engine/logits_edits.py`, `kernels/logits_edits.py`). After the edits, a
+row with `structured_outputs` has the tokens its grammar forbids set to -inf (`engine/structured.py`).
 
 Logprobs (`logprobs`, `prompt_logprobs`: the top k, 0 <= k <= MAX_LOGPROBS, besides the chosen or
 the prompt's own token) are vLLM's default kind: the log-softmax of the model's raw logits, before
@@ -28,6 +29,8 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from numba_vllm.engine.structured import StructuredOutputsParams
 
 MIN_TEMPERATURE = 1e-5  # lower temperatures mean greedy (vLLM's _SAMPLING_EPS); logits / 1e-5 stay finite in float64
 MAX_LOGPROBS = 20  # the most top logprobs a request may ask for (OpenAI's limit, vLLM's default)
@@ -58,6 +61,7 @@ class SamplingParams:
     skip_special_tokens: bool = True  # leave special tokens out of the text
     logprobs: int | None = None  # top logprobs of each output token (0 = the chosen token only)
     prompt_logprobs: int | None = None  # top logprobs of each prompt token (0 = the token's own only)
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice or grammar to match
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +91,9 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
         if not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            kind = type(self.structured_outputs).__name__
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {kind}")
         self._check_edits()
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(self, name)

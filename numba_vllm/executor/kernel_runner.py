@@ -12,14 +12,20 @@ step): greedy rows by argmax, temperature-only rows by the Gumbel-max kernel (no
 request's seed and output index, so a request's tokens do not depend on its batch); rows with top-k,
 top-p or min-p copy their logits to the host sampler.
 
-Logits edits and logprobs (`_edit_and_resample`, `_sampled_logprobs`, `_prompt_logprobs`): rows
-with penalties, logit_bias, min_tokens or bad_words are edited on the device after the forward (and
-the graph's sampler), in the step's logits buffer, and sampled again from the edited rows, before
-the tokens are downloaded; rows that also want logprobs have their raw logits copied aside first.
-Logprobs are computed when the step is collected: of the sampled tokens from the raw logits, of
-prompt tokens from the head run again over the chunk's positions. Such a step does not feed the
-next (`KernelStep.feeds_next`): the edits count each request's output on the host, and the logprobs
-read the step's buffers, which the next step would overwrite.
+Logits edits, token masks and logprobs (`_edit_and_mask`, `_sampled_logprobs`, `_prompt_logprobs`):
+rows with penalties, logit_bias, min_tokens or bad_words are edited on the device in the step's
+logits buffer, then rows with a structured-output constraint have the tokens their grammar forbids
+set to -inf (`kernels/logits_mask.py`; their bitmasks are computed on the host while the device runs
+the step's forward pass, `TokenMasks`), so every sampler, the host's included, sees edited and
+masked logits. An eager step does this before its sampler runs; a step replayed from graphs samples
+inside them (the decode graph, the piecewise head graph), so its rows are edited and masked after
+the graph and sampled again (the samplers are deterministic: untouched rows draw the same tokens),
+before the tokens are downloaded. Rows that want logprobs have their raw logits copied aside first
+(vLLM's logprobs are the model's, unedited and unmasked). Logprobs are computed when the step is
+collected: of the sampled tokens from the raw logits, of prompt tokens from the head run again over
+the chunk's positions. Such a step does not feed the next (`KernelStep.feeds_next`): the edits count
+each request's output on the host, the next mask needs this step's token advanced through the
+grammar on the host, and the logprobs read the step's buffers, which the next step would overwrite.
 
 A step is launched and collected apart (`launch` queues everything on the runner's stream and
 returns; `collect` waits for its tokens), so the engine can schedule and launch step n+1 while step
@@ -40,16 +46,18 @@ from numba_vllm.engine.kv_cache import pages_for_tokens
 from numba_vllm.engine.logprobs import PositionLogprobs
 from numba_vllm.engine.request import Request
 from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
+from numba_vllm.engine.structured import bitmask_words, fill_token_bitmasks
 from numba_vllm.executor.capacity import Capacity
 from numba_vllm.executor.cuda_graph import DecodeGraphs, GraphRecorder
 from numba_vllm.executor.host_sampling import RequestSamplers
-from numba_vllm.executor.inputs import SamplerInputs, SamplingRows, StepLayout, bucket, null_sequences, table_width
+from numba_vllm.executor.inputs import SamplingRows, StepLayout, bucket, null_sequences, table_width
 from numba_vllm.executor.numpy_runner import prompt_logprob_targets
 from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
 from numba_vllm.executor.staging import StagingSlot, StepStaging
 from numba_vllm.kernels._launch import launching_on
 from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.kernels.logits_edits import edit_logits
+from numba_vllm.kernels.logits_mask import apply_token_bitmask
 from numba_vllm.kernels.logprobs import logprobs
 from numba_vllm.model.llama import DeviceModel, StepInputs
 
@@ -65,10 +73,11 @@ class KernelStep:
     host_rows: list[int]  # rows whose token the host samples at collect time (top-k / top-p / min-p)
     slot: StagingSlot
     edited: list[int] = field(default_factory=list)  # rows whose logits are edited before sampling
+    constrained: list[int] = field(default_factory=list)  # rows with a structured-output constraint (masked before sampling)
     logprob_rows: list[int] = field(default_factory=list)  # rows that want their sampled token's logprobs
     prompt_targets: list[tuple[Request, int, int, np.ndarray]] = field(default_factory=list)
     # ^ per sequence that wants prompt logprobs: (request, its first token row in the step, first prompt index, ids (P,))
-    raw: object = None  # (R, V) f32 device: the raw logits of logprob_rows, copied before the edits (None: unedited)
+    raw: object = None  # (R, V) f32 device: the raw logits of logprob_rows, copied before edits and masks (None: untouched)
     edit_inputs: tuple = ()  # the edits kernel's device inputs, kept until the step is collected
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # set by collect: id -> sampled token's
     prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)  # id -> (first index, logprobs)
@@ -77,8 +86,9 @@ class KernelStep:
     def feeds_next(self) -> bool:
         """Whether the next step may be launched before this one is collected: its sampled tokens
         are final on the device (no row waits for the host sampler, which reads this step's logits),
-        no row's edits count its output on the host, and no logprobs wait on its buffers."""
-        return not (self.host_rows or self.edited or self.logprob_rows or self.prompt_targets)
+        no row's edits count its output on the host, no grammar must see its token before the next
+        step's masks can be computed, and no logprobs wait on its buffers."""
+        return not (self.host_rows or self.edited or self.constrained or self.logprob_rows or self.prompt_targets)
 
 
 class KernelRunner:
@@ -100,6 +110,7 @@ class KernelRunner:
         self.decode_graphs = None if graphs == "none" else DecodeGraphs(model, recorder)
         self.piecewise_graphs = None if graphs == "none" else PiecewiseGraphs(model, recorder)
         self.host_samplers = RequestSamplers()
+        self.token_masks = TokenMasks(model.config.vocab_size, self.max_num_seqs, self.stream)
         self._seeds: dict[str, int] = {}
         self._seed_rng = np.random.default_rng()
         self._latest: KernelStep | None = None  # the step launched last
@@ -127,14 +138,20 @@ class KernelRunner:
             if fed_sources:  # the previous step's samples -> this step's token ids, on the device
                 sources, rows = self.layout.fed_views(self.staging.device, packed)
                 gather_rows(self.staging.tokens_2d, sources, rows)
+            sampled_in_graph = True
             if self.decode_graphs is not None and DecodeGraphs.handles(shape):
-                self.decode_graphs.run(shape, inputs, sampler)
+                self.decode_graphs.run(shape, inputs, sampler)  # forward and sampler
             elif self.piecewise_graphs is not None:
-                self.piecewise_graphs.run(shape, inputs, sampler)
+                self.piecewise_graphs.run(shape, inputs, sampler)  # pieces, attentions, then head and sampler
             else:
-                self.model.sample(self.model.forward(inputs), sampler)
-            if step.edited:
-                self._edit_and_resample(step, sampler)
+                sampled_in_graph = False
+                logits = self.model.forward(inputs)  # (B, V), queued: the masks are computed while it runs
+                self._edit_and_mask(step, logits)
+                self.model.sample(logits, sampler)
+            if sampled_in_graph and (step.edited or step.constrained):  # sampled from untouched rows: again
+                logits = self.model.buffers["logits"][: sampler.tokens.shape[0]]  # (B', V) this step's padded rows
+                self._edit_and_mask(step, logits)
+                self.model.sample(logits, sampler)
             self.staging.download(step.slot, packed.num_sampled)
         self._latest = step
         return step
@@ -196,7 +213,7 @@ class KernelRunner:
         to a bucket, so these are all the shapes a product can have: every gemv variant, every tiling
         and K split the tensor-core GEMMs pick (a cached prefix's short chunk included), both
         attention kernels, the sampler; with graphs, each bucket's pieces and head are recorded. Then
-        the logits edits and logprobs kernels, and the decode graphs of sequences up to `max_pages` pages.
+        the logits edits, token mask and logprobs kernels, and the decode graphs of sequences up to `max_pages` pages.
         """
         for num_tokens in self.layout.token_sizes:
             num_decodes = min(num_tokens, self.max_num_seqs) - 1
@@ -205,11 +222,14 @@ class KernelRunner:
         self.record_decode_graphs(max_pages)
 
     def _warm_up_logits_work(self) -> None:
-        """Compile the logits edits and logprobs kernels, on row 0 of the logits buffer (no entries)."""
+        """Compile the logits edits, token mask and logprobs kernels, on row 0 of the logits buffer
+        (no entries; every token allowed)."""
         logits = self.model.buffers["logits"][:1]  # (1, V)
         no_entries = (np.zeros(1, np.int32), np.zeros(2, np.int32), *[np.zeros(0, np.int32)] * 3, np.zeros(0, np.float32),
                       np.ones((1, 3), np.float32))  # fmt: skip
         edit_logits(logits, *(cuda.to_device(a) for a in no_entries))
+        all_allowed = np.full((1, bitmask_words(logits.shape[1])), -1, np.int32)  # (1, ceil(V / 32)): every bit set
+        apply_token_bitmask(logits, cuda.to_device(np.zeros(1, np.int32)), cuda.to_device(all_allowed))
         device_logprobs(logits, np.zeros(1, np.int32), np.zeros(1, np.int32), 0)
 
     def record_decode_graphs(self, max_pages: int) -> None:
@@ -224,19 +244,22 @@ class KernelRunner:
                     self.execute(StepPlan(null_sequences(0, batch, width), [], 0, 0))
 
     # ---- logits edits and logprobs -------------------------------------------------------------
-    def _edit_and_resample(self, step: KernelStep, sampler: SamplerInputs) -> None:
-        """Queue, on the launch stream after the step's sampler: the raw logits of the logprob rows
-        copied aside (into `step.raw`), the edits of `step.edited` applied to the step's logits in
-        place, and every row sampled again (the unedited rows draw the same tokens: same noise)."""
-        b = sampler.tokens.shape[0]  # the padded sampled rows
-        logits = self.model.buffers["logits"][:b]  # (B', V) this step's
+    def _edit_and_mask(self, step: KernelStep, logits) -> None:
+        """Queue, on the launch stream, before the step's (next) sampler: the raw logits of the
+        logprob rows copied aside (into `step.raw`), the edits of `step.edited`, then the token masks
+        of `step.constrained`, applied to `logits` (B', V) (the step's logits buffer) in place. Nothing
+        when no row is edited or constrained."""
+        if not (step.edited or step.constrained):
+            return
         stream = self.stream
         if step.logprob_rows:
             step.raw = cuda.device_array((len(step.logprob_rows), logits.shape[1]), np.float32)  # (R, V)
             gather_rows(logits, cuda.to_device(np.array(step.logprob_rows, np.int32), stream=stream), step.raw)
-        step.edit_inputs = tuple(cuda.to_device(a, stream=stream) for a in _edit_entries(step))
-        edit_logits(logits, *step.edit_inputs)
-        self.model.sample(logits, sampler)
+        if step.edited:
+            step.edit_inputs = tuple(cuda.to_device(a, stream=stream) for a in _edit_entries(step))
+            edit_logits(logits, *step.edit_inputs)
+        if step.constrained:
+            self.token_masks.apply(logits, step.constrained, step.requests)
 
     def _sampled_logprobs(self, step: KernelStep, tokens: list[int]) -> None:
         """Logprobs of the sampled `tokens` of `step.logprob_rows`, from the raw logits (the copy made
@@ -290,6 +313,33 @@ class KernelRunner:
         return seed
 
 
+class TokenMasks:
+    """Structured output's token masks of a step: each constrained row's bitmask computed on the host
+    (llguidance, while the device runs the step's forward pass), copied to the device and applied to
+    the logits there. A step with no constrained row computes, copies and launches nothing."""
+
+    def __init__(self, vocab_size: int, max_rows: int, stream):
+        self.vocab_size = vocab_size
+        self.max_rows = max_rows
+        self.stream = stream  # the runner's numba stream: copies in order with the step's kernels
+        self._rows = None  # (max_rows,) int32 device: the constrained rows' indices
+        self._bitmask = None  # (max_rows, ceil(V / 32)) int32 device: their masks (made at the first constrained step)
+
+    def apply(self, logits, rows: list[int], requests: list[Request]) -> None:
+        """Compute the masks of `rows` (rows of `logits` (B, V) device, row i for requests[i], each with
+        a grammar) and queue their application on the stream."""
+        if self._bitmask is None:
+            self._rows = cuda.device_array(self.max_rows, np.int32)
+            self._bitmask = cuda.device_array((self.max_rows, bitmask_words(self.vocab_size)), np.int32)
+        c = len(rows)
+        bitmask = np.empty((c, bitmask_words(self.vocab_size)), np.int32)  # (C, ceil(V / 32)), pageable:
+        fill_token_bitmasks([requests[i].grammar for i in rows], bitmask)  # an async copy from it is staged at once
+        device_rows, device_bitmask = self._rows[:c], self._bitmask[:c]
+        device_rows.copy_to_device(np.array(rows, np.int32), stream=self.stream)
+        device_bitmask.copy_to_device(bitmask, stream=self.stream)
+        apply_token_bitmask(logits, device_rows, device_bitmask)
+
+
 def _host_sampled(request: Request) -> bool:
     """Rows with top-k, top-p or min-p are sampled on the host (the device samplers do none of them)."""
     p = request.sampling_params
@@ -297,7 +347,7 @@ def _host_sampled(request: Request) -> bool:
 
 
 def _find_logits_work(step: KernelStep, seqs: list[ScheduledSequence]) -> None:
-    """Fill in the step's edited rows, logprob rows and prompt-logprob sequences, in one pass over
+    """Fill in the step's edited rows, constrained rows, logprob rows and prompt-logprob sequences, in one pass over
     `seqs` (in the step's order: prefilling first, their tokens' rows leading the step)."""
     row = 0
     for i, s in enumerate(seqs):
@@ -308,6 +358,8 @@ def _find_logits_work(step: KernelStep, seqs: list[ScheduledSequence]) -> None:
                 step.logprob_rows.append(row)
             if r.logits_edits is not None:
                 step.edited.append(row)
+            if r.grammar is not None:
+                step.constrained.append(row)
             row += 1
         if p.prompt_logprobs is not None:
             targets = prompt_logprob_targets(s)

@@ -12,9 +12,10 @@ a step's `feeds_next` says whether the next may be launched before it is collect
 Sampling is per request (`host_sampling.RequestSamplers`), so a request's tokens do not depend on
 what else shares the batch. Besides the tokens, a collected step holds the logprobs its requests
 asked for in `logprobs` and `prompt_logprobs` (`engine/logprobs.py`), read by the engine after
-`collect`. A step with logits edits or logprobs does not feed the next (`feeds_next` is False): the
-edits count each request's output on the host, and the kernel runner computes logprobs from the
-step's logits at collect time.
+`collect`. A step with logits edits, logprobs or a structured-output row does not feed the next
+(`feeds_next` is False): the edits count each request's output on the host, the kernel runner
+computes logprobs from the step's logits at collect time, and the next step's token mask needs this
+step's token advanced through the request's grammar on the host.
 
 BLAS threads: a step's products are small (one decode token is a (1, K) @ (K, N) product per
 layer), and OpenBLAS's worker threads spin while they wait for work, so beside any other busy thread
@@ -36,6 +37,7 @@ from threadpoolctl import ThreadpoolController
 from numba_vllm.engine.logits_edits import apply_edits
 from numba_vllm.engine.logprobs import PositionLogprobs, raw_logprobs
 from numba_vllm.engine.scheduler import ScheduledSequence, StepPlan
+from numba_vllm.engine.structured import GrammarMatcher, bitmask_words, fill_token_bitmasks, mask_logits
 from numba_vllm.executor.host_sampling import RequestSamplers
 from numba_vllm.executor.inputs import kv_indices
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
@@ -82,7 +84,7 @@ class HostStep:
     """A step the NumPy runner has run: there is no device queue, so its tokens are there at once."""
 
     sampled: dict[str, int]  # request id -> sampled token
-    feeds_next: bool = True  # False for a step with logits edits or logprobs (the kernel runner's rule)
+    feeds_next: bool = True  # False for a step with logits edits, logprobs or a structured-output row (see `_needs_serial`)
     logprobs: dict[str, PositionLogprobs] = field(default_factory=dict)  # request id -> its sampled token's
     prompt_logprobs: dict[str, tuple[int, PositionLogprobs]] = field(default_factory=dict)  # id -> (first index, logprobs)
 
@@ -132,21 +134,33 @@ class NumpyRunner:
         return step.sampled
 
     def _sample(self, request, logits: np.ndarray) -> int:
-        """One token from the row's raw logits (V,), edited first if the request edits them."""
+        """One token from the row's raw logits (V,): edited first if the request edits them, then
+        masked by its grammar if it has a structured-output constraint (copies: `logits` stays raw)."""
         if request.logits_edits is not None:
             logits = apply_edits(logits, request.logits_edits.row(request.output_token_ids))
+        if request.grammar is not None:
+            logits = constrained(request.grammar, logits)
         return self.samplers.sample(request, logits)
 
     def release(self, request_id: str) -> None:
         self.samplers.release(request_id)
 
 
+def constrained(grammar: GrammarMatcher, logits: np.ndarray) -> np.ndarray:
+    """A copy of one row of logits (V,) f32 with the tokens its grammar forbids at -inf."""
+    bitmask = np.empty((1, bitmask_words(len(logits))), np.int32)  # (1, ceil(V / 32))
+    fill_token_bitmasks([grammar], bitmask)
+    masked = logits[None].copy()  # (1, V)
+    mask_logits(masked, bitmask)
+    return masked[0]
 def _needs_serial(seq: ScheduledSequence, targets) -> bool:
     """Whether the step of `seq` must be collected before the next is launched, as the kernel runner
     has it: `seq` has prompt-logprob `targets`, or samples with logits edits (they count the output on
-    the host) or logprobs."""
-    p = seq.request.sampling_params
-    return targets is not None or (seq.samples and (seq.request.logits_edits is not None or p.logprobs is not None))
+    the host), logprobs, or a structured-output constraint (the next mask needs this token advanced
+    through the grammar)."""
+    r = seq.request
+    serial_row = r.logits_edits is not None or r.sampling_params.logprobs is not None or r.grammar is not None
+    return targets is not None or (seq.samples and serial_row)
 
 
 def prompt_logprob_targets(seq: ScheduledSequence) -> tuple[int, np.ndarray] | None:

@@ -126,6 +126,11 @@ class Tokenizer:
             raise TokenizerError(f"{field} {token!r} is not in the vocabulary")
         return token_id
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (for libraries that build their own view of the
+        vocabulary, as llguidance does for structured output)."""
+        return self._hf.to_str()
+
     # ---- ids <-> text ------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:

@@ -43,6 +43,7 @@ from starlette.requests import ClientDisconnect
 
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.structured import GrammarError, StructuredOutputs
 from numba_vllm.server.core_process import CoreProcess, CoreThread
 from numba_vllm.server.core_protocol import ModelInfo
 from numba_vllm.server.dashboard import dashboard_routes
@@ -61,6 +62,7 @@ from numba_vllm.server.protocol import (
     bad_request,
     check_length,
     check_supported,
+    constraint_field,
     echo_only,
     envelope,
     parse_body,
@@ -85,6 +87,7 @@ class ServerState:
             raise ValueError("at least one served model name is needed")
         self.core = core
         self.model: ModelInfo = core.info
+        self.structured = StructuredOutputs.for_model(core.info.config, core.info.tokenizer)  # for the 400s
         self.model_names = list(served_model_names)
         self.engine_loop = EngineLoop(core, core.info, self.model_names[0])
         self.api_key = api_key or None
@@ -225,6 +228,7 @@ def create_app(
         model = state.resolve_model(req.model)
         check_supported(req)
         params = sampling_params(req, state.model.sampling_defaults)
+        await _compile_constraint(state.structured, params, req)
         prompts = await _completion_prompts(state.model, req, state.limits.max_prompts_per_request)
         echo_texts = None
         if req.echo:  # the prompt as given, or decoded from its ids
@@ -239,6 +243,7 @@ def create_app(
         model = state.resolve_model(req.model)
         check_supported(req)
         params = sampling_params(req, state.model.sampling_defaults)
+        await _compile_constraint(state.structured, params, req)
         ids = await chat_prompt_ids(state.model.tokenizer, req, model)
         return await _generate(state, request, "chatcmpl", [ids], params, req, model, arrival, "messages")
 
@@ -269,6 +274,18 @@ async def _read_body(request: Request, limits: ServerLimits) -> bytes:
     except TimeoutError:
         message = f"the request body took longer than {limits.body_timeout:g} s to arrive"
         raise APIError(408, message, code="request_timeout") from None
+
+
+async def _compile_constraint(structured: StructuredOutputs, params: SamplingParams, req: Any) -> None:
+    """Compile the request's structured-output constraint now, in a worker thread, against the
+    model's tokenizer: one that cannot compile is a 400 naming the problem before anything reaches
+    the engine core (which compiles it again, in its own process, as it admits the request)."""
+    if params.structured_outputs is None:
+        return
+    try:
+        await run_in_threadpool(structured.compile, params.structured_outputs)
+    except GrammarError as e:
+        raise bad_request(str(e), constraint_field(req)) from None
 
 
 async def _completion_prompts(model: ModelInfo, req: CompletionRequest, max_prompts: int) -> list[list[int]]:

@@ -29,6 +29,7 @@ import zmq
 
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.output import RequestOutput
+from numba_vllm.engine.structured import GrammarError
 from numba_vllm.server.core_protocol import (
     AbortAll,
     AbortRequests,
@@ -135,6 +136,9 @@ class EngineCore:
             request_id = command.request_id
             try:
                 output = engine.add_request(request_id, command.prompt_token_ids, command.params)
+            except GrammarError as e:  # a constraint that does not compile here (the front end compiled it too)
+                self._refused.append(Refused(request_id, 400, str(e), "structured_outputs"))
+                return
             except ValueError as e:  # the prompt cannot run (the front end's checks should have caught it), or a
                 field = str(e).split(":", 1)[0]  # sampling field needs the model (logit_bias ids, bad_words)
                 self._refused.append(Refused(request_id, 400, str(e), field if field in _MODEL_FIELDS else "prompt"))
@@ -166,6 +170,9 @@ class EngineCore:
         outputs = engine.step()
         if engine.num_failed_steps == failed_before:
             self._failed_steps_in_a_row = 0
+            for output in outputs:  # a request failed alone (its grammar rejected its token): the 500 points here
+                if output.error is not None:
+                    logger.error("request %s failed: %s", output.request_id, output.error)
         else:  # the step's requests failed (the engine is ready for the next step)
             self._failed_steps_in_a_row += 1
             error = engine.last_step_error

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from numba_vllm.engine.lengths import LengthPolicy, MaxTokensError, PromptError
 from numba_vllm.engine.sampling import SamplingParams
+from numba_vllm.engine.structured import StructuredOutputsParams
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat runs to the length limit
 MAX_JSON_DEPTH = 64  # nesting levels of a request body (a chat body needs ~5; deeper only serves to exhaust the stack)
@@ -70,6 +71,33 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: OpenAI's named schema (`strict` is accepted; the schema is always enforced)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON matching `json_schema.schema`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Body):
+    """vLLM's `structured_outputs` (engine.structured.StructuredOutputsParams): exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+
 class _GenerationRequest(_Body):
     """Fields shared by completions and chat completions."""
 
@@ -92,6 +120,13 @@ class _GenerationRequest(_Body):
     repetition_penalty: float | None = None  # vLLM's extensions, as SamplingParams takes them
     min_p: float | None = None
     min_tokens: int | None = None
+    # Structured output (at most one of these fields): OpenAI's, vLLM's, and vLLM's older names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
@@ -131,7 +166,6 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension, as in vLLM
     chat_template_kwargs: dict[str, Any] | None = None  # extension: extra template variables
     # routers' additions again (see _GenerationRequest): this model has no reasoning parser, so
@@ -264,8 +298,6 @@ def check_supported(req: _GenerationRequest) -> None:
         reserved = RESERVED_TEMPLATE_KWARGS & set(req.chat_template_kwargs or {})
         if reserved:
             raise bad_request(f"chat_template_kwargs may not set {', '.join(sorted(reserved))}", "chat_template_kwargs")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise bad_request("response_format: only {'type': 'text'} is supported", "response_format")
 
 
 def requested_max_tokens(req: _GenerationRequest) -> int | None:
@@ -309,6 +341,7 @@ def sampling_params(req: _GenerationRequest, defaults: dict[str, Any] | None = N
             stop=[] if req.stop is None else req.stop,
             stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos,
+            structured_outputs=structured_outputs(req),
             logit_bias=req.logit_bias,
             min_tokens=req.min_tokens or 0,
             bad_words=req.bad_words or [],
@@ -327,6 +360,43 @@ def sampling_params(req: _GenerationRequest, defaults: dict[str, Any] | None = N
         elif param == "logprobs":
             param = logprobs_field
         raise bad_request(message, param) from None
+
+
+GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")  # vLLM's older names
+
+
+def constraint_field(req: _GenerationRequest) -> str | None:
+    """The field that carries the request's structured-output constraint (None: unconstrained);
+    a 400 if several do."""
+    given = [name for name in ("response_format", "structured_outputs", *GUIDED_FIELDS) if getattr(req, name) is not None]
+    if req.response_format is not None and req.response_format.type == "text":
+        given.remove("response_format")  # plain text: no constraint
+    if len(given) > 1:
+        raise bad_request(f"give at most one structured-output field; got {', '.join(given)}", given[1])
+    return given[0] if given else None
+
+
+def structured_outputs(req: _GenerationRequest) -> StructuredOutputsParams | None:
+    """The request's constraint as the engine takes it; a 400 naming the field if it is malformed.
+    (Whether it compiles is checked against the engine's tokenizer: `GrammarError`.)"""
+    name = constraint_field(req)
+    if name is None:
+        return None
+    try:
+        if name == "response_format":
+            fmt = req.response_format
+            if fmt.type == "json_object":
+                return StructuredOutputsParams(json_object=True)
+            if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+                raise ValueError("response_format of type 'json_schema' needs json_schema.schema")
+            return StructuredOutputsParams(json=fmt.json_schema.schema_)
+        if name == "structured_outputs":
+            so = req.structured_outputs
+            fields = so.model_dump(exclude={"json_"})
+            return StructuredOutputsParams(json=so.json_, **fields)
+        return StructuredOutputsParams(**{name.removeprefix("guided_"): getattr(req, name)})
+    except ValueError as e:
+        raise bad_request(f"{name}: {e}" if name in GUIDED_FIELDS else str(e), name) from None
 
 
 def check_length(lengths: LengthPolicy, ids: list[int], req: _GenerationRequest, explicit_max_tokens: bool, param: str) -> None:
