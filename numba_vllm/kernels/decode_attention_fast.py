@@ -75,7 +75,7 @@ from numba import cuda, float32, uint32
 
 from numba_vllm.kernels._launch import KernelError, check_array, launch, num_sms
 from numba_vllm.kernels.approx_math import exp2_approx
-from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
 from numba_vllm.kernels.vector_load import BF16_PER_VECTOR, bf16x2_to_f32, load_u32x4, prefetch_l2
 from numba_vllm.loading.bf16 import BF16
@@ -129,6 +129,7 @@ def decode_attention_fast_kernel_for(group: int, head_dim: int, num_kv_heads: in
     page_stride = PAGE_SIZE * token_stride
     load_stride = tokens_per_load * token_stride  # elements between a lane's loads in a step
     minus_inf = float32(-math.inf)
+    merge_block = block_merge_for(num_partials, group, head_dim, threads, split)
 
     @kernel(max_registers=max_registers)
     def decode_attention_fast_kernel(q, k_cache, v_cache, block_tables, context_lens, scale_log2, pages_per_split, out):
@@ -269,8 +270,26 @@ def decode_attention_fast_kernel_for(group: int, head_dim: int, num_kv_heads: in
                 part_acc[part, g, d0 + e] = acc[g * VEC + e]
         cuda.syncthreads()
 
+        merge_block(out, part_m, part_sum, part_acc, kv_head, b)
+
+    return decode_attention_fast_kernel
+
+
+@functools.cache
+def block_merge_for(num_partials: int, group: int, head_dim: int, threads: int, split: bool):
+    """The device function that ends both fast decode kernels (this file's and decode_attention_tc's):
+    a block's ``num_partials`` partial softmax states of its kv head's ``group`` query heads, in shared
+    memory (part_m, part_sum (num_partials, group) f32, m in log2 units; part_acc (num_partials, group,
+    HD) f32 unnormalised sums), merged into ``out``, each of the block's ``threads`` threads taking
+    outputs (head g, dim d) in turn: out[b, h] (B, H, HD) f32, or with ``split`` this page range's
+    unnormalised state in row ``blockIdx.z * gridDim.y + b`` of the (splits * B, H, HD + 2) partials.
+    Call after the block's barrier. The sizes are compile-time constants of the kernels that call it."""
+    minus_inf = float32(-math.inf)
+
+    @device_function
+    def merge_block(out, part_m, part_sum, part_acc, kv_head, b):
         o = cuda.threadIdx.x
-        while o < group * head_dim:  # each thread merges outputs (head g, dim d) in turn
+        while o < group * head_dim:
             g = o // head_dim
             d = o % head_dim
             m_all = minus_inf
@@ -294,7 +313,7 @@ def decode_attention_fast_kernel_for(group: int, head_dim: int, num_kv_heads: in
                 out[b, h, d] = total / total_sum
             o += threads
 
-    return decode_attention_fast_kernel
+    return merge_block
 
 
 @kernel

@@ -132,6 +132,7 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
     kw_len, vw_len = pages_per_step * 2 * k_words, pages_per_step * 4 * v_words
     threads = num_warps * WARP_SIZE
     minus_inf = float32(-math.inf)
+    merge_block = fast.block_merge_for(num_warps, group, head_dim, threads, split)
     low_half = uint32(0xFFFF)
     high_half = uint32(0xFFFF0000)
 
@@ -296,30 +297,7 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
                 part_acc[warp, g, (2 * t + 1) * (head_dim // 8) + u] = o[2 * u + 1]
         cuda.syncthreads()
 
-        i = cuda.threadIdx.x
-        while i < group * head_dim:  # each thread merges outputs (head gi, dim d) in turn
-            gi = i // head_dim
-            d = i % head_dim
-            m_all = minus_inf
-            for w in range(num_warps):
-                m_all = max(m_all, part_m[w, gi])
-            total_sum = float32(0.0)
-            total = float32(0.0)
-            for w in range(num_warps):
-                if part_m[w, gi] > minus_inf:  # warps that saw no token add nothing
-                    weight = exp2_approx(part_m[w, gi] - m_all)
-                    total_sum += weight * part_sum[w, gi]
-                    total += weight * part_acc[w, gi, d]
-            h = kv_head * group + gi
-            if split:  # this range's state, unnormalised; an empty range writes m = -inf, sums 0
-                row = cuda.blockIdx.z * cuda.gridDim.y + b
-                out[row, h, d] = total
-                if d == 0:
-                    out[row, h, head_dim] = m_all
-                    out[row, h, head_dim + 1] = total_sum
-            else:
-                out[b, h, d] = total / total_sum
-            i += threads
+        merge_block(out, part_m, part_sum, part_acc, kv_head, b)  # the warps' states: one per warp
 
     return decode_attention_tc_kernel
 
