@@ -103,6 +103,7 @@ def test_tiny_dummy_model_in_the_repository():
 def test_several_prompts_are_separated_and_stop_strings_apply(tiny_dir, monkeypatch):
     class Words:  # a tokenizer of its own: token t is the word "w{t} "
         eos_token_id = None
+        stop_token_ids = ()
         has_chat_template = False
 
         def encode(self, text):
