@@ -2,13 +2,19 @@
 
     python benchmarks/router_overhead.py --rounds 2 --json overhead.json \\
         --bench "-n 512 -c 256 --prompt-len 100 1024 --output-len 256" -- \\
-        --model tests/data/llama-3.2-1b-instruct --load-format dummy --backend cuda --max-num-seqs 256
+        --model tests/data/llama-3.2-1b-instruct --load-format dummy --backend cuda --max-num-seqs 256 \\
+        --no-enable-prefix-caching
 
 starts a fleet of one replica (`numba_vllm.fleet`, so the replica is warmed up once and serves both
 sides), then runs `benchmarks/serve.py BENCH` alternately against the replica's own URL and the
-router's, `--rounds` times each (direct first). After every run it prints (and writes to `--json`)
-the runs so far and the median of each side: output tokens/s, TTFT and TPOT p50, and the router's
-throughput as a fraction of the direct one. The fleet is stopped at the end (or on Ctrl-C).
+router's, `--rounds` times each (direct first in even rounds, the router first in odd ones, so that
+neither side always runs on the warmer server). After every run it prints (and writes to `--json`)
+the runs so far and the median of each side: output tokens/s, TTFT and TPOT p50, the router's
+throughput as a fraction of the direct one, and the median of the rounds' own ratios. The fleet is
+stopped at the end (or on Ctrl-C).
+
+Every run sends the same prompts: give the replica `--no-enable-prefix-caching` so that later runs do
+not find the earlier runs' prompts cached (with caching on, the first run alone prefills them).
 
 With `--gpus 0,1,...` the fleet has a replica per GPU: "direct" is then the first replica alone and
 "router" all of them behind the router, which measures the scaling.
@@ -51,7 +57,7 @@ def row(side: str, s: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench", default="-n 512 -c 256 --prompt-len 100 1024 --output-len 256", help="benchmarks/serve.py options")
-    ap.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating (direct first)")
+    ap.add_argument("--rounds", type=int, default=2, help="runs on each side, alternating (direct first, then router first)")
     ap.add_argument("--port", type=int, default=8000, help="the router's; the replicas use the next ones")
     ap.add_argument("--gpus", default=None, help="comma-separated GPU ids, a replica each (default: one replica)")
     ap.add_argument("--start-timeout", type=float, default=900.0)
@@ -67,8 +73,8 @@ def main() -> None:
     try:
         fleet.start(args.start_timeout)
         urls = {"direct": fleet.spec.worker_urls[0], "router": fleet.spec.url}
-        for _ in range(args.rounds):
-            for side in ("direct", "router"):
+        for i in range(args.rounds):
+            for side in ("direct", "router") if i % 2 == 0 else ("router", "direct"):
                 runs[side].append(run_bench(urls[side], bench_args))
                 report(runs, args.json)  # after every run: a run cut short by a time limit keeps the others
     finally:
@@ -87,7 +93,10 @@ def report(runs: dict[str, list[dict]], json_path: str | None) -> None:
         medians = {side: statistics.median(r["output_tokens_per_s"] for r in runs[side]) for side in runs}
         ratio = medians["router"] / medians["direct"]
         summary.update(median_output_tokens_per_s=medians, router_over_direct=ratio)
-        print(f"median output tokens/s: direct {medians['direct']:.1f}, router {medians['router']:.1f} ({ratio:.1%})")
+        paired = [r["output_tokens_per_s"] / d["output_tokens_per_s"] for d, r in zip(runs["direct"], runs["router"])]
+        summary.update(round_ratios=paired, median_round_ratio=statistics.median(paired))
+        print(f"median output tokens/s: direct {medians['direct']:.1f}, router {medians['router']:.1f} ({ratio:.1%}); "
+              f"rounds: router/direct {', '.join(f'{p:.1%}' for p in paired)} (median {statistics.median(paired):.1%})")
     sys.stdout.flush()
     if json_path:
         Path(json_path).write_text(json.dumps(summary, indent=2))

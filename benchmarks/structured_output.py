@@ -8,8 +8,9 @@ backend measured.
     python benchmarks/structured_output.py --random-weights tests/data/llama-3.2-1b-instruct --tokenizer DIR_OR_GGUF
 
 `--random-weights` takes a config directory (random bf16 weights, as `bench latency`); the grammar
-then needs a tokenizer from elsewhere (`--tokenizer`: a directory holding tokenizer.json, or a GGUF
-file) whose ids fit the config's vocabulary. A random model picks among the allowed tokens almost
+then needs a tokenizer from elsewhere (`--tokenizer`: a directory holding tokenizer.json and a
+tokenizer_config.json naming its eos_token, or a GGUF file) whose ids fit the config's vocabulary; its
+EOS replaces the config's. A random model picks among the allowed tokens almost
 uniformly, so inside the JSON string most tokens are allowed and requests rarely
 close their object early; steps after the first request finished are not counted.
 """
@@ -17,6 +18,7 @@ close their object early; steps after the first request finished are not counted
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import statistics
 import time
@@ -73,7 +75,11 @@ def main() -> None:
     if args.tokenizer:
         path = Path(args.tokenizer)
         tokenizer = Tokenizer.from_dir(path) if path.is_dir() else load_checkpoint(path).tokenizer
-        ckpt = Checkpoint(ckpt.config, ckpt.weights, tokenizer, ckpt.source)
+        if not tokenizer.stop_token_ids:
+            raise SystemExit(f"{path}: the tokenizer names no end-of-sequence token (tokenizer_config.json's eos_token)")
+        # The grammar ends at the tokenizer's EOS; the config's ids belong to another vocabulary.
+        config = dataclasses.replace(ckpt.config, eos_token_ids=tuple(tokenizer.stop_token_ids))
+        ckpt = Checkpoint(config, ckpt.weights, tokenizer, ckpt.source)
     options = EngineOptions(backend=args.backend, max_num_seqs=max(args.batch, 8))
     engine, _ = build_engine(ckpt, options.engine_config(PROMPT_LEN + args.steps + 16))
     warm_up(engine, PROMPT_LEN)
