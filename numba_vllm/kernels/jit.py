@@ -23,8 +23,19 @@ import os
 import warnings
 
 from numba import cuda
+from numba.cuda.core import config as cuda_config
 
 from numba_vllm.sim.warp import simulator_enabled
+
+# numba-cuda warns at every launch of fewer than 128 blocks ("Grid size 8 will likely result in GPU
+# under-utilization"). The engine sizes its grids on purpose (a decode step of one sequence has few
+# rows to spread; split-K and split-context grids are chosen by the GPU's SM count), so the warning
+# would only fill a server's log: it is turned off here, where every kernel is declared, unless the
+# user set NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS (the variable also keeps it off when numba re-reads its
+# configuration from the environment).
+if "NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS" not in os.environ:
+    os.environ["NUMBA_CUDA_LOW_OCCUPANCY_WARNINGS"] = "0"
+    cuda_config.CUDA_LOW_OCCUPANCY_WARNINGS = False
 
 SIMULATOR_IGNORED_OPTIONS = ("lineinfo", "max_registers", "launch_bounds", "lto", "forceinline")
 LINEINFO_ENV = "NUMBA_VLLM_LINEINFO"  # "1": compile with line information, for profilers

@@ -174,6 +174,7 @@ def _core_main(spec: CoreSpec, addresses: CoreAddresses, sender) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _exit_with_parent(addresses)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s:     [engine core] %(message)s")
+    logging.getLogger("numba").setLevel(logging.WARNING)  # not the driver's every allocation and free
     try:
         engine, seconds = _build_engine(spec)
     except (ValueError, OSError, KernelError) as e:
