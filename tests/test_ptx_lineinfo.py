@@ -28,6 +28,7 @@ NVVM_REJECTS = {"gemv t2 norm", "gemv t4 norm"}  # "ERROR_COMPILATION" with line
 
 
 @pytest.mark.slow  # compiles every variant (seconds each)
+@pytest.mark.xdist_group("ptx")
 def test_every_kernel_compiles_with_line_information():
     result = ptx_check.compile_ptx(REGISTRY, lineinfo=True)
     failed = {name: r["error"] for name, r in result.items() if "error" in r}
