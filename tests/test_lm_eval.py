@@ -4,7 +4,7 @@ The default model (SmolLM2-135M-Instruct, numpy backend) serves in an engine cor
 own, as `numba-vllm serve` runs it. lm_eval (`simple_evaluate`) runs two small tasks defined here,
 their documents in local JSON lines files, nothing downloaded: a multiple-choice task (loglikelihood
 requests: `echo` + `logprobs` + `max_tokens` 1 over token-id prompts, four to a request) and a
-generate_until task (greedy, stop strings, batched text prompts). lm_eval tokenizes through the
+generate_until task (greedy, stop strings, the same batched token-id prompts). lm_eval tokenizes through the
 server (its `remote` tokenizer backend, picked because /tokenizer_info and /tokenize answer).
 
 The reference is `ReferenceModel` in float32 on the same weights, driven here token by token: the
