@@ -35,7 +35,7 @@ from numba_vllm.model.reference import KVCache, ReferenceModel  # noqa: E402
 from tests.helpers.server import ServerThread  # noqa: E402
 from tests.helpers.smollm2 import needs_smollm2, smollm2_path  # noqa: E402
 
-pytestmark = [needs_smollm2, pytest.mark.slow]  # SmolLM2 in a server process, loaded twice: ~30 s on 2 cores
+pytestmark = [needs_smollm2, pytest.mark.slow]  # SmolLM2 in a server process, loaded twice: 17-45 s on 2 cores
 
 NAME = "smollm2"
 MAX_LEN = 256
