@@ -1,6 +1,6 @@
 """The server's vLLM-shaped parts, in this process (FastAPI's TestClient, numpy backend, tiny models):
 `n` choices (collected and streamed), `best_of`, the model's sampling defaults for absent fields,
-`/detokenize`, and `serve MODEL`.
+`/detokenize`, `/tokenizer_info`, and `serve MODEL`.
 
 References: offline `LLM.generate` one prompt and one seed at a time (child i of a seeded request
 samples as seed + i), and the `tokenizers` library's own decode.
@@ -120,6 +120,24 @@ def test_detokenize(chat):
         assert (r.status_code, r.json()["error"]["param"]) == (status, param), body
     paths = client.get("/openapi.json").json()["paths"]
     assert "/detokenize" in paths and "200" in paths["/detokenize"]["post"]["responses"]
+
+
+def test_tokenizer_info(chat, chat_dir, tmp_path):
+    client, _, _ = chat
+    config = json.loads((chat_dir / "tokenizer_config.json").read_text())
+    r = client.get("/tokenizer_info")
+    assert r.status_code == 200
+    info = r.json()
+    fields = ("bos_token", "eos_token", "chat_template")
+    assert {k: info[k] for k in fields} == {k: config[k] for k in fields}
+    max_len = json.loads((chat_dir / "config.json").read_text())["max_position_embeddings"]  # the served length: the model's
+    assert info["add_bos_token"] is False and info["model_max_length"] == max_len and isinstance(info["tokenizer_class"], str)
+    assert client.post("/tokenizer_info").status_code == 405
+    paths = client.get("/openapi.json").json()["paths"]
+    assert "200" in paths["/tokenizer_info"]["get"]["responses"]
+    with TestClient(create_app(LLM(str(tiny_checkpoint(tmp_path / "plain")), backend="numpy").engine, ["tiny"])) as plain:
+        r = plain.get("/tokenizer_info")  # a checkpoint without a tokenizer takes token ids only
+        assert r.status_code == 400 and "no tokenizer" in r.json()["error"]["message"]
 
 
 def test_absent_fields_take_the_models_defaults_and_given_ones_win(tmp_path):

@@ -70,7 +70,7 @@ from numba_vllm.server.protocol import (
     usage,
 )
 from numba_vllm.server.streams import EventStream, Submission, collect, stream_chat, stream_completion, unless_disconnected
-from numba_vllm.server.tokenize import chat_prompt_ids, detokenize, tokenize
+from numba_vllm.server.tokenize import chat_prompt_ids, detokenize, tokenize, tokenizer_info
 
 logger = logging.getLogger("uvicorn.error")
 
@@ -212,6 +212,10 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize_ids(request: Request) -> dict:  # vLLM's: token ids back to text
         return await detokenize(state.model, await _read_body(request, state.limits), state.resolve_model)
+
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info() -> dict:  # vLLM's: special tokens and chat template, for clients tokenizing here
+        return tokenizer_info(state.model)
 
     @app.get("/v1/models")
     async def list_models() -> dict:

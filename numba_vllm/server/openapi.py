@@ -120,6 +120,13 @@ def document_errors(app: FastAPI) -> None:
             "200": {"description": "The ids as text", "content": {"application/json": {"schema": answer}}},
             **_errors(TOKENIZE_ERRORS),
         }  # fmt: skip
+        info = {"type": "object", "required": ["tokenizer_class", "eos_token"],
+                "properties": {"tokenizer_class": {"type": "string"}}}  # fmt: skip
+        paths["/tokenizer_info"]["get"]["responses"] = {
+            "200": {"description": "The tokenizer's special tokens, chat template and length limit",
+                    "content": {"application/json": {"schema": info}}},
+            **_errors(("400", "405")),
+        }  # fmt: skip
         for path in ("/v1/models", "/v1/models/{model}"):
             paths[path]["get"]["responses"].update(_errors(READ_ERRORS))
             paths[path]["get"]["responses"].pop("422", None)  # FastAPI's validation error: answered as 400 here

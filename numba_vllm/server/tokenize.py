@@ -15,6 +15,11 @@ vocabulary strings with `"return_token_strs": true`).
 
 `POST /detokenize` is the way back, as vLLM's: `{"tokens": [ids]}` in, `{"prompt": text}` out (the
 ids decoded with their special tokens, as vLLM's tokenizer decodes them).
+
+`GET /tokenizer_info` describes the tokenizer, as vLLM's: its special tokens, BOS policy, chat
+template and length limit. Clients that tokenize through the server read it first:
+lm-evaluation-harness's `local-completions` model picks its `remote` tokenizer backend when this
+route and /tokenize answer, and then needs no tokenizer files of its own.
 """
 
 from __future__ import annotations
@@ -105,3 +110,19 @@ async def detokenize(model_info: ModelInfo, raw: bytes, resolve_model: Callable[
         raise bad_request(f"token id {bad} is outside the vocabulary (0 .. {vocab - 1})", "tokens")
     text = await run_in_threadpool(tok.decode, req.tokens, skip_special_tokens=False)
     return {"prompt": text}
+
+
+def tokenizer_info(model_info: ModelInfo) -> dict:
+    """The answer body for GET /tokenizer_info; APIError(400) for a model without a tokenizer."""
+    tok = model_info.tokenizer
+    if tok is None:
+        raise bad_request("this model has no tokenizer: it takes prompts as token ids")
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # what transformers builds from a tokenizer.json
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": None,
+        "add_bos_token": tok.add_bos_token,
+        "chat_template": tok.chat_template,
+        "model_max_length": model_info.max_model_len,
+    }
