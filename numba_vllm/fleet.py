@@ -201,10 +201,12 @@ class Fleet:
         while True:
             if not child.running():
                 raise FleetError(f"{child.name} exited with status {child.process.returncode} before it was ready")
-            if self.stopping.is_set():
-                raise FleetError("stopped while starting")
+            # Ready first: once the URL answers, clients may already use it (a signal sent after their
+            # first answer is a normal stop, not one during start-up).
             if http_status(url) == 200:
                 return
+            if self.stopping.is_set():
+                raise FleetError("stopped while starting")
             if time.monotonic() > deadline:
                 raise FleetError(f"{child.name} was not ready ({url}) in time")
             self.stopping.wait(0.25)

@@ -31,7 +31,7 @@ from click.testing import CliRunner  # noqa: E402
 
 from numba_vllm import LLM, SamplingParams  # noqa: E402
 from numba_vllm.cli import main  # noqa: E402
-from numba_vllm.fleet import Fleet, FleetSpec, http_status  # noqa: E402
+from numba_vllm.fleet import Fleet, FleetError, FleetSpec, http_status  # noqa: E402
 from numba_vllm.server.metrics import parse_metrics  # noqa: E402
 from tests.helpers.tiny_llama import write_chat_checkpoint  # noqa: E402
 
@@ -295,3 +295,40 @@ def test_the_fleet_command_serves_until_sigterm_then_stops_everything(model_dir)
             proc.kill()
     assert http_status(f"http://127.0.0.1:{port}/readiness") is None
     assert http_status(f"http://127.0.0.1:{port + 1}/health") is None
+
+
+class _Ready:
+    """A stand-in child process that is running; `Fleet._wait_ready` polls it and a URL."""
+
+    name = "router"
+    process = None
+
+    def running(self) -> bool:
+        return True
+
+
+def test_a_signal_after_the_router_answers_is_a_stop_not_a_failed_start():
+    """A client that saw the router ready may already have sent its requests and signalled the fleet
+    before the fleet's own readiness poll saw it: that signal stops a started fleet (exit 0), while a
+    signal before the router answers is a stop during start-up (FleetError, exit 130)."""
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (http.server's name)
+            self.send_response(200 if self.path == "/readiness" else 503)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        fleet = Fleet(FleetSpec(serve_args=["--backend", "numpy"]))
+        fleet.stopping.set()  # the signal came first
+        fleet._wait_ready(_Ready(), url + "/readiness", time.monotonic() + 10)  # ready: returns
+        with pytest.raises(FleetError, match="stopped while starting"):
+            fleet._wait_ready(_Ready(), url + "/not-ready", time.monotonic() + 10)
+    finally:
+        server.shutdown()
