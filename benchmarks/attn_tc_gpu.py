@@ -11,12 +11,14 @@ against the same reference is printed beside it (it keeps q in fp32, so it is of
 Timing: median over ``--reps`` of CUDA events around ``inner`` back-to-back launches (divided by
 ``inner``), after 3 warm-up launches; no L2 flush (a 2048-token context's K/V, 4 MB, stays in L2
 in a real step too). torch: bf16 flash attention on contiguous K/V (``enable_gqa``; a lower-right
-causal mask over K/V expanded to 32 heads for the chunk after a cached prefix).
+causal mask over K/V expanded to 32 heads for the chunk after a cached prefix). The CUDA-core
+kernel is checked always and timed with ``--cuda-cores`` (slow: ~80 ms a launch at 16384 tokens).
 
-    python benchmarks/attn_tc_gpu.py [--tilings 2x32,2x64q,2x32q] [--json out.json]
+    python benchmarks/attn_tc_gpu.py [--tilings 2x64q,1x64q,2x32q,2x32,1x64] [--cuda-cores] [--json out.json]
 
 A tiling ``MxK`` is warp_m_tiles x block_keys with Q's fragments in registers; ``MxKq`` keeps Q in
-shared memory.
+shared memory (``prefill_attention_tc``'s ``tiling`` argument; the launcher's default is marked *).
+Each row of the timing table ends with every tiling's time over torch's.
 """
 
 from __future__ import annotations
@@ -134,13 +136,14 @@ def torch_flash(inp):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tilings", default="2x32,2x64q,2x32q", help="warp_m_tiles x block_keys[q], comma-separated")
+    parser.add_argument("--tilings", default="2x64q,1x64q,2x32q,2x32,1x64", help="warp_m_tiles x block_keys[q], comma-separated")
     parser.add_argument("--reps", type=int, default=15)
-    parser.add_argument("--skip-old-long", action="store_true", help="do not time the CUDA-core kernel at 16384")
+    parser.add_argument("--cuda-cores", action="store_true", help="also time the CUDA-core kernel (slow at 16384)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     tilings = [(int(t.split("x")[0]), int(t.split("x")[1].rstrip("q")), t.endswith("q")) for t in args.tilings.split(",")]
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; default tiling {default_tiling(HEAD_DIM)}")
+    default = default_tiling(HEAD_DIM)
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; default tiling {default} (*)")
     rng = np.random.default_rng(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check": {}, "time_us": {}}
 
@@ -172,14 +175,15 @@ def main():
             print(f"{label}: torch failed: {type(e).__name__}: {e}")
             row = {"torch_flash": float("nan")}
         for m, k, q in tilings:
-            row[f"tc_{m}x{k}{'q' * q}"] = time_it(launcher(prefill_attention_tc, inp, out, (m, k, q)), args.reps, 10)
-        long = prompt * (prompt + cached) > 2048 * 4096
-        if not (long and args.skip_old_long):
+            name = f"tc_{m}x{k}{'q' * q}" + ("*" if (m, k, q) == default else "")
+            row[name] = time_it(launcher(prefill_attention_tc, inp, out, (m, k, q)), args.reps, 10)
+        if args.cuda_cores:
+            long = prompt * (prompt + cached) > 2048 * 4096
             row["cuda_cores"] = time_it(launcher(prefill_attention, inp, out), 3 if long else args.reps, 1 if long else 5)
         report["time_us"][label] = row
-        best = min((v, n) for n, v in row.items() if n.startswith("tc_"))
+        ratios = "  ".join(f"{n[3:]} {v / row['torch_flash']:.2f}" for n, v in row.items() if n.startswith("tc_"))
         print(f"{label:<20} " + "  ".join(f"{n} {v:9.1f} ({flops / v / 1e6:5.0f} TF)" for n, v in row.items())
-              + f"   best tc / torch = {best[0] / row['torch_flash']:.2f}", flush=True)
+              + f"   / torch: {ratios}", flush=True)
         del inp, out
     if args.json:
         with open(args.json, "w") as f:
