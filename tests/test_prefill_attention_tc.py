@@ -154,12 +154,14 @@ MULTI_TILE_SEQS = [(57, 12), (121, 9)]
 
 @pytest.mark.parametrize(
     "key_scale",
-    [None, lambda pos: 2.0 ** (pos // 40), lambda pos: np.where(pos < 64, 1.0, 2.0**-6)],
-    ids=["random", "max-grows-late", "max-first"],
+    [None, lambda pos: 4.0 ** (pos // 64), lambda pos: 2.0 ** (pos // 40), lambda pos: np.where(pos < 64, 1.0, 2.0**-6)],
+    ids=["random", "max-jumps", "max-creeps", "max-first"],
 )
 def test_prefill_tc_key_tiles(key_scale):
-    """Several key tiles per row: with keys growing along the context each tile brings a new row max
-    (O rescaled on every tile); with the keys past the first tile shrunk, the tiles after it almost never do (O not rescaled)."""
+    """Several key tiles per row. Scores are ~N(0, 1.44^2) in log2 units at scale 1/8, so a tile's max
+    is ~3.5: keys x4 per 64-key tile push it up by ~10 > RESCALE_LOG2 (the running max moves, O is
+    rescaled); keys x2 every 40 positions by less (the max stays, P grows past 1); keys shrunk past
+    the first tile bring no larger max at all."""
     check_prefill_tc(np.random.default_rng(7), MULTI_TILE_SEQS, 4, 1, 64, key_scale=key_scale)
 
 

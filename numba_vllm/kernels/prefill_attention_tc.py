@@ -11,7 +11,9 @@ Numerics: q is rounded to bf16 as it is loaded (K and V are bf16 already), so th
 products of the rounded values summed in fp32; they are scaled by ``scale * log2(e)`` in fp32 and
 exponentiated with ``exp2``. The probabilities P are rounded to bf16 for the P V product, while the
 row sums add them unrounded in fp32 (as FlashAttention-2 does): each weight of the output is off by
-up to 2^-8 relative (bf16 keeps 8 significant bits), a few 1e-3 on outputs of size 1.
+up to 2^-8 relative (bf16 keeps 8 significant bits), a few 1e-3 on outputs of size 1. P is taken
+against a running max that may trail a row's true max by up to ``RESCALE_LOG2`` (scaled, log2 units),
+so P <= 2^8: the rounding stays relative, the sums far from fp32's range; the bound is the same.
 
 Thread mapping. A block of ``NUM_WARPS`` = 4 warps owns a tile of ``block_rows`` query rows of one
 kv head of one sequence; grid ``(KVH, S, row tiles)``, the tile with the latest positions (the most
@@ -39,13 +41,15 @@ memory. Head dim 64 runs (2, 64, True): 128 query rows (32 tokens of a 4-head gr
      16-dim step);
   2. online softmax on S's fragments: the causal mask, row max of the unscaled scores over the
      lane's values then over the quad (two ``shfl_xor``), ``P = exp2(S * c - m * c)`` with ``c =
-     scale * log2(e)`` (one FFMA and one ``ex2.approx`` each), l rescaled by ``alpha = exp2((m_old -
-     m_new) * c)``, and O too, but only if some row of the warp has alpha < 1 (a new max: one
-     ``vote.any``), which after the first tiles is rare; skipping a multiplication by exactly 1
-     changes nothing. The mask (a compare and a select per score) is needed only on the tiles that
-     reach past the warp's first position, one or two per warp: the tile's work is a device function
-     called with ``masked`` a constant, so the other tiles run a copy with no mask code at all (a
-     branch around the mask alone is if-converted by ptxas into predicated selects on every tile);
+     scale * log2(e)`` (one FFMA and one ``ex2.approx`` each). The running max m moves only when the
+     tile's max exceeds it by more than ``RESCALE_LOG2`` once scaled (FlashAttention-4's lazy
+     rescaling); then l and O are multiplied by ``alpha = exp2((m_old - m_new) * c)``. O (64 products
+     a lane) is rescaled only if some row of the warp moved (one ``vote.any``): with scores that
+     rarely jump by 2^8 that is the first tile and seldom another. The mask (a compare and a select
+     per score) is needed only on the tiles that reach past the warp's first position, one or two
+     per warp: the tile's work is a device function called with ``masked`` a constant, so the other
+     tiles run a copy with no mask code at all (a branch around the mask alone is if-converted by
+     ptxas into predicated selects on every tile);
   3. ``O += P V``: the C fragments of S are, pair by pair, the A fragments of P (rows g, g + 8, keys
      2t, 2t + 1 and 2t + 8, 2t + 9 of a 16-key step), so P goes from accumulators to operands with
      one ``cvt.rn.bf16x2`` per pair and no data movement; V's rows are keys (k of this product)
@@ -78,13 +82,14 @@ rows stored plainly those 8 chunks sit in the same 4 banks (8-way conflict). Chu
 shorter rows share a 128-byte bank line and use a coarser row index), so the 8 rows of every
 ldmatrix phase, and the copies, cover all 32 banks.
 
-Registers (ptxas 13.5, sm_90, no spills; ``tests/test_prefill_attention_tc.py`` checks): head dim 64,
-(2, 64, True): 254 (64 O and 64 S accumulators a lane), so 2 blocks (8 warps) per SM; (2, 32, True):
-167, 3 blocks; (1, 64, True): 128 (ptxas asked for 4 blocks an SM), 4 blocks (16 warps). Rows past
-a sequence's new tokens compute a copy of its last row and are not written.
+Registers (ptxas 13.5, sm_90; ``tests/test_kernel_report.py`` checks the default has no spills): head dim 64,
+(2, 64, True): ~250 (64 O and 64 S accumulators a lane), so 2 blocks (8 warps) per SM; asked for
+more blocks (``MIN_BLOCKS_HD64``), (2, 32, True) fits 168, 3 blocks, and (1, 64, True) 128, 4 blocks
+(16 warps), each with a few bytes spilled; (1, 64, False): 168, 3 blocks. Rows past a sequence's new
+tokens compute a copy of its last row and are not written.
 
 Instructions (SASS, head dim 64, (2, 64, True), per warp and key tile of 128 ``mma``): on a tile with
-no mask and no new max, ~650 (~5 per ``mma``: 40 ``ldmatrix``; 64 each of max, FFMA, ``ex2``, add
+no mask and no moved max, ~650 (~5 per ``mma``: 40 ``ldmatrix``; 64 each of max, FFMA, ``ex2``, add
 for the softmax; ~60 to stage the next tile, one page id included); 64 more when O is rescaled. The
 previous version issued ~1,200 on every tile (~9.5 per ``mma``): 64-bit index arithmetic, ~45
 instructions per 16-byte copy (64-bit strides from the array descriptors), four page ids a thread,
@@ -127,6 +132,12 @@ THREADS = NUM_WARPS * WARP_LANES
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # multiples of the mma's k (16); K/V tiles within 48 KB
 MAX_GROUP = 16
 LOG2_E = 1.4426950408889634
+# Blocks an SM is asked to hold (ptxas then budgets 65536 / (128 x blocks) registers a thread) for the
+# head-dim-64 tilings that fit more blocks than ptxas would give unasked (ptxas 13.5, sm_90): (2, 32,
+# True) in 168 registers, 3 blocks (4 bytes spilled); (1, 64, True) in 128, 4 blocks (28 bytes
+# spilled, two reloads a key tile outside the mask's copy). The launcher's default spills nothing.
+MIN_BLOCKS_HD64 = {(2, 32, True): 3, (1, 64, True): 4}
+RESCALE_LOG2 = 8.0  # a row's running max moves when a tile's max exceeds it by 2^8 (after scaling): P <= 256
 
 
 def default_tiling(head_dim: int) -> tuple[int, int, bool]:
@@ -185,9 +196,8 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
     q_rows = block_rows if q_shared else 1  # (arrays of the unused path are minimal)
     q_frag_tiles = 1 if q_shared else warp_m_tiles
     minus_inf = float32(-math.inf)
-    # 16-row warp tiles with Q in shared memory fit in 128 registers up to head dim 64 when ptxas is
-    # asked for 4 blocks an SM (no spills): 16 warps an SM instead of 12.
-    min_blocks = 4 if warp_m_tiles == 1 and q_shared and head_dim <= 64 else 1
+    rescale_log2 = float32(RESCALE_LOG2)
+    min_blocks = MIN_BLOCKS_HD64.get((warp_m_tiles, block_keys, q_shared), 1) if head_dim == 64 else 1
     page_shift = uint32(PAGE_SIZE.bit_length() - 1)  # pos >> page_shift: the page of position pos
     token_elems = num_kv_heads * head_dim  # cache elements per token (all kv heads)
     page_elems = PAGE_SIZE * token_elems
@@ -251,11 +261,12 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
     @device_function
     def _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2):
         """Online softmax of the warp's rows (two per mma tile per lane): S -> P = exp2((S - m) * scale_log2)
-        in place, m (the max of the unscaled scores) and l updated, O rescaled. The max is taken before
-        scaling (scale > 0), so each P is one fused multiply-add and one ``ex2``. O is rescaled only when
-        some row of the warp has a new max (alpha < 1): after the first key tiles a row's max seldom
-        grows, and multiplying by exactly 1 changes nothing."""
-        grew = False
+        in place, m and l updated, O rescaled. m is a running max of the unscaled scores (scale > 0, so
+        each P is one fused multiply-add and one ``ex2``) that moves only when a tile's max exceeds it
+        by more than 2^RESCALE_LOG2 once scaled: a smaller excess leaves P <= 2^RESCALE_LOG2, harmless
+        in fp32 and bf16 (whose rounding is relative), and most key tiles after the first few then
+        leave O alone. O is rescaled when some row of the warp moved its m (a ``vote.any``)."""
+        moved = False
         for i in range(warp_m_tiles):
             for h in range(2):
                 tile_max = minus_inf
@@ -263,25 +274,30 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                     tile_max = max(tile_max, max(acc_s[i, j, 2 * h], acc_s[i, j, 2 * h + 1]))
                 tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # the quad shares the row
                 tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 2))
-                m_new = max(row_max[i, h], tile_max)  # finite: key 0 (in the first tile) is seen by every row
-                alpha[i, h] = math.exp2((row_max[i, h] - m_new) * scale_log2)  # 0 on the first tile (m = -inf)
-                grew = grew or alpha[i, h] < float32(1.0)
+                # True on the first tile (m = -inf; key 0 is in it, seen by every row: tile_max is finite)
+                move = (tile_max - row_max[i, h]) * scale_log2 > rescale_log2
+                m_new = tile_max if move else row_max[i, h]
+                alpha[i, h] = math.exp2((row_max[i, h] - m_new) * scale_log2)  # exactly 1 if m stays; 0 on tile 0
+                moved = moved or move
                 row_max[i, h] = m_new
-                m_scaled = m_new * scale_log2
-                tile_sum = float32(0.0)
-                for j in range(key_tiles):
-                    for e in range(2):
-                        p = math.exp2(acc_s[i, j, 2 * h + e] * scale_log2 - m_scaled)
-                        acc_s[i, j, 2 * h + e] = p
-                        tile_sum += p
-                row_sum[i, h] = row_sum[i, h] * alpha[i, h] + tile_sum  # this lane's share (its keys) of l
-        if cuda.any_sync(FULL_MASK, grew):
+                row_sum[i, h] *= alpha[i, h]  # this lane's share (its keys) of l
+        if cuda.any_sync(FULL_MASK, moved):
             for i in range(warp_m_tiles):
                 for j in range(d_tiles):
                     acc_o[i, j, 0] *= alpha[i, 0]
                     acc_o[i, j, 1] *= alpha[i, 0]
                     acc_o[i, j, 2] *= alpha[i, 1]
                     acc_o[i, j, 3] *= alpha[i, 1]
+        for i in range(warp_m_tiles):
+            for h in range(2):
+                m_scaled = row_max[i, h] * scale_log2
+                tile_sum = float32(0.0)
+                for j in range(key_tiles):
+                    for e in range(2):
+                        p = math.exp2(acc_s[i, j, 2 * h + e] * scale_log2 - m_scaled)
+                        acc_s[i, j, 2 * h + e] = p
+                        tile_sum += p
+                row_sum[i, h] += tile_sum
 
     @device_function
     def _store_rows(out, acc_o, row_sum, i, warp_row0, num_rows, first_token, kv_head, g, t):
