@@ -33,7 +33,7 @@ from numba import cuda
 
 from numba_vllm.bench.attention_cases import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, _gathered_torch, _random_cache
 from numba_vllm.kernels.prefill_attention import prefill_attention
-from numba_vllm.kernels.prefill_attention_tc import default_tiling, prefill_attention_tc
+from numba_vllm.kernels.prefill_attention_tc import default_tiling, prefill_attention_tc, prefill_attention_tc_kernel_for
 
 SCALE = 1.0 / np.sqrt(HEAD_DIM)
 GROUP = NUM_HEADS // NUM_KV_HEADS
@@ -162,6 +162,17 @@ def main():
         report["check"][label] = result
         print(f"{label:<20} " + "  ".join(f"{name} {e:.2e} ({r:.2f})" for name, (e, r) in result.items()), flush=True)
         del inp, outs
+
+    print("## resources (as this driver built each tiling)")
+    for m, k, q in tilings:
+        kernel = prefill_attention_tc_kernel_for(GROUP, HEAD_DIM, m, k, q, NUM_KV_HEADS)
+        try:
+            regs, local, shared = (kernel.get_regs_per_thread(), kernel.get_local_mem_per_thread(),
+                                   kernel.get_shared_mem_per_block())
+        except Exception as e:  # an API this numba-cuda lacks: the timing still runs
+            regs, local, shared = (f"? ({type(e).__name__})",) * 3
+        report.setdefault("resources", {})[f"{m}x{k}{'q' * q}"] = [str(regs), str(local), str(shared)]
+        print(f"tc_{m}x{k}{'q' * q:<2} registers {regs}  local bytes {local}  shared bytes {shared}", flush=True)
 
     print("## time (us, median of CUDA events; TFLOP/s counts the causal (query, key) pairs)")
     for num_seqs, prompt, cached in CASES:
