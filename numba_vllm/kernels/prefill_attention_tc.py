@@ -93,13 +93,14 @@ with 84. Rows past a sequence's new tokens compute a copy of its last row and ar
 
 Instructions (SASS, head dim 64, (2, 64, True), per warp and key tile of 128 ``mma``): a fast tile
 issues ~565 (~4.4 per ``mma``: 40 ``ldmatrix``; 64 each of FFMA, ``ex2`` and add and 32 ``cvt`` for
-the softmax; ~80 to stage the next tile, one page id included, and run the loop). The previous
-version issued ~1,200 on every tile (~9.5 per ``mma``): 64-bit index arithmetic, ~45
-instructions per 16-byte copy (64-bit strides from the array descriptors), four page ids a thread,
-the mask's compare and select, the row max and its shuffles, O rescaled, on every tile. Speed of that version (H200, Llama
-3.2 1B's heads, ``benchmarks/attn_tc_gpu.py``): 1 x 2048 tokens 106 us, 8 x 512 86 us, 1 x 16384
-5.06 ms, a 2048-token chunk after 14,000 cached 1.23 ms: 1.4-2.0x torch's flash attention (60 / 42 /
-2,499 / 877 us).
+the softmax; ~80 to stage the next tile, one page id included, and run the loop); an exact tile
+~840 with O rescaled. The previous version issued ~1,200 on every tile (~9.5 per ``mma``): 64-bit
+index arithmetic, ~45 instructions per 16-byte copy (64-bit strides from the array descriptors),
+four page ids a thread, and the mask's compare and select, the row max and its shuffles and O's
+rescale on every tile. Speed of that version (H200, Llama 3.2 1B's heads,
+``benchmarks/attn_tc_gpu.py``): 1 x 2048 tokens 106 us, 8 x 512 86 us, 1 x 16384 5.06 ms, a
+2048-token chunk after 14,000 cached 1.23 ms: 1.4-2.0x torch's flash attention (60 / 42 / 2,499 /
+877 us).
 """
 
 from __future__ import annotations
