@@ -192,7 +192,7 @@ def test_prefill_tc_gpu():
     reference is the slow part; benchmarks/attn_tc_gpu.py checks 16384-token prompts against torch)."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     seqs = [(0, 512), (0, 1), (100, 300), (1000, 200), (511, 1), (0, 333), (17, 100)]
-    for tiling in (None, (2, 32, False), (2, 64, True)):
+    for tiling in (None, (2, 32, False), (1, 64, True, 4)):
         try:
             check_prefill_tc(np.random.default_rng(seed), seqs, 4, 8, 64, tiling=tiling)
         except AssertionError as e:
