@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from numba import cuda, uint32
 
-from numba_vllm.bench.kernel_report import PREFILL_SIG, KernelVariant, select
+from numba_vllm.bench.kernel_report import PREFILL_TC_SIG, KernelVariant, select
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.jit import kernel
 from numba_vllm.kernels.mma import ldmatrix_x4_trans
@@ -45,12 +45,21 @@ ATOL = 2e-6
 EDGE_SEQS = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33)]  # whole prompts around page edges
 
 
-def check_prefill_tc(rng, seqs, group, num_kv_heads, head_dim, scale=None, tiling=None):
+def check_prefill_tc(rng, seqs, group, num_kv_heads, head_dim, scale=None, tiling=None, key_scale=None):
     """seqs: (start_pos, num_new) per sequence; the first start_pos tokens are a cached prefix.
-    ``tiling``: (warp_m_tiles, block_keys, q_shared) for the launcher (None: its default)."""
+    ``tiling``: (warp_m_tiles, block_keys, q_shared) for the launcher (None: its default).
+    ``key_scale``: positions -> powers of two the keys at those positions are multiplied by (exact in
+    bf16), to steer where each row's max lies."""
     num_heads = group * num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     cache = PagedCache(rng, [start + n for start, n in seqs], num_kv_heads, head_dim)
+    if key_scale is not None:
+        pool = cache.k_pool.reshape(-1, num_kv_heads, head_dim)  # (pages * PAGE_SIZE, KVH, HD) view
+        for s, (start, n) in enumerate(seqs):
+            positions = np.arange(start + n)
+            factor = np.asarray(key_scale(positions), np.float32)[:, None, None]
+            cache.k[s] *= factor
+            pool[cache.kv_indices(s, positions)] *= factor
     cu_seqlens = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
     start_pos = np.array([start for start, _ in seqs], np.int32)
     q = rng.standard_normal((cu_seqlens[-1], num_heads, head_dim)).astype(np.float32)
@@ -127,7 +136,8 @@ def test_prefill_tc(group, num_kv_heads, head_dim, seqs):
     check_prefill_tc(np.random.default_rng(3), seqs, group, num_kv_heads, head_dim)
 
 
-@pytest.mark.parametrize("tiling", [(1, 64, False), (2, 32, False), (1, 32, False), (2, 64, True), (2, 32, True)])
+@pytest.mark.parametrize("tiling", [(1, 64, False), (2, 32, False), (1, 32, False), (2, 64, True), (2, 32, True),
+                                    (1, 64, True, 4)])
 def test_prefill_tc_tilings(tiling):
     """Other tilings (warp_m_tiles, block_keys, q_shared), GQA 4 at head dim 64 after cached prefixes."""
     check_prefill_tc(np.random.default_rng(5), [(15, 2), (5, 28), (0, 17)], 4, 1, 64, tiling=tiling)
@@ -135,6 +145,29 @@ def test_prefill_tc_tilings(tiling):
 
 def test_prefill_tc_scale():
     check_prefill_tc(np.random.default_rng(4), [(3, 20)], 2, 1, 64, scale=0.3)
+
+
+# Contexts of a few 64-key tiles: the diagonal tile where some of a warp's rows see every key and
+# others are masked (new tokens from 57 and from 121: positions 57..64 share warp 0), tiles past the
+# context's end, and (new tokens from 200) two tiles after the first that the fast path takes.
+MULTI_TILE_SEQS = [(57, 12), (121, 9), (200, 9)]
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")  # the fast try before the exact path
+@pytest.mark.parametrize(
+    "key_scale",
+    [None, lambda pos: np.where(pos < 64, 1.0, 64.0), lambda pos: 2.0 ** (pos // 40),
+     lambda pos: np.where(pos < 64, 1.0, 2.0**-6)],
+    ids=["random", "max-jumps", "max-creeps", "max-first"],
+)
+def test_prefill_tc_key_tiles(key_scale):
+    """Several key tiles per row. Scores are ~N(0, 1.44^2) in log2 units at scale 1/8 (a tile's max
+    ~3.5). Keys x64 past the first tile make the fast tiles fail the P_LIMIT check (S computed again,
+    the exact path, O rescaled; against the old max, ~2^220 in fp32, P would overflow to inf);
+    keys x2 every 40 positions give both fast tiles with P > 1 and exact ones; keys shrunk past the
+    first tile give only fast tiles with P <= 1 (NumPy on these inputs: 61/11/0 and 0/0/72 row-tiles
+    exact / fast with P > 1 / fast with P <= 1 for the last two)."""
+    check_prefill_tc(np.random.default_rng(7), MULTI_TILE_SEQS, 4, 1, 64, key_scale=key_scale)
 
 
 @pytest.mark.slow
@@ -159,7 +192,7 @@ def test_prefill_tc_gpu():
     reference is the slow part; benchmarks/attn_tc_gpu.py checks 16384-token prompts against torch)."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     seqs = [(0, 512), (0, 1), (100, 300), (1000, 200), (511, 1), (0, 333), (17, 100)]
-    for tiling in (None, (2, 32, False), (2, 64, True)):
+    for tiling in (None, (2, 32, False), (1, 64, True, 4)):
         try:
             check_prefill_tc(np.random.default_rng(seed), seqs, 4, 8, 64, tiling=tiling)
         except AssertionError as e:
@@ -193,7 +226,8 @@ def test_launcher_rejects_what_it_cannot_run():
 OTHER_TILINGS = [(4, 64, 2, 32, False), (4, 64, 1, 64, False), (4, 64, 2, 32, True), (8, 128, 1, 32, True)]
 VARIANTS = select(("prefill_attention_tc",)) + [
     KernelVariant("prefill_attention_tc", "g{} hd{} tiling {} {} {}".format(*c),
-                  "prefill_attention_tc:prefill_attention_tc_kernel_for({}, {}, {}, {}, {})".format(*c), PREFILL_SIG, "THREADS")
+                  "prefill_attention_tc:prefill_attention_tc_kernel_for({}, {}, {}, {}, {}, 8)".format(*c), PREFILL_TC_SIG,
+                  "THREADS")
     for c in OTHER_TILINGS
 ]  # fmt: skip
 

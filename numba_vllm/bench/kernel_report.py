@@ -86,6 +86,7 @@ GEMM_WGMMA_SIG = f"({TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), f32(2), int64, i
 DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"  # q, k/v caches, tables, lengths, scale, out
 DECODE_FAST_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), float32, int32, f32(3))"  # flat caches; + pages per split
 PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"  # ... cu_seqlens, start_pos ...
+PREFILL_TC_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), i32(1), float32, f32(3))"  # flat caches
 ROPE_SIG = "(f32(3), i32(1), f32(1), i32(1), f32(3), u16(4), u16(4))"  # qkv, positions, inv_freq, kv indices, q, k/v caches
 PICK_TAIL = "int64, i32(1), f32(1), i32(1)"  # the samplers': part_cols, token_ids, the workspace's values and indices
 
@@ -163,8 +164,8 @@ REGISTRY: tuple[KernelVariant, ...] = (
     ),
     *(  # the launcher's default tiling for the head dim (default_tiling)
         KernelVariant("prefill_attention_tc", f"g{g} hd{hd}",
-                      f"prefill_attention_tc:prefill_attention_tc_kernel_for({g}, {hd}, *default_tiling({hd}))",
-                      PREFILL_SIG, "THREADS")  # fmt: skip
+                      f"prefill_attention_tc:prefill_attention_tc_kernel_for({g}, {hd}, *default_tiling({hd}), 8)",
+                      PREFILL_TC_SIG, "THREADS")  # fmt: skip
         for g, hd in PREFILL_TC_CONFIGS
     ),
     KernelVariant("rope", "", "rope:rope_kernel", ROPE_SIG, "WARP_SIZE * ROPE_MAX_WARPS"),

@@ -11,7 +11,9 @@ Numerics: q is rounded to bf16 as it is loaded (K and V are bf16 already), so th
 products of the rounded values summed in fp32; they are scaled by ``scale * log2(e)`` in fp32 and
 exponentiated with ``exp2``. The probabilities P are rounded to bf16 for the P V product, while the
 row sums add them unrounded in fp32 (as FlashAttention-2 does): each weight of the output is off by
-up to 2^-8 relative (bf16 keeps 8 significant bits), a few 1e-3 on outputs of size 1.
+up to 2^-8 relative (bf16 keeps 8 significant bits), a few 1e-3 on outputs of size 1. P is taken
+against a running max m that may trail a row's true max (see step 2): P <= ``P_LIMIT`` = 2^8, so the
+rounding stays relative and the sums far from fp32's range; the bound is the same.
 
 Thread mapping. A block of ``NUM_WARPS`` = 4 warps owns a tile of ``block_rows`` query rows of one
 kv head of one sequence; grid ``(KVH, S, row tiles)``, the tile with the latest positions (the most
@@ -37,10 +39,19 @@ memory. Head dim 64 runs (2, 64, True): 128 query rows (32 tokens of a 4-head gr
   1. ``S = Q K^T`` (16 x block_keys per mma tile) on the tensor cores: K's rows are keys with the
      head dims contiguous, which is the B operand's layout (``ldmatrix.x4``: two 8-key tiles of one
      16-dim step);
-  2. online softmax on S's fragments: causal mask (only on tiles that reach past the warp's first
-     position), row max of the unscaled scores over the lane's values then over the quad (two
-     ``shfl_xor``), ``P = exp2(S * c - m * c)`` with ``c = scale * log2(e)`` (one FFMA and one
-     ``ex2.approx`` each), O and l rescaled by ``exp2((m_old - m_new) * c)``;
+  2. online softmax on S's fragments, ``P = exp2(S * c - m * c)`` with ``c = scale * log2(e)`` (one
+     FFMA and one ``ex2.approx`` each), in two versions. The exact one, on a warp's first tile and
+     on the tiles that reach past its first position (one or two): the causal mask (a compare and a
+     select per score), the row max of the unscaled scores over the lane's values then the quad
+     (two ``shfl_xor``), m moved to it, l and O multiplied by ``alpha = exp2((m_old - m_new) * c)``
+     (O only if some row of the warp got a new max: one ``vote.any``). The fast one, on all other
+     tiles: no mask (no key is past any row), no max: P against m as it stands, and a check that
+     every lane's partial sum of each row (its 16 keys of the tile) is at most ``P_LIMIT``, which
+     bounds every P (one ``vote.all``); if not (a row's scores rose well past its max: rare once
+     the first tile has set it), S is computed again and takes the exact path. The tile's work is a
+     device function called with ``exact`` a constant, so the common tile runs a copy with no mask,
+     max, shuffle or rescale code at all (a branch around the mask alone is if-converted by ptxas
+     into predicated selects on every tile);
   3. ``O += P V``: the C fragments of S are, pair by pair, the A fragments of P (rows g, g + 8, keys
      2t, 2t + 1 and 2t + 8, 2t + 9 of a 16-key step), so P goes from accumulators to operands with
      one ``cvt.rn.bf16x2`` per pair and no data movement; V's rows are keys (k of this product)
@@ -52,13 +63,20 @@ memory. Head dim 64 runs (2, 64, True): 128 query rows (32 tokens of a 4-head gr
 Shared memory: K and V tiles, ``(2, block_keys, head_dim / 2)`` uint32 each (bf16 pairs), double
 buffered (head_dim 64, 64 keys: 2 x 2 x 64 x 128 bytes = 32 KB), plus with ``q_shared`` the Q tile
 ``(block_rows, head_dim / 2)`` (16 KB): 48 KB, all of the static limit. K/V rows are staged with
-``cp.async`` 16 bytes at a time straight from the paged cache (no registers, no conversion); a
-thread copies chunk ``tid % (head_dim / 8)`` of rows ``tid // (head_dim / 8) + j * rows_per_pass``.
-Copies for key tile i + 1 are issued right after the barrier that opens tile i, so they land while
-tile i is computed; each thread waits for its own copies (``cp.async.wait_all``) before the next
-barrier: one barrier per key tile. The page ids (``block_tables[s, pos // 16]``) are loaded one tile
-earlier still, so issuing a copy never waits for a global load. Rows past the context (the tail of
-the last page) are stored as zeros, never read: a NaN there would poison ``P V`` even with P = 0.
+``cp.async`` 16 bytes at a time straight from the paged cache (no registers, no conversion). Warp
+``w`` stages rows ``w * block_keys / 4 ..`` of a key tile, which lie in one page (a key tile is
+whole pages, a warp's share at most one): lane ``l`` copies chunk ``l % (head_dim / 8)`` of rows
+``l // (head_dim / 8) + j * copy_rows``. So a thread loads one page id per key tile, and its copies
+are one cache offset plus compile-time offsets (the caches are passed flat and ``num_kv_heads`` is
+a constant of the build). Copies for key tile i + 1 are issued right after the barrier that opens
+tile i, so they land while tile i is computed; each thread waits for its own copies
+(``cp.async.wait_all``) before the next barrier: one barrier per key tile. The page id
+(``block_tables[s, pos // 16]``) is loaded one tile earlier still, so issuing a copy never waits for
+a global load. Rows past the context (the tail of the last page) are stored as zeros, never read: a
+NaN there would poison ``P V`` even with P = 0; only the last key tile checks rows one by one.
+
+Integer arithmetic: numba computes in 64 bits; index values that fit are cut to ``int32`` (and
+compared with ``int32`` values), so the compiler works on 32-bit registers in the loop.
 
 Swizzle: ldmatrix reads, per 8 lanes, the same 16-byte chunk of 8 consecutive rows; with 128-byte
 rows stored plainly those 8 chunks sit in the same 4 banks (8-way conflict). Chunk ``c`` of row
@@ -66,15 +84,23 @@ rows stored plainly those 8 chunks sit in the same 4 banks (8-way conflict). Chu
 shorter rows share a 128-byte bank line and use a coarser row index), so the 8 rows of every
 ldmatrix phase, and the copies, cover all 32 banks.
 
-Registers (ptxas 13.5, sm_90, no spills; ``tests/test_prefill_attention_tc.py`` checks): head dim 64,
-(2, 64, True): 254 (64 O and 64 S accumulators a lane), so 2 blocks (8 warps) per SM; (2, 32, False):
-223. Rows past a sequence's new tokens compute a copy of its last row and are not written.
+Registers (ptxas 13.5, sm_90; ``tests/test_kernel_report.py`` checks the default has no spills), head
+dim 64: (2, 64, True) 255 (64 O and 64 S accumulators a lane), 2 blocks (8 warps) an SM, no spills.
+Left free, ptxas gives the smaller tilings more registers than they need ((1, 64, True): 175, so 2
+blocks); the tiling's optional 4th entry asks for more blocks: (1, 64, True, 3) and (2, 32, True, 3)
+fit 168 registers, 3 blocks, with 20-28 bytes spilled, (1, 64, True, 4) 128, 4 blocks (16 warps),
+with 84. Rows past a sequence's new tokens compute a copy of its last row and are not written.
 
-Speed (H200, Llama 3.2 1B's heads, ``benchmarks/attn_tc_gpu.py``): 1 x 2048 tokens 106 us, 8 x 512
-86 us, 1 x 16384 5.06 ms, a 2048-token chunk after 14,000 cached 1.23 ms: 12-14x the CUDA-core
-kernel, 1.4-2.0x torch's flash attention (60 / 42 / 2,499 / 877 us). Per key tile a warp issues ~9
-instructions per ``mma`` (index and address arithmetic in 64 bits, softmax), and with 8 warps per
-SM the tensor cores are busy about a third of the time.
+Instructions (SASS, head dim 64, (2, 64, True), per warp and key tile of 128 ``mma``): a fast tile
+issues ~565 (~4.4 per ``mma``: 40 ``ldmatrix``; 64 each of FFMA, ``ex2`` and add and 32 ``cvt`` for
+the softmax; ~80 to stage the next tile, one page id included, and run the loop); an exact tile
+~840 with O rescaled. The previous version issued ~1,200 on every tile (~9.5 per ``mma``): 64-bit
+index arithmetic, ~45 instructions per 16-byte copy (64-bit strides from the array descriptors),
+four page ids a thread, and the mask's compare and select, the row max and its shuffles and O's
+rescale on every tile. Speed of that version (H200, Llama 3.2 1B's heads,
+``benchmarks/attn_tc_gpu.py``): 1 x 2048 tokens 106 us, 8 x 512 86 us, 1 x 16384 5.06 ms, a
+2048-token chunk after 14,000 cached 1.23 ms: 1.4-2.0x torch's flash attention (60 / 42 / 2,499 /
+877 us).
 """
 
 from __future__ import annotations
@@ -83,7 +109,7 @@ import functools
 import math
 
 import numpy as np
-from numba import cuda, float32, int32, uint32
+from numba import cuda, float32, int32, int64, uint32, uint64
 
 from numba_vllm.kernels._launch import KernelError, launch
 from numba_vllm.kernels.jit import device_function, kernel
@@ -110,16 +136,18 @@ THREADS = NUM_WARPS * WARP_LANES
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # multiples of the mma's k (16); K/V tiles within 48 KB
 MAX_GROUP = 16
 LOG2_E = 1.4426950408889634
+P_LIMIT = 256.0  # the most a lane's partial sum of a row (hence any P) may reach on a tile without a max
 
 
 def default_tiling(head_dim: int) -> tuple[int, int, bool]:
     """(warp_m_tiles, block_keys, q_shared) for a head dim: the largest tiles whose accumulators (O:
     16 x head_dim, S: 16 x block_keys per mma tile) fit in registers with no spills (ptxas, sm_90).
 
-    Head dim 64 (H200, Llama 3.2 1B's shapes): 32-row warp tiles with 64-key tiles and Q in shared
-    memory (254 registers) ran as fast as with 32-key tiles and Q in registers (223) on 2048-token
-    prompts and 5% faster on 16384 (fewer barriers and rescales per key); 16-row warp tiles were
-    slower (``benchmarks/attn_tc_gpu.py``). Head dim 128 is not measured: 16-row warp tiles, 32 keys.
+    Head dim 64 (H200, Llama 3.2 1B's shapes, measured before the inner loop lost its 64-bit
+    arithmetic and per-tile mask; ``benchmarks/attn_tc_gpu.py`` times every tiling): 32-row warp
+    tiles with 64-key tiles and Q in shared memory (254 registers) ran as fast as with 32-key tiles
+    and Q in registers on 2048-token prompts and 5% faster on 16384 (fewer barriers and rescales per
+    key); 16-row warp tiles were slower. Head dim 128 is not measured: 16-row warp tiles, 32 keys.
     """
     if head_dim <= 32:
         return 2, 64, False  # (a 64-key tile is one staging pass of the block's threads at head dim 16)
@@ -132,11 +160,15 @@ def block_rows_for(warp_m_tiles: int) -> int:
 
 
 @functools.cache
-def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int, block_keys: int, q_shared: bool):
+def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int, block_keys: int, q_shared: bool,
+                                    num_kv_heads: int, min_blocks: int = 1):
     """The kernel compiled for ``group`` query heads per kv head, ``head_dim``, a warp tile of
-    ``warp_m_tiles`` x 16 rows, key tiles of ``block_keys``, and Q's fragments kept in registers
+    ``warp_m_tiles`` x 16 rows, key tiles of ``block_keys``, Q's fragments kept in registers
     (``q_shared`` False) or in shared memory, loaded with ``ldmatrix`` at each use (True: frees
-    registers for a larger tile). Its sizes are constants in the code."""
+    registers for a larger tile), and ``num_kv_heads`` kv heads in the cache. Its sizes are constants
+    in the code (the cache's strides too: a thread's copies of one key tile are one address plus
+    constant offsets). ``min_blocks``: blocks an SM should hold at once (launch bounds: ptxas then
+    keeps to 65536 / (128 x min_blocks) registers a thread, spilling if it must); 1 leaves it free."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise KernelError(f"prefill_attention_tc: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
     if not 1 <= group <= MAX_GROUP:
@@ -149,18 +181,25 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
     key_steps = block_keys // MMA_K  # k steps of P V (4)
     row_words = head_dim // 2  # uint32 words (bf16 pairs) per staged K/V row
     row_chunks = head_dim // BF16_PER_VECTOR  # 16-byte chunks per row
-    rows_per_pass = THREADS // row_chunks  # rows the block's threads stage at once
-    stage_passes = block_keys // rows_per_pass  # chunks per thread per tensor per key tile
+    rows_per_pass = THREADS // row_chunks  # rows the block's threads stage at once (Q)
+    warp_stage_rows = block_keys // NUM_WARPS  # K/V rows each warp stages per key tile, all in one page
+    copy_rows = WARP_LANES // row_chunks  # rows a warp stages with one 16-byte copy per lane
+    stage_passes = warp_stage_rows // copy_rows  # chunks per thread per tensor per key tile
     # Swizzle: rows sharing a 128-byte bank line (short rows) count as one row.
     line_rows = max(1, 8 // row_chunks)
     swizzle_shift = line_rows.bit_length() - 1
     swizzle_mask = min(row_chunks, 8) - 1
-    assert block_keys % PAGE_SIZE == 0 and block_keys % rows_per_pass == 0 and block_rows % rows_per_pass == 0
-    assert rows_per_pass % (line_rows * (swizzle_mask + 1)) == 0  # a thread's rows share one swizzle
+    assert block_keys % PAGE_SIZE == 0 and block_rows % rows_per_pass == 0
+    assert PAGE_SIZE % warp_stage_rows == 0 and warp_stage_rows % copy_rows == 0
+    assert rows_per_pass % (line_rows * (swizzle_mask + 1)) == 0  # a thread's Q rows share one swizzle
     q_passes = block_rows // rows_per_pass  # 16-byte chunks of Q per thread, staging Q in shared memory
     q_rows = block_rows if q_shared else 1  # (arrays of the unused path are minimal)
     q_frag_tiles = 1 if q_shared else warp_m_tiles
     minus_inf = float32(-math.inf)
+    p_limit = float32(P_LIMIT)
+    page_shift = uint32(PAGE_SIZE.bit_length() - 1)  # pos >> page_shift: the page of position pos
+    token_elems = num_kv_heads * head_dim  # cache elements per token (all kv heads)
+    page_elems = PAGE_SIZE * token_elems
 
     @device_function
     def _chunk_word(row, chunk):
@@ -168,62 +207,106 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
         return (chunk ^ ((row >> swizzle_shift) & swizzle_mask)) * 4
 
     @device_function
-    def _load_pages(block_tables, s, key0, context_len, tid, pages):
-        """pages[j] = the page holding this thread's staging row j of the key tile at key0 (0 past the
-        context). Loaded a tile ahead of its copies: a copy cannot start before its page id arrives."""
-        row0 = tid // row_chunks
-        for j in range(stage_passes):
-            pos = key0 + row0 + j * rows_per_pass
-            pages[j] = block_tables[s, pos // PAGE_SIZE] if pos < context_len else 0
+    def _stage_row(tid, j):
+        """Row of the key tile that thread ``tid`` stages with its copy j: warp w stages rows
+        w * warp_stage_rows .. (one page), ``copy_rows`` rows per copy, ``row_chunks`` lanes a row."""
+        return (tid // WARP_LANES) * warp_stage_rows + (tid % WARP_LANES) // row_chunks + j * copy_rows
 
     @device_function
-    def _stage_kv(k_bits, v_bits, ks, vs, buf, pages, kv_head, key0, context_len, tid):
-        """Start copying the K and V rows of keys key0 .. key0 + block_keys - 1 (their pages in ``pages``)
-        into buffer ``buf`` (zeros past the context); they have landed after ``cp_async_wait_all``."""
-        row0 = tid // row_chunks
-        chunk = tid % row_chunks
-        word = _chunk_word(row0, chunk)
-        for j in range(stage_passes):
-            row = row0 + j * rows_per_pass
-            pos = key0 + row
-            if pos < context_len:
-                src = (pages[j], pos % PAGE_SIZE, kv_head, chunk * BF16_PER_VECTOR)
-                cp_async_16(ks, (buf, row, word), k_bits, src)
-                cp_async_16(vs, (buf, row, word), v_bits, src)
-            else:
-                store_shared_u32x4(ks, (buf, row, word), uint32(0), uint32(0), uint32(0), uint32(0))
-                store_shared_u32x4(vs, (buf, row, word), uint32(0), uint32(0), uint32(0), uint32(0))
+    def _page_of(table, key0, last_pos, tid):
+        """The page holding this thread's staging rows of the key tile at key0 (past the context: the
+        last page, whose rows are not copied), from the sequence's row of the block table. Loaded a tile
+        ahead of its copies: a copy cannot start before its page id arrives."""
+        return table[uint32(min(int32(key0 + _stage_row(tid, 0)), last_pos)) >> page_shift]
 
     @device_function
-    def _softmax_rows(acc_s, acc_o, row_max, row_sum, row_pos, i, key0, masked, scale_log2, t):
-        """Online softmax of mma tile i's two rows per lane: S -> P = exp2((S - m) * scale_log2) in place,
-        m (the max of the unscaled scores) and l updated, O rescaled. Lane (g, t) holds S[g + 8h,
-        8j + 2t + e] in acc_s[i, j, 2h + e]. The max is taken before scaling (scale > 0), so each P is
-        one fused multiply-add and one ``ex2``."""
-        for h in range(2):
-            last_key = row_pos[i, h] - key0 - 2 * t  # this lane's keys j * 8 + e past it are masked
-            tile_max = minus_inf
-            for j in range(key_tiles):
-                for e in range(2):
-                    if masked and j * MMA_N + e > last_key:
-                        acc_s[i, j, 2 * h + e] = minus_inf  # a later position (or past the context)
-                    tile_max = max(tile_max, acc_s[i, j, 2 * h + e])
-            tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # the quad shares the row
-            tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 2))
-            m_new = max(row_max[i, h], tile_max)  # finite: key 0 (in the first tile) is seen by every row
-            alpha = math.exp2((row_max[i, h] - m_new) * scale_log2)  # 0 on the first tile (m = -inf)
-            row_max[i, h] = m_new
-            m_scaled = m_new * scale_log2
-            tile_sum = float32(0.0)
-            for j in range(key_tiles):
-                for e in range(2):
-                    p = math.exp2(acc_s[i, j, 2 * h + e] * scale_log2 - m_scaled)
-                    acc_s[i, j, 2 * h + e] = p
-                    tile_sum += p
-            row_sum[i, h] = row_sum[i, h] * alpha + tile_sum  # this lane's share (its keys) of l
-            for j in range(d_tiles):
-                acc_o[i, j, 2 * h] *= alpha
-                acc_o[i, j, 2 * h + 1] *= alpha
+    def _stage_kv(k_flat, v_flat, ks, vs, buf, page, lane_src, key0, context_len, tid):
+        """Start copying the K and V rows of keys key0 .. key0 + block_keys - 1 (this thread's in page
+        ``page``) into buffer ``buf`` (zeros past the context); they have landed after
+        ``cp_async_wait_all``. lane_src: the element offset, in its page, of this thread's copy 0 (copy j
+        is j * copy_rows tokens further)."""
+        src0 = int64(page) * page_elems + lane_src  # K and V have one layout: one offset
+        if int32(key0 + block_keys) <= context_len:  # the whole tile is in the context (all but the last)
+            for j in range(stage_passes):
+                row = _stage_row(tid, j)
+                word = _chunk_word(row, tid % row_chunks)
+                src = uint64(src0 + j * copy_rows * token_elems)
+                cp_async_16(ks, (buf, row, word), k_flat, src)
+                cp_async_16(vs, (buf, row, word), v_flat, src)
+        else:
+            for j in range(stage_passes):
+                row = _stage_row(tid, j)
+                word = _chunk_word(row, tid % row_chunks)
+                if int32(key0 + row) < context_len:
+                    src = uint64(src0 + j * copy_rows * token_elems)
+                    cp_async_16(ks, (buf, row, word), k_flat, src)
+                    cp_async_16(vs, (buf, row, word), v_flat, src)
+                else:
+                    store_shared_u32x4(ks, (buf, row, word), uint32(0), uint32(0), uint32(0), uint32(0))
+                    store_shared_u32x4(vs, (buf, row, word), uint32(0), uint32(0), uint32(0), uint32(0))
+
+    @device_function
+    def _mask(acc_s, row_pos, key0, t):
+        """S = -inf at the keys past each row's position (later tokens, or past the context). Lane (g, t)
+        holds S[g + 8h, 8j + 2t + e] of mma tile i in acc_s[i, j, 2h + e]."""
+        for i in range(warp_m_tiles):
+            for h in range(2):
+                last_key = int32(row_pos[i, h] - key0 - 2 * t)  # this lane's keys 8j + e past it are masked
+                for j in range(key_tiles):
+                    for e in range(2):
+                        if int32(j * MMA_N + e) > last_key:
+                            acc_s[i, j, 2 * h + e] = minus_inf
+
+    @device_function
+    def _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2):
+        """Online softmax of the warp's rows (two per mma tile per lane), exactly: m (the running max of
+        the unscaled scores) and l updated, O rescaled, S -> P = exp2((S - m) * scale_log2) in place.
+        The max is taken before scaling (scale > 0), so each P is one fused multiply-add and one ``ex2``.
+        O is rescaled only when some row of the warp has a new max (alpha < 1, a ``vote.any``);
+        multiplying by exactly 1 would change nothing."""
+        grew = False
+        for i in range(warp_m_tiles):
+            for h in range(2):
+                tile_max = minus_inf
+                for j in range(key_tiles):
+                    tile_max = max(tile_max, max(acc_s[i, j, 2 * h], acc_s[i, j, 2 * h + 1]))
+                tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # the quad shares the row
+                tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 2))
+                m_new = max(row_max[i, h], tile_max)  # finite: key 0 (in the first tile) is seen by every row
+                alpha[i, h] = math.exp2((row_max[i, h] - m_new) * scale_log2)  # 0 on the first tile (m = -inf)
+                grew = grew or alpha[i, h] < float32(1.0)
+                row_max[i, h] = m_new
+                row_sum[i, h] *= alpha[i, h]  # this lane's share (its keys) of l
+        if cuda.any_sync(FULL_MASK, grew):
+            for i in range(warp_m_tiles):
+                for j in range(d_tiles):
+                    acc_o[i, j, 0] *= alpha[i, 0]
+                    acc_o[i, j, 1] *= alpha[i, 0]
+                    acc_o[i, j, 2] *= alpha[i, 1]
+                    acc_o[i, j, 3] *= alpha[i, 1]
+        _exp_stale(acc_s, row_max, alpha, scale_log2)  # (against the new max: every P <= 1)
+        for i in range(warp_m_tiles):
+            for h in range(2):
+                row_sum[i, h] += alpha[i, h]
+
+    @device_function
+    def _exp_stale(acc_s, row_max, tile_sums, scale_log2):
+        """S -> P = exp2((S - m) * scale_log2) in place against the running max m as it stands, and in
+        tile_sums[i, h] the sum of this lane's P of each row. True if all those sums are at most P_LIMIT,
+        so every P is too (False for a NaN, e.g. against m = -inf)."""
+        ok = True
+        for i in range(warp_m_tiles):
+            for h in range(2):
+                m_scaled = row_max[i, h] * scale_log2
+                tile_sum = float32(0.0)
+                for j in range(key_tiles):
+                    for e in range(2):
+                        p = math.exp2(acc_s[i, j, 2 * h + e] * scale_log2 - m_scaled)
+                        acc_s[i, j, 2 * h + e] = p
+                        tile_sum += p
+                tile_sums[i, h] = tile_sum
+                ok = ok and tile_sum <= p_limit
+        return ok
 
     @device_function
     def _store_rows(out, acc_o, row_sum, i, warp_row0, num_rows, first_token, kv_head, g, t):
@@ -241,10 +324,92 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                     out[token, head, j * MMA_N + 2 * t] = acc_o[i, j, 2 * h] * inv
                     out[token, head, j * MMA_N + 2 * t + 1] = acc_o[i, j, 2 * h + 1] * inv
 
-    @kernel(fastmath=True, launch_bounds=THREADS)
-    def prefill_attention_tc_kernel(q, k_bits, v_bits, block_tables, cu_seqlens, start_pos, scale_log2, out):
-        """q, out: (T, H, HD) f32; k_bits, v_bits: (P, PAGE_SIZE, KVH, HD) uint16 (bf16 bits);
-        block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,) int32; start_pos: (S,) int32;
+    @device_function
+    def _scores(ks, qs, qf, qa, acc_s, buf, q_row, q_half, k_row, k_half):
+        """S = Q K^T of the warp's rows and the key tile in buffer ``buf``, in acc_s."""
+        for i in range(warp_m_tiles):
+            for j in range(key_tiles):
+                for r in range(4):
+                    acc_s[i, j, r] = float32(0.0)
+        for kk in range(d_steps):
+            for i in range(warp_m_tiles):
+                if q_shared:
+                    row = q_row + i * MMA_M
+                    qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3] = ldmatrix_x4(qs, (row, _chunk_word(row, 2 * kk + q_half)))
+                else:
+                    for r in range(4):
+                        qa[i, r] = qf[i, kk, r]
+            word = _chunk_word(k_row, 2 * kk + k_half)  # the same for rows k_row + 16 jj
+            for jj in range(key_tiles // 2):
+                b0, b1, b2, b3 = ldmatrix_x4(ks, (buf, k_row + jj * MMA_K, word))
+                for i in range(warp_m_tiles):
+                    acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3] = (
+                        mma_bf16_16816(
+                            qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b0, b1,
+                            acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3],
+                        )
+                    )  # fmt: skip
+                    acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2], acc_s[i, 2 * jj + 1, 3] = (
+                        mma_bf16_16816(
+                            qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b2, b3,
+                            acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2],
+                            acc_s[i, 2 * jj + 1, 3],
+                        )
+                    )  # fmt: skip
+
+    @device_function
+    def _accumulate(vs, acc_s, acc_o, pf, buf, v_row, v_half):
+        """O += P V of the key tile in buffer ``buf``, one 16-key step at a time."""
+        for kk in range(key_steps):
+            for i in range(warp_m_tiles):  # C fragments of S's tiles 2kk, 2kk + 1 = A fragment of P
+                pf[i, 0] = pack_bf16x2(acc_s[i, 2 * kk, 0], acc_s[i, 2 * kk, 1])
+                pf[i, 1] = pack_bf16x2(acc_s[i, 2 * kk, 2], acc_s[i, 2 * kk, 3])
+                pf[i, 2] = pack_bf16x2(acc_s[i, 2 * kk + 1, 0], acc_s[i, 2 * kk + 1, 1])
+                pf[i, 3] = pack_bf16x2(acc_s[i, 2 * kk + 1, 2], acc_s[i, 2 * kk + 1, 3])
+            for dd in range(d_tiles // 2):
+                word = _chunk_word(v_row, 2 * dd + v_half)
+                b0, b1, b2, b3 = ldmatrix_x4_trans(vs, (buf, v_row + kk * MMA_K, word))
+                for i in range(warp_m_tiles):
+                    acc_o[i, 2 * dd, 0], acc_o[i, 2 * dd, 1], acc_o[i, 2 * dd, 2], acc_o[i, 2 * dd, 3] = (
+                        mma_bf16_16816(
+                            pf[i, 0], pf[i, 1], pf[i, 2], pf[i, 3], b0, b1,
+                            acc_o[i, 2 * dd, 0], acc_o[i, 2 * dd, 1], acc_o[i, 2 * dd, 2], acc_o[i, 2 * dd, 3],
+                        )
+                    )  # fmt: skip
+                    acc_o[i, 2 * dd + 1, 0], acc_o[i, 2 * dd + 1, 1], acc_o[i, 2 * dd + 1, 2], acc_o[i, 2 * dd + 1, 3] = (
+                        mma_bf16_16816(
+                            pf[i, 0], pf[i, 1], pf[i, 2], pf[i, 3], b2, b3,
+                            acc_o[i, 2 * dd + 1, 0], acc_o[i, 2 * dd + 1, 1], acc_o[i, 2 * dd + 1, 2],
+                            acc_o[i, 2 * dd + 1, 3],
+                        )
+                    )  # fmt: skip
+
+    @device_function
+    def _attend(ks, vs, qs, qf, qa, acc_s, acc_o, pf, row_max, row_sum, row_pos, alpha, buf, key0, exact, scale_log2, t,
+                q_row, q_half, k_row, k_half, v_row, v_half):
+        """One warp's work on the key tile at key0 (in buffer ``buf``): S = Q K^T, the online softmax,
+        O += P V. Called with ``exact`` a constant. True (the warp's first tile and the tiles that reach
+        past its first position): the causal mask and the exact softmax. False (all other tiles): P
+        against the running max as it stands, with no max taken; if some lane's partial sum of a row
+        passes P_LIMIT (a row's scores rose well past its max, which is rare), S is computed again and
+        takes the exact path. So the common tile has no mask, max, shuffle or rescale code at all."""
+        _scores(ks, qs, qf, qa, acc_s, buf, q_row, q_half, k_row, k_half)
+        if exact:
+            _mask(acc_s, row_pos, key0, t)
+            _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2)
+        elif cuda.all_sync(FULL_MASK, _exp_stale(acc_s, row_max, alpha, scale_log2)):
+            for i in range(warp_m_tiles):
+                for h in range(2):
+                    row_sum[i, h] += alpha[i, h]  # (alpha holds the tile's sums here)
+        else:
+            _scores(ks, qs, qf, qa, acc_s, buf, q_row, q_half, k_row, k_half)
+            _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2)
+        _accumulate(vs, acc_s, acc_o, pf, buf, v_row, v_half)
+
+    @kernel(fastmath=True, launch_bounds=(THREADS, min_blocks))
+    def prefill_attention_tc_kernel(q, k_flat, v_flat, block_tables, cu_seqlens, start_pos, scale_log2, out):
+        """q, out: (T, H, HD) f32; k_flat, v_flat: the caches (P, PAGE_SIZE, KVH, HD) as flat uint16 (bf16
+        bits); block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,) int32; start_pos: (S,) int32;
         scale_log2: scale * log2(e)."""
         kv_head = cuda.blockIdx.x
         s = cuda.blockIdx.y
@@ -256,7 +421,9 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
         if first_row >= num_rows:
             return  # this sequence has fewer rows than the longest one: the whole block leaves
         start = start_pos[s]
-        context_len = start + num_new
+        context_len = int32(start + num_new)
+        last_pos = int32(context_len - 1)
+        table = block_tables[uint32(s)]  # (max_pages,) this sequence's page ids
         tid = cuda.threadIdx.x
         lane = tid % WARP_LANES
         warp = tid // WARP_LANES
@@ -274,19 +441,21 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
         row_max = cuda.local.array((warp_m_tiles, 2), float32)  # m of rows g, g + 8 of each mma tile
         row_sum = cuda.local.array((warp_m_tiles, 2), float32)  # this lane's share of l
         row_pos = cuda.local.array((warp_m_tiles, 2), int32)  # position of each of those rows
+        alpha = cuda.local.array((warp_m_tiles, 2), float32)  # their rescale factors on one key tile
 
         last_row = min(first_row + block_rows, num_rows) - 1
         num_keys = start + last_row // group + 1  # keys 0 .. position of the block's last row
-        num_key_tiles = (num_keys + block_keys - 1) // block_keys
-        pages = cuda.local.array(stage_passes, int32)  # page ids of the next key tile this thread stages
-        _load_pages(block_tables, s, 0, context_len, tid, pages)
-        _stage_kv(k_bits, v_bits, ks, vs, 0, pages, kv_head, 0, context_len, tid)  # lands while Q loads
-        _load_pages(block_tables, s, block_keys, context_len, tid, pages)
+        num_key_tiles = int32((num_keys + block_keys - 1) // block_keys)
+        in_page = _stage_row(tid, 0) % PAGE_SIZE  # this thread's first staging row, in its page
+        lane_src = int32(in_page * token_elems + kv_head * head_dim + (tid % row_chunks) * BF16_PER_VECTOR)
+        page = _page_of(table, 0, last_pos, tid)
+        _stage_kv(k_flat, v_flat, ks, vs, 0, page, lane_src, 0, context_len, tid)  # lands while Q loads
+        page = _page_of(table, block_keys, last_pos, tid)  # of the next key tile this thread stages
 
         warp_row0 = first_row + warp * warp_rows
         warp_active = warp_row0 < num_rows  # else all its rows are padding: it only stages
-        warp_first_pos = start + min(warp_row0, num_rows - 1) // group
-        warp_last_pos = start + (min(warp_row0 + warp_rows, num_rows) - 1) // group
+        warp_first_pos = int32(start + min(warp_row0, num_rows - 1) // group)
+        warp_last_pos = int32(start + (min(warp_row0 + warp_rows, num_rows) - 1) // group)
         for i in range(warp_m_tiles):
             for h in range(2):
                 row = min(warp_row0 + i * MMA_M + h * 8 + g, num_rows - 1)  # padding repeats the last row
@@ -333,76 +502,22 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
         v_half = lane >> 4
 
         for kt in range(num_key_tiles):
-            buf = kt % 2
-            key0 = kt * block_keys
+            buf = kt & 1
+            key0 = int32(kt * block_keys)
             cp_async_wait_all()  # this thread's copies of key tile kt have landed
             # Wait until all of tile kt is in buffer `buf`. This also guarantees that every warp is done
             # with tile kt - 1, in the other buffer, where tile kt + 1 goes right below.
             cuda.syncthreads()
             if kt + 1 < num_key_tiles:
-                _stage_kv(k_bits, v_bits, ks, vs, 1 - buf, pages, kv_head, key0 + block_keys, context_len, tid)
-                _load_pages(block_tables, s, key0 + 2 * block_keys, context_len, tid, pages)  # used next time
+                _stage_kv(k_flat, v_flat, ks, vs, 1 - buf, page, lane_src, key0 + block_keys, context_len, tid)
+                page = _page_of(table, key0 + 2 * block_keys, last_pos, tid)  # used next time
             if warp_active and key0 <= warp_last_pos:
-                # 1. S = Q K^T
-                for i in range(warp_m_tiles):
-                    for j in range(key_tiles):
-                        for r in range(4):
-                            acc_s[i, j, r] = float32(0.0)
-                for kk in range(d_steps):
-                    for i in range(warp_m_tiles):
-                        if q_shared:
-                            row = q_row + i * MMA_M
-                            qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3] = ldmatrix_x4(qs, (row, _chunk_word(row, 2 * kk + q_half)))
-                        else:
-                            for r in range(4):
-                                qa[i, r] = qf[i, kk, r]
-                    word = _chunk_word(k_row, 2 * kk + k_half)  # the same for rows k_row + 16 jj
-                    for jj in range(key_tiles // 2):
-                        b0, b1, b2, b3 = ldmatrix_x4(ks, (buf, k_row + jj * MMA_K, word))
-                        for i in range(warp_m_tiles):
-                            acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3] = (
-                                mma_bf16_16816(
-                                    qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b0, b1,
-                                    acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3],
-                                )
-                            )  # fmt: skip
-                            acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2], acc_s[i, 2 * jj + 1, 3] = (
-                                mma_bf16_16816(
-                                    qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b2, b3,
-                                    acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2],
-                                    acc_s[i, 2 * jj + 1, 3],
-                                )
-                            )  # fmt: skip
-
-                # 2. Online softmax (mask only where the tile reaches past the warp's first position).
-                masked = key0 + block_keys - 1 > warp_first_pos
-                for i in range(warp_m_tiles):
-                    _softmax_rows(acc_s, acc_o, row_max, row_sum, row_pos, i, key0, masked, scale_log2, t)
-
-                # 3. O += P V, one 16-key step at a time.
-                for kk in range(key_steps):
-                    for i in range(warp_m_tiles):  # C fragments of S's tiles 2kk, 2kk + 1 = A fragment of P
-                        pf[i, 0] = pack_bf16x2(acc_s[i, 2 * kk, 0], acc_s[i, 2 * kk, 1])
-                        pf[i, 1] = pack_bf16x2(acc_s[i, 2 * kk, 2], acc_s[i, 2 * kk, 3])
-                        pf[i, 2] = pack_bf16x2(acc_s[i, 2 * kk + 1, 0], acc_s[i, 2 * kk + 1, 1])
-                        pf[i, 3] = pack_bf16x2(acc_s[i, 2 * kk + 1, 2], acc_s[i, 2 * kk + 1, 3])
-                    for dd in range(d_tiles // 2):
-                        word = _chunk_word(v_row, 2 * dd + v_half)
-                        b0, b1, b2, b3 = ldmatrix_x4_trans(vs, (buf, v_row + kk * MMA_K, word))
-                        for i in range(warp_m_tiles):
-                            acc_o[i, 2 * dd, 0], acc_o[i, 2 * dd, 1], acc_o[i, 2 * dd, 2], acc_o[i, 2 * dd, 3] = (
-                                mma_bf16_16816(
-                                    pf[i, 0], pf[i, 1], pf[i, 2], pf[i, 3], b0, b1,
-                                    acc_o[i, 2 * dd, 0], acc_o[i, 2 * dd, 1], acc_o[i, 2 * dd, 2], acc_o[i, 2 * dd, 3],
-                                )
-                            )  # fmt: skip
-                            acc_o[i, 2 * dd + 1, 0], acc_o[i, 2 * dd + 1, 1], acc_o[i, 2 * dd + 1, 2], acc_o[i, 2 * dd + 1, 3] = (
-                                mma_bf16_16816(
-                                    pf[i, 0], pf[i, 1], pf[i, 2], pf[i, 3], b2, b3,
-                                    acc_o[i, 2 * dd + 1, 0], acc_o[i, 2 * dd + 1, 1], acc_o[i, 2 * dd + 1, 2],
-                                    acc_o[i, 2 * dd + 1, 3],
-                                )
-                            )  # fmt: skip
+                if kt == 0 or int32(key0 + (block_keys - 1)) > warp_first_pos:  # first, or reaching past the first position
+                    _attend(ks, vs, qs, qf, qa, acc_s, acc_o, pf, row_max, row_sum, row_pos, alpha, buf, key0, True,
+                            scale_log2, t, q_row, q_half, k_row, k_half, v_row, v_half)
+                else:
+                    _attend(ks, vs, qs, qf, qa, acc_s, acc_o, pf, row_max, row_sum, row_pos, alpha, buf, key0, False,
+                            scale_log2, t, q_row, q_half, k_row, k_half, v_row, v_half)
 
         if warp_active:
             for i in range(warp_m_tiles):
@@ -412,20 +527,21 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
 
 
 def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,
-                         max_new_tokens: int | None = None, tiling: tuple[int, int, bool] | None = None) -> None:
+                         max_new_tokens: int | None = None, tiling: tuple | None = None) -> None:
     """Causal attention of a ragged batch of new tokens over their sequences' cached K/V, on the
     tensor cores. The arguments are ``prefill_attention``'s (q: (T, H, HD) f32; k_cache, v_cache:
     (num_pages, PAGE_SIZE, KVH, HD) bf16; block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,)
     int32; start_pos: (S,) int32; out: (T, H, HD) f32; max_new_tokens: the longest sequence's new
-    tokens, read from cu_seqlens when None); ``tiling`` (warp_m_tiles, block_keys, q_shared) forces a tiling
-    (tests, benchmarks), else ``default_tiling(head_dim)``."""
+    tokens, read from cu_seqlens when None); ``tiling`` (warp_m_tiles, block_keys, q_shared[, min_blocks])
+    forces a tiling (tests, benchmarks), else ``default_tiling(head_dim)``."""
     shape = check_prefill_args("prefill_attention_tc", q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out,
                                max_new_tokens)  # fmt: skip
     if shape is None:
         return
     group, head_dim, num_kv_heads, num_seqs, max_new_tokens = shape
-    warp_m_tiles, block_keys, q_shared = tiling or default_tiling(head_dim)
-    kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys, q_shared)
+    warp_m_tiles, block_keys, q_shared, *min_blocks = tiling or default_tiling(head_dim)
+    kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys, q_shared, num_kv_heads, *min_blocks)
     num_row_tiles = -(-max_new_tokens * group // block_rows_for(warp_m_tiles))
-    launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), THREADS, q, k_cache.view(np.uint16),
-           v_cache.view(np.uint16), block_tables, cu_seqlens, start_pos, np.float32(scale * LOG2_E), out)
+    size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
+    launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), THREADS, q, k_cache.view(np.uint16).reshape(size),
+           v_cache.view(np.uint16).reshape(size), block_tables, cu_seqlens, start_pos, np.float32(scale * LOG2_E), out)
