@@ -14,11 +14,10 @@ in a real step too). torch: bf16 flash attention on contiguous K/V (``enable_gqa
 causal mask over K/V expanded to 32 heads for the chunk after a cached prefix). The CUDA-core
 kernel is checked always and timed with ``--cuda-cores`` (slow: ~80 ms a launch at 16384 tokens).
 
-    python benchmarks/attn_tc_gpu.py [--tilings 2x64q,1x64q/4,2x32q/3] [--cuda-cores] [--json out.json]
+    python benchmarks/attn_tc_gpu.py [--tilings 2x64q,1x64q,2x32q,2x32,1x64] [--cuda-cores] [--json out.json]
 
 A tiling ``MxK`` is warp_m_tiles x block_keys with Q's fragments in registers; ``MxKq`` keeps Q in
-shared memory; ``/B`` asks ptxas for B blocks an SM (``prefill_attention_tc``'s ``tiling`` argument,
-(M, K, q[, B]); the launcher's default is marked *).
+shared memory (``prefill_attention_tc``'s ``tiling`` argument; the launcher's default is marked *).
 Each row of the timing table ends with every tiling's time over torch's.
 """
 
@@ -135,27 +134,14 @@ def torch_flash(inp):
     return lambda: sdpa(qt, kt, vt, attn_mask=mask, scale=SCALE)
 
 
-def parse_tiling(text):
-    """"MxK[q][/B]" -> (M, K, q, B) (B 1 when not given)."""
-    shape, _, blocks = text.partition("/")
-    m, k = shape.rstrip("q").split("x")
-    return int(m), int(k), shape.endswith("q"), int(blocks or 1)
-
-
-def tiling_name(tiling):
-    m, k, q, b = tiling
-    return f"tc_{m}x{k}{'q' * q}" + (f"/{b}" if b > 1 else "")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tilings", default="2x64q,1x64q,1x64q/3,1x64q/4,2x32q/3,1x64/3",
-                        help="warp_m_tiles x block_keys[q][/blocks an SM], comma-separated")
+    parser.add_argument("--tilings", default="2x64q,1x64q,2x32q,2x32,1x64", help="warp_m_tiles x block_keys[q], comma-separated")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cuda-cores", action="store_true", help="also time the CUDA-core kernel (slow at 16384)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    tilings = [parse_tiling(t) for t in args.tilings.split(",")]
+    tilings = [(int(t.split("x")[0]), int(t.split("x")[1].rstrip("q")), t.endswith("q")) for t in args.tilings.split(",")]
     default = default_tiling(HEAD_DIM)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; default tiling {default} (*)")
     rng = np.random.default_rng(0)
@@ -166,7 +152,7 @@ def main():
         inp = make_inputs(rng, seqs)
         outs = {}
         for name, kernel, tiling in [("cuda_cores", prefill_attention, None)] + [
-            (tiling_name(t), prefill_attention_tc, t) for t in tilings
+            (f"tc_{m}x{k}{'q' * q}", prefill_attention_tc, (m, k, q)) for m, k, q in tilings
         ]:
             out = cuda.to_device(np.full(inp["q"].shape, np.nan, np.float32))
             launcher(kernel, inp, out, tiling)()
@@ -178,15 +164,15 @@ def main():
         del inp, outs
 
     print("## resources (as this driver built each tiling)")
-    for tiling in tilings:
-        kernel = prefill_attention_tc_kernel_for(GROUP, HEAD_DIM, *tiling[:3], NUM_KV_HEADS, tiling[3])
+    for m, k, q in tilings:
+        kernel = prefill_attention_tc_kernel_for(GROUP, HEAD_DIM, m, k, q, NUM_KV_HEADS)
         try:
             regs, local, shared = (kernel.get_regs_per_thread(), kernel.get_local_mem_per_thread(),
                                    kernel.get_shared_mem_per_block())
         except Exception as e:  # an API this numba-cuda lacks: the timing still runs
             regs, local, shared = (f"? ({type(e).__name__})",) * 3
-        report.setdefault("resources", {})[tiling_name(tiling)] = [str(regs), str(local), str(shared)]
-        print(f"{tiling_name(tiling):<12} registers {regs}  local bytes {local}  shared bytes {shared}", flush=True)
+        report.setdefault("resources", {})[f"{m}x{k}{'q' * q}"] = [str(regs), str(local), str(shared)]
+        print(f"tc_{m}x{k}{'q' * q:<2} registers {regs}  local bytes {local}  shared bytes {shared}", flush=True)
 
     print("## time (us, median of CUDA events; TFLOP/s counts the causal (query, key) pairs)")
     for num_seqs, prompt, cached in CASES:
@@ -199,9 +185,9 @@ def main():
         except Exception as e:  # an SDPA path this torch lacks: time ours anyway
             print(f"{label}: torch failed: {type(e).__name__}: {e}")
             row = {"torch_flash": float("nan")}
-        for tiling in tilings:
-            name = tiling_name(tiling) + ("*" if tiling == (*default, 1) else "")
-            row[name] = time_it(launcher(prefill_attention_tc, inp, out, tiling), args.reps, 10)
+        for m, k, q in tilings:
+            name = f"tc_{m}x{k}{'q' * q}" + ("*" if (m, k, q) == default else "")
+            row[name] = time_it(launcher(prefill_attention_tc, inp, out, (m, k, q)), args.reps, 10)
         if args.cuda_cores:
             long = prompt * (prompt + cached) > 2048 * 4096
             row["cuda_cores"] = time_it(launcher(prefill_attention, inp, out), 3 if long else args.reps, 1 if long else 5)

@@ -12,8 +12,8 @@ products of the rounded values summed in fp32; they are scaled by ``scale * log2
 exponentiated with ``exp2``. The probabilities P are rounded to bf16 for the P V product, while the
 row sums add them unrounded in fp32 (as FlashAttention-2 does): each weight of the output is off by
 up to 2^-8 relative (bf16 keeps 8 significant bits), a few 1e-3 on outputs of size 1. P is taken
-against a running max m that may trail a row's true max (see step 2): P <= ``P_LIMIT`` = 2^8, so the
-rounding stays relative and the sums far from fp32's range; the bound is the same.
+against a running max that may trail a row's true max by up to ``RESCALE_LOG2`` (scaled, log2 units),
+so P <= 2^8: the rounding stays relative, the sums far from fp32's range; the bound is the same.
 
 Thread mapping. A block of ``NUM_WARPS`` = 4 warps owns a tile of ``block_rows`` query rows of one
 kv head of one sequence; grid ``(KVH, S, row tiles)``, the tile with the latest positions (the most
@@ -39,19 +39,17 @@ memory. Head dim 64 runs (2, 64, True): 128 query rows (32 tokens of a 4-head gr
   1. ``S = Q K^T`` (16 x block_keys per mma tile) on the tensor cores: K's rows are keys with the
      head dims contiguous, which is the B operand's layout (``ldmatrix.x4``: two 8-key tiles of one
      16-dim step);
-  2. online softmax on S's fragments, ``P = exp2(S * c - m * c)`` with ``c = scale * log2(e)`` (one
-     FFMA and one ``ex2.approx`` each), in two versions. The exact one, on a warp's first tile and
-     on the tiles that reach past its first position (one or two): the causal mask (a compare and a
-     select per score), the row max of the unscaled scores over the lane's values then the quad
-     (two ``shfl_xor``), m moved to it, l and O multiplied by ``alpha = exp2((m_old - m_new) * c)``
-     (O only if some row of the warp got a new max: one ``vote.any``). The fast one, on all other
-     tiles: no mask (no key is past any row), no max: P against m as it stands, and a check that
-     every lane's partial sum of each row (its 16 keys of the tile) is at most ``P_LIMIT``, which
-     bounds every P (one ``vote.all``); if not (a row's scores rose well past its max: rare once
-     the first tile has set it), S is computed again and takes the exact path. The tile's work is a
-     device function called with ``exact`` a constant, so the common tile runs a copy with no mask,
-     max, shuffle or rescale code at all (a branch around the mask alone is if-converted by ptxas
-     into predicated selects on every tile);
+  2. online softmax on S's fragments: the causal mask, row max of the unscaled scores over the
+     lane's values then over the quad (two ``shfl_xor``), ``P = exp2(S * c - m * c)`` with ``c =
+     scale * log2(e)`` (one FFMA and one ``ex2.approx`` each). The running max m moves only when the
+     tile's max exceeds it by more than ``RESCALE_LOG2`` once scaled (FlashAttention-4's lazy
+     rescaling); then l and O are multiplied by ``alpha = exp2((m_old - m_new) * c)``. O (64 products
+     a lane) is rescaled only if some row of the warp moved (one ``vote.any``): with scores that
+     rarely jump by 2^8 that is the first tile and seldom another. The mask (a compare and a select
+     per score) is needed only on the tiles that reach past the warp's first position, one or two
+     per warp: the tile's work is a device function called with ``masked`` a constant, so the other
+     tiles run a copy with no mask code at all (a branch around the mask alone is if-converted by
+     ptxas into predicated selects on every tile);
   3. ``O += P V``: the C fragments of S are, pair by pair, the A fragments of P (rows g, g + 8, keys
      2t, 2t + 1 and 2t + 8, 2t + 9 of a 16-key step), so P goes from accumulators to operands with
      one ``cvt.rn.bf16x2`` per pair and no data movement; V's rows are keys (k of this product)
@@ -84,23 +82,29 @@ rows stored plainly those 8 chunks sit in the same 4 banks (8-way conflict). Chu
 shorter rows share a 128-byte bank line and use a coarser row index), so the 8 rows of every
 ldmatrix phase, and the copies, cover all 32 banks.
 
-Registers (ptxas 13.5, sm_90; ``tests/test_kernel_report.py`` checks the default has no spills), head
-dim 64: (2, 64, True) 255 (64 O and 64 S accumulators a lane), 2 blocks (8 warps) an SM, no spills.
-Left free, ptxas gives the smaller tilings more registers than they need ((1, 64, True): 175, so 2
-blocks); the tiling's optional 4th entry asks for more blocks: (1, 64, True, 3) and (2, 32, True, 3)
-fit 168 registers, 3 blocks, with 20-28 bytes spilled, (1, 64, True, 4) 128, 4 blocks (16 warps),
-with 84. Rows past a sequence's new tokens compute a copy of its last row and are not written.
+Registers (ptxas 13.5, sm_90; ``tests/test_kernel_report.py`` checks the default has no spills): head dim 64,
+(2, 64, True): ~250 (64 O and 64 S accumulators a lane), so 2 blocks (8 warps) per SM; asked for
+more blocks (``MIN_BLOCKS_HD64``), (2, 32, True) fits 168, 3 blocks, and (1, 64, True) 128, 4 blocks
+(16 warps), each with a few bytes spilled; (1, 64, False): 168, 3 blocks. Rows past a sequence's new
+tokens compute a copy of its last row and are not written.
 
-Instructions (SASS, head dim 64, (2, 64, True), per warp and key tile of 128 ``mma``): a fast tile
-issues ~565 (~4.4 per ``mma``: 40 ``ldmatrix``; 64 each of FFMA, ``ex2`` and add and 32 ``cvt`` for
-the softmax; ~80 to stage the next tile, one page id included, and run the loop); an exact tile
-~840 with O rescaled. The previous version issued ~1,200 on every tile (~9.5 per ``mma``): 64-bit
-index arithmetic, ~45 instructions per 16-byte copy (64-bit strides from the array descriptors),
-four page ids a thread, and the mask's compare and select, the row max and its shuffles and O's
-rescale on every tile. Speed of that version (H200, Llama 3.2 1B's heads,
-``benchmarks/attn_tc_gpu.py``): 1 x 2048 tokens 106 us, 8 x 512 86 us, 1 x 16384 5.06 ms, a
-2048-token chunk after 14,000 cached 1.23 ms: 1.4-2.0x torch's flash attention (60 / 42 / 2,499 /
-877 us).
+Instructions (SASS, head dim 64, (2, 64, True), per warp and key tile of 128 ``mma``): on a tile with
+no mask and no moved max, ~650 (~5 per ``mma``: 40 ``ldmatrix``; 64 each of max, FFMA, ``ex2``, add
+for the softmax; ~60 to stage the next tile, one page id included); 64 more when O is rescaled. The
+previous version issued ~1,200 on every tile (~9.5 per ``mma``): 64-bit index arithmetic, ~45
+instructions per 16-byte copy (64-bit strides from the array descriptors), four page ids a thread,
+the mask's compare and select on every tile, O always rescaled.
+
+Speed (H200, Llama 3.2 1B's heads, ``benchmarks/attn_tc_gpu.py``, torch's flash attention in the
+same run): 1 x 2048 tokens 79.9 us (torch 59.9: 1.33x), 8 x 512 84.0 us (40.8: 2.06x; the (2, 32,
+False) tiling 74.1, 1.82x), 1 x 16384 3.61 ms (2.50: 1.45x, 305 TFLOP/s), a 2048-token chunk after
+14,000 cached 0.85 ms (0.87: 0.98x). The previous version: 106 / 86 / 5,060 / 1,230 us. A variant
+that ran the tiles past a warp's first with no max at all (P against the running max, the tile
+computed again if a partial row sum passed 2^8) issued ~565 instructions a tile and was faster at
+16384 (3.39 ms) and after the cached prefix (0.80 ms) but slower on short prompts (1 x 2048 108 us,
+8 x 512 109 us), so it was left out. Short prompts stay furthest from torch: a 512-token prompt gives
+a block 1-8 key tiles, so the first tile and the diagonal ones (the exact softmax, the masks, the
+pipeline's fill) are most of its work.
 """
 
 from __future__ import annotations
@@ -136,7 +140,12 @@ THREADS = NUM_WARPS * WARP_LANES
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)  # multiples of the mma's k (16); K/V tiles within 48 KB
 MAX_GROUP = 16
 LOG2_E = 1.4426950408889634
-P_LIMIT = 256.0  # the most a lane's partial sum of a row (hence any P) may reach on a tile without a max
+# Blocks an SM is asked to hold (ptxas then budgets 65536 / (128 x blocks) registers a thread) for the
+# head-dim-64 tilings that fit more blocks than ptxas would give unasked (ptxas 13.5, sm_90): (2, 32,
+# True) in 168 registers, 3 blocks (4 bytes spilled); (1, 64, True) in 128, 4 blocks (28 bytes
+# spilled, two reloads a key tile outside the mask's copy). The launcher's default spills nothing.
+MIN_BLOCKS_HD64 = {(2, 32, True): 3, (1, 64, True): 4}
+RESCALE_LOG2 = 8.0  # a row's running max moves when a tile's max exceeds it by 2^8 (after scaling): P <= 256
 
 
 def default_tiling(head_dim: int) -> tuple[int, int, bool]:
@@ -161,14 +170,13 @@ def block_rows_for(warp_m_tiles: int) -> int:
 
 @functools.cache
 def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int, block_keys: int, q_shared: bool,
-                                    num_kv_heads: int, min_blocks: int = 1):
+                                    num_kv_heads: int):
     """The kernel compiled for ``group`` query heads per kv head, ``head_dim``, a warp tile of
     ``warp_m_tiles`` x 16 rows, key tiles of ``block_keys``, Q's fragments kept in registers
     (``q_shared`` False) or in shared memory, loaded with ``ldmatrix`` at each use (True: frees
     registers for a larger tile), and ``num_kv_heads`` kv heads in the cache. Its sizes are constants
     in the code (the cache's strides too: a thread's copies of one key tile are one address plus
-    constant offsets). ``min_blocks``: blocks an SM should hold at once (launch bounds: ptxas then
-    keeps to 65536 / (128 x min_blocks) registers a thread, spilling if it must); 1 leaves it free."""
+    constant offsets)."""
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise KernelError(f"prefill_attention_tc: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
     if not 1 <= group <= MAX_GROUP:
@@ -196,7 +204,8 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
     q_rows = block_rows if q_shared else 1  # (arrays of the unused path are minimal)
     q_frag_tiles = 1 if q_shared else warp_m_tiles
     minus_inf = float32(-math.inf)
-    p_limit = float32(P_LIMIT)
+    rescale_log2 = float32(RESCALE_LOG2)
+    min_blocks = MIN_BLOCKS_HD64.get((warp_m_tiles, block_keys, q_shared), 1) if head_dim == 64 else 1
     page_shift = uint32(PAGE_SIZE.bit_length() - 1)  # pos >> page_shift: the page of position pos
     token_elems = num_kv_heads * head_dim  # cache elements per token (all kv heads)
     page_elems = PAGE_SIZE * token_elems
@@ -259,12 +268,13 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
 
     @device_function
     def _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2):
-        """Online softmax of the warp's rows (two per mma tile per lane), exactly: m (the running max of
-        the unscaled scores) and l updated, O rescaled, S -> P = exp2((S - m) * scale_log2) in place.
-        The max is taken before scaling (scale > 0), so each P is one fused multiply-add and one ``ex2``.
-        O is rescaled only when some row of the warp has a new max (alpha < 1, a ``vote.any``);
-        multiplying by exactly 1 would change nothing."""
-        grew = False
+        """Online softmax of the warp's rows (two per mma tile per lane): S -> P = exp2((S - m) * scale_log2)
+        in place, m and l updated, O rescaled. m is a running max of the unscaled scores (scale > 0, so
+        each P is one fused multiply-add and one ``ex2``) that moves only when a tile's max exceeds it
+        by more than 2^RESCALE_LOG2 once scaled: a smaller excess leaves P <= 2^RESCALE_LOG2, harmless
+        in fp32 and bf16 (whose rounding is relative), and most key tiles after the first few then
+        leave O alone. O is rescaled when some row of the warp moved its m (a ``vote.any``)."""
+        moved = False
         for i in range(warp_m_tiles):
             for h in range(2):
                 tile_max = minus_inf
@@ -272,29 +282,20 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                     tile_max = max(tile_max, max(acc_s[i, j, 2 * h], acc_s[i, j, 2 * h + 1]))
                 tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # the quad shares the row
                 tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 2))
-                m_new = max(row_max[i, h], tile_max)  # finite: key 0 (in the first tile) is seen by every row
-                alpha[i, h] = math.exp2((row_max[i, h] - m_new) * scale_log2)  # 0 on the first tile (m = -inf)
-                grew = grew or alpha[i, h] < float32(1.0)
+                # True on the first tile (m = -inf; key 0 is in it, seen by every row: tile_max is finite)
+                move = (tile_max - row_max[i, h]) * scale_log2 > rescale_log2
+                m_new = tile_max if move else row_max[i, h]
+                alpha[i, h] = math.exp2((row_max[i, h] - m_new) * scale_log2)  # exactly 1 if m stays; 0 on tile 0
+                moved = moved or move
                 row_max[i, h] = m_new
                 row_sum[i, h] *= alpha[i, h]  # this lane's share (its keys) of l
-        if cuda.any_sync(FULL_MASK, grew):
+        if cuda.any_sync(FULL_MASK, moved):
             for i in range(warp_m_tiles):
                 for j in range(d_tiles):
                     acc_o[i, j, 0] *= alpha[i, 0]
                     acc_o[i, j, 1] *= alpha[i, 0]
                     acc_o[i, j, 2] *= alpha[i, 1]
                     acc_o[i, j, 3] *= alpha[i, 1]
-        _exp_stale(acc_s, row_max, alpha, scale_log2)  # (against the new max: every P <= 1)
-        for i in range(warp_m_tiles):
-            for h in range(2):
-                row_sum[i, h] += alpha[i, h]
-
-    @device_function
-    def _exp_stale(acc_s, row_max, tile_sums, scale_log2):
-        """S -> P = exp2((S - m) * scale_log2) in place against the running max m as it stands, and in
-        tile_sums[i, h] the sum of this lane's P of each row. True if all those sums are at most P_LIMIT,
-        so every P is too (False for a NaN, e.g. against m = -inf)."""
-        ok = True
         for i in range(warp_m_tiles):
             for h in range(2):
                 m_scaled = row_max[i, h] * scale_log2
@@ -304,9 +305,7 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                         p = math.exp2(acc_s[i, j, 2 * h + e] * scale_log2 - m_scaled)
                         acc_s[i, j, 2 * h + e] = p
                         tile_sum += p
-                tile_sums[i, h] = tile_sum
-                ok = ok and tile_sum <= p_limit
-        return ok
+                row_sum[i, h] += tile_sum
 
     @device_function
     def _store_rows(out, acc_o, row_sum, i, warp_row0, num_rows, first_token, kv_head, g, t):
@@ -325,8 +324,12 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                     out[token, head, j * MMA_N + 2 * t + 1] = acc_o[i, j, 2 * h + 1] * inv
 
     @device_function
-    def _scores(ks, qs, qf, qa, acc_s, buf, q_row, q_half, k_row, k_half):
-        """S = Q K^T of the warp's rows and the key tile in buffer ``buf``, in acc_s."""
+    def _attend(ks, vs, qs, qf, qa, acc_s, acc_o, pf, row_max, row_sum, row_pos, alpha, buf, key0, masked, scale_log2, t,
+                q_row, q_half, k_row, k_half, v_row, v_half):
+        """One warp's work on the key tile at key0 (in buffer ``buf``): S = Q K^T, the causal mask if
+        ``masked``, the online softmax, O += P V. Called with ``masked`` a constant, so the tiles that
+        need no mask (all but the last one or two of a warp) run a copy with no mask code at all."""
+        # 1. S = Q K^T
         for i in range(warp_m_tiles):
             for j in range(key_tiles):
                 for r in range(4):
@@ -357,9 +360,12 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                         )
                     )  # fmt: skip
 
-    @device_function
-    def _accumulate(vs, acc_s, acc_o, pf, buf, v_row, v_half):
-        """O += P V of the key tile in buffer ``buf``, one 16-key step at a time."""
+        # 2. Online softmax
+        if masked:
+            _mask(acc_s, row_pos, key0, t)
+        _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2)
+
+        # 3. O += P V, one 16-key step at a time.
         for kk in range(key_steps):
             for i in range(warp_m_tiles):  # C fragments of S's tiles 2kk, 2kk + 1 = A fragment of P
                 pf[i, 0] = pack_bf16x2(acc_s[i, 2 * kk, 0], acc_s[i, 2 * kk, 1])
@@ -383,28 +389,6 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                             acc_o[i, 2 * dd + 1, 3],
                         )
                     )  # fmt: skip
-
-    @device_function
-    def _attend(ks, vs, qs, qf, qa, acc_s, acc_o, pf, row_max, row_sum, row_pos, alpha, buf, key0, exact, scale_log2, t,
-                q_row, q_half, k_row, k_half, v_row, v_half):
-        """One warp's work on the key tile at key0 (in buffer ``buf``): S = Q K^T, the online softmax,
-        O += P V. Called with ``exact`` a constant. True (the warp's first tile and the tiles that reach
-        past its first position): the causal mask and the exact softmax. False (all other tiles): P
-        against the running max as it stands, with no max taken; if some lane's partial sum of a row
-        passes P_LIMIT (a row's scores rose well past its max, which is rare), S is computed again and
-        takes the exact path. So the common tile has no mask, max, shuffle or rescale code at all."""
-        _scores(ks, qs, qf, qa, acc_s, buf, q_row, q_half, k_row, k_half)
-        if exact:
-            _mask(acc_s, row_pos, key0, t)
-            _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2)
-        elif cuda.all_sync(FULL_MASK, _exp_stale(acc_s, row_max, alpha, scale_log2)):
-            for i in range(warp_m_tiles):
-                for h in range(2):
-                    row_sum[i, h] += alpha[i, h]  # (alpha holds the tile's sums here)
-        else:
-            _scores(ks, qs, qf, qa, acc_s, buf, q_row, q_half, k_row, k_half)
-            _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2)
-        _accumulate(vs, acc_s, acc_o, pf, buf, v_row, v_half)
 
     @kernel(fastmath=True, launch_bounds=(THREADS, min_blocks))
     def prefill_attention_tc_kernel(q, k_flat, v_flat, block_tables, cu_seqlens, start_pos, scale_log2, out):
@@ -512,7 +496,7 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                 _stage_kv(k_flat, v_flat, ks, vs, 1 - buf, page, lane_src, key0 + block_keys, context_len, tid)
                 page = _page_of(table, key0 + 2 * block_keys, last_pos, tid)  # used next time
             if warp_active and key0 <= warp_last_pos:
-                if kt == 0 or int32(key0 + (block_keys - 1)) > warp_first_pos:  # first, or reaching past the first position
+                if int32(key0 + (block_keys - 1)) > warp_first_pos:  # the tile reaches past the warp's first position
                     _attend(ks, vs, qs, qf, qa, acc_s, acc_o, pf, row_max, row_sum, row_pos, alpha, buf, key0, True,
                             scale_log2, t, q_row, q_half, k_row, k_half, v_row, v_half)
                 else:
@@ -527,20 +511,20 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
 
 
 def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,
-                         max_new_tokens: int | None = None, tiling: tuple | None = None) -> None:
+                         max_new_tokens: int | None = None, tiling: tuple[int, int, bool] | None = None) -> None:
     """Causal attention of a ragged batch of new tokens over their sequences' cached K/V, on the
     tensor cores. The arguments are ``prefill_attention``'s (q: (T, H, HD) f32; k_cache, v_cache:
     (num_pages, PAGE_SIZE, KVH, HD) bf16; block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,)
     int32; start_pos: (S,) int32; out: (T, H, HD) f32; max_new_tokens: the longest sequence's new
-    tokens, read from cu_seqlens when None); ``tiling`` (warp_m_tiles, block_keys, q_shared[, min_blocks])
-    forces a tiling (tests, benchmarks), else ``default_tiling(head_dim)``."""
+    tokens, read from cu_seqlens when None); ``tiling`` (warp_m_tiles, block_keys, q_shared) forces a tiling
+    (tests, benchmarks), else ``default_tiling(head_dim)``."""
     shape = check_prefill_args("prefill_attention_tc", q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out,
                                max_new_tokens)  # fmt: skip
     if shape is None:
         return
     group, head_dim, num_kv_heads, num_seqs, max_new_tokens = shape
-    warp_m_tiles, block_keys, q_shared, *min_blocks = tiling or default_tiling(head_dim)
-    kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys, q_shared, num_kv_heads, *min_blocks)
+    warp_m_tiles, block_keys, q_shared = tiling or default_tiling(head_dim)
+    kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys, q_shared, num_kv_heads)
     num_row_tiles = -(-max_new_tokens * group // block_rows_for(warp_m_tiles))
     size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
     launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), THREADS, q, k_cache.view(np.uint16).reshape(size),
