@@ -66,9 +66,11 @@ boxes (no cluster multicast: 48 KB per K step for 4 MFLOP), the grid is not pers
 epilogue of a tile, 128 KB of f32 through shared memory, does not overlap the next tile's loads),
 and the output is f32 (twice cuBLAS's bf16 bytes). On decode shapes the fixed costs dominate: a
 2048 x 2048 weight takes ~10.5 us at any M up to 256 against ~2 us of reading it, and the
-conversion of x is a launch and a pass of its own. The next steps: a persistent grid with the
-epilogue overlapped, 2-block clusters multicasting the shared operand, bf16 activations from the
-model (no conversion), and ``setmaxnreg`` to give the consumers the producer's registers.
+conversion of x is a launch and a pass of its own (in a Llama step, only before the o products now:
+the norms and SwiGLU write the other products' bf16 x, ``x_in_workspace``). The next steps: a
+persistent grid with the epilogue overlapped, 2-block clusters multicasting the shared operand, the
+attention writing its output as bf16 too, and ``setmaxnreg`` to give the consumers the producer's
+registers.
 """
 
 import functools
