@@ -484,7 +484,7 @@ def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None):
     x_workspace = _x_workspace(workspace)
     if k_dim == 0 or k_dim % CHUNK_VALUES or num_tokens > x_capacity(x_workspace, k_dim):
         return None
-    if w is not None and (w.shape[1] != k_dim or not vector_aligned(weight_bits(w))):
+    if w is not None and (w.shape[1] != k_dim or not vector_aligned(w)):  # (w's address: no uint16 view to make)
         return None
     return _x_views(x_workspace, num_tokens, k_dim)[0]
 
