@@ -116,7 +116,7 @@ def test_bf16_x_from_norm_and_swiglu_gives_the_conversions_logits(tmp_path, monk
         with monkeypatch.context() as patch:
             if not producers:  # no view for a producer: every gemm_wgmma product converts its x, as before
                 patch.setattr(matmul, "bf16_x_destination", lambda *args: None)
-            llm = LLM(str(path), backend="cuda", max_num_seqs=16, async_scheduling=False)
+            llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=64, async_scheduling=False)
             logits = _record_sampled_logits(llm.engine.runner)
             outs = llm.generate(prompts, params)
             runs.append(([o.outputs[0].token_ids for o in outs], [np.stack(logits[o.request_id]) for o in outs]))
@@ -132,7 +132,7 @@ def test_bf16_x_from_norm_and_swiglu_gives_the_conversions_logits(tmp_path, monk
         return real(kernel_, grid, block, *args, **kwargs)
 
     monkeypatch.setattr(gemm_wgmma, "launch", recording)
-    llm = LLM(str(path), backend="cuda", max_num_seqs=16, async_scheduling=False, enforce_eager=True)
+    llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=64, async_scheduling=False, enforce_eager=True)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == runs[0][0]
     c = llm.engine.runner.model.config
     o_shape = (c.hidden_size, c.num_attention_heads * c.head_dim)  # (N, K) of the o product alone (F = 768)
