@@ -4,7 +4,8 @@ Tolerance (float32): expf is within 2 ulps on a GPU, then an add, a division and
 round once; silu(g) * u has no cancellation, so the error is relative per element: rtol 2e-6
 (about 16 ulps), no absolute slack. Inputs include |g| near and past expf's overflow (88.7).
 Simulator shapes: few rows, F not a multiple of 32 or of the block; gpu-marked: Llama 3.2 1B
-(F = 8192) at 1, 64 and 4096 rows.
+(F = 8192) at 1, 64 and 4096 rows. The bf16 copy (gemm_wgmma's x workspace) must be the float32
+output rounded to nearest even, bit for bit (NumPy's rounding, and gemm_wgmma's conversion pass).
 """
 
 import numpy as np
@@ -14,7 +15,9 @@ from numba import cuda
 from numba_vllm.kernels import activation as activation_module
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.activation import silu_and_mul
+from numba_vllm.loading.bf16 import bf16_bits, to_bf16
 from numba_vllm.model import reference
+from tests.helpers.products import wgmma_conversion
 
 gpu = pytest.mark.gpu
 RTOL = 2e-6
@@ -38,13 +41,20 @@ def _gate_up(rng, num_rows, width):
     return np.concatenate([gate, up], axis=1)
 
 
-def _check(gate_up):
-    num_cols = gate_up.shape[1] // 2
-    out = cuda.to_device(np.full((gate_up.shape[0], num_cols), np.nan, np.float32))
-    silu_and_mul(cuda.to_device(gate_up), out)
+def _check(gate_up, bf16_copy=False):
+    """out against the reference; with ``bf16_copy``, the copy against out rounded (NumPy and the conversion pass)."""
+    num_rows, num_cols = gate_up.shape[0], gate_up.shape[1] // 2
+    out = cuda.to_device(np.full((num_rows, num_cols), np.nan, np.float32))
+    bits = cuda.to_device(np.full((num_rows, num_cols), 0xFFFF, np.uint16)) if bf16_copy else None  # poisoned
+    silu_and_mul(cuda.to_device(gate_up), out, bits)
     with np.errstate(over="ignore"):  # exp(100) overflows to inf in the reference too
         expected = reference.silu_and_mul(gate_up[:, :num_cols], gate_up[:, num_cols:])
-    np.testing.assert_allclose(out.copy_to_host(), expected, rtol=RTOL, atol=0)
+    got = out.copy_to_host()
+    np.testing.assert_allclose(got, expected, rtol=RTOL, atol=0)
+    if bf16_copy:
+        np.testing.assert_array_equal(bits.copy_to_host(), bf16_bits(to_bf16(got)))
+        if num_cols % 2 == 0:  # the conversion pass takes pairs
+            np.testing.assert_array_equal(bits.copy_to_host(), wgmma_conversion(out))
 
 
 @pytest.mark.parametrize(
@@ -62,6 +72,11 @@ def test_silu_and_mul_matches_reference(num_rows, width):
     _check(_gate_up(_rng(), num_rows, width))
 
 
+@pytest.mark.parametrize("num_rows, width", [(1, 37), (9, 20), (33, 12), (3, 300)])  # rows 1 .. 33, odd and even F
+def test_silu_and_mul_bf16_copy_is_the_output_rounded(num_rows, width):
+    _check(_gate_up(_rng(), num_rows, width), bf16_copy=True)
+
+
 def test_grid_smaller_than_the_array_loops(monkeypatch):
     monkeypatch.setattr(activation_module, "ACTIVATION_MAX_COL_BLOCKS", 1)  # 600 columns on 256 threads
     monkeypatch.setattr(activation_module, "ACTIVATION_MAX_ROW_BLOCKS", 2)  # 5 rows on 2 row blocks
@@ -76,3 +91,8 @@ def test_bad_arguments_are_named():
         silu_and_mul(cuda.to_device(np.zeros((2, 10), np.float32)), out)
     with pytest.raises(KernelError, match="gate_up: dtype float64"):
         silu_and_mul(cuda.to_device(np.zeros((2, 8))), out)
+    gate_up = cuda.to_device(np.zeros((2, 8), np.float32))
+    with pytest.raises(KernelError, match="out_bits: dtype float32"):
+        silu_and_mul(gate_up, out, out)
+    with pytest.raises(KernelError, match="out_bits: shape"):
+        silu_and_mul(gate_up, out, cuda.to_device(np.zeros((3, 4), np.uint16)))

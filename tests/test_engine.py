@@ -10,6 +10,7 @@ import pytest
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.engine.config import EngineConfig
 from numba_vllm.engine.llm_engine import LLMEngine, StepFailedError
+from numba_vllm.kernels import gemm_wgmma
 from numba_vllm.loading.checkpoint import load_checkpoint
 from tests.helpers.tiny_llama import tiny_checkpoint
 
@@ -208,6 +209,32 @@ def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alon
     sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=8, num_pages=24)
     outs = sim.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == [a[:3] for a in alone]
+
+
+@pytest.mark.slow  # three steps of 9 sequences through the whole model in the simulator
+def test_simulated_wgmma_products_give_numpy_tokens_with_bf16_x_from_norm_and_swiglu(tiny_dir, monkeypatch):
+    """gemm_wgmma (the Hopper GEMM, which the simulator runs when asked) on every product of more than 8
+    tokens: a 27-token prefill step (3-token prompts) and decode steps of 9 sequences give NumPy's greedy tokens, and
+    only the o products (x: the attention output) run the conversion pass; the norms and SwiGLU
+    write the bf16 x themselves."""
+    launches = []  # every kernel gemm_wgmma launches
+    real = gemm_wgmma.launch
+
+    def recording(kernel_, *args, **kwargs):
+        launches.append(kernel_)
+        return real(kernel_, *args, **kwargs)
+
+    monkeypatch.setattr(gemm_wgmma, "launch", recording)
+    prompts = [[3 + i, 40 + 2 * i, 90 - i] for i in range(9)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(tiny_dir), backend="numpy").generate(prompts, params, use_tqdm=False)]
+    sim = LLM(str(tiny_dir), backend="sim", prefill_gemm="wgmma", max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
+    assert [o.outputs[0].token_ids for o in sim.generate(prompts, params, use_tqdm=False)] == want
+    layers = load_checkpoint(tiny_dir).config.num_hidden_layers
+    conversions = launches.count(gemm_wgmma._x_to_bf16_kernel)
+    products = len(launches) - conversions - launches.count(gemm_wgmma._sum_splits_kernel)
+    assert products == 3 * (4 * layers + 1)  # 3 steps (prefill, 2 decodes): qkv, o, gate_up, down a layer; the head
+    assert conversions == 3 * layers  # the o products'
 
 
 # ---- static batching ---------------------------------------------------------------------------

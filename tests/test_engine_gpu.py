@@ -1,6 +1,6 @@
 """The engine on a real GPU (cuda backend): a tiny GQA model step by step against the reference (also
 reading cached prefixes), SmolLM2's greedy answers as on NumPy (with and without prefix caching),
-batch invariance.
+batch invariance, the bf16 x that norms and SwiGLU write for gemm_wgmma (the conversion's logits, bit for bit).
 
 Tolerance: weights and the KV cache are bf16 on the GPU, float32 in the NumPy reference, so logits
 differ by ~1e-2 relative; a greedy choice can flip only where the top two logits are that close.
@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from numba_vllm import LLM, SamplingParams
+from numba_vllm.kernels import gemm_wgmma, matmul
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model.reference import KVCache, ReferenceModel
 from tests.helpers.smollm2 import REF, needs_smollm2
@@ -97,6 +98,49 @@ def test_cuda_graph_replay_equals_eager_launches(tmp_path):
     assert runs[False][0] == runs[True][0]
     for graph_logits, eager_logits in zip(runs[False][1], runs[True][1], strict=True):
         np.testing.assert_allclose(graph_logits, eager_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_x_from_norm_and_swiglu_gives_the_conversions_logits(tmp_path, monkeypatch):
+    """The products that gemm_wgmma runs (gemm auto on an H100/H200) read the bf16 x that the norms and
+    SwiGLU wrote: the same bits as the conversion pass, so the same logits, bit for bit, and the same
+    tokens as with every x converted (the norm written in f32 first); and only the o products (x: the
+    attention output) launch the conversion. Prompts of 9 to 31 tokens, 12 sequences decoding."""
+    if not matmul._hopper():
+        pytest.skip("gemm auto runs gemm_wgmma on an H100/H200 only")
+    path = tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                           intermediate_size=768, vocab_size=512, max_position_embeddings=512)  # fmt: skip
+    prompts = [list(range(2 + i, 11 + 2 * i)) for i in range(12)]  # 9 .. 31 tokens
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    runs = []
+    for producers in (False, True):
+        with monkeypatch.context() as patch:
+            if not producers:  # no view for a producer: every gemm_wgmma product converts its x, as before
+                patch.setattr(matmul, "bf16_x_destination", lambda *args: None)
+            llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=64, async_scheduling=False)
+            logits = _record_sampled_logits(llm.engine.runner)
+            outs = llm.generate(prompts, params)
+            runs.append(([o.outputs[0].token_ids for o in outs], [np.stack(logits[o.request_id]) for o in outs]))
+    assert runs[1][0] == runs[0][0]
+    for got, want in zip(runs[1][1], runs[0][1], strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    launches = []  # (kernel, its arguments) of every launch in gemm_wgmma, eager (no graph replays)
+    real = gemm_wgmma.launch
+
+    def recording(kernel_, grid, block, *args, **kwargs):
+        launches.append((kernel_, args))
+        return real(kernel_, grid, block, *args, **kwargs)
+
+    monkeypatch.setattr(gemm_wgmma, "launch", recording)
+    llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=64, async_scheduling=False, enforce_eager=True)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == runs[0][0]
+    c = llm.engine.runner.model.config
+    o_shape = (c.hidden_size, c.num_attention_heads * c.head_dim)  # (N, K) of the o product alone (F = 768)
+    converted = [args[0].shape[1] for kernel_, args in launches if kernel_ is gemm_wgmma._x_to_bf16_kernel]  # K
+    products = [args[3].shape for kernel_, args in launches if kernel_ not in (gemm_wgmma._x_to_bf16_kernel,
+                                                                              gemm_wgmma._sum_splits_kernel)]  # fmt: skip
+    assert len(products) >= 4 * len(converted) > 0  # every step of > 8 tokens: 4 products a layer (and the head)
+    assert converted == [o_shape[1]] * products.count(o_shape)  # one conversion per o product, none for the rest
 
 
 def _record_sampled_logits(runner) -> dict[str, list]:

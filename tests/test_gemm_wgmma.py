@@ -30,7 +30,9 @@ from numba import cuda, float32, uint32
 from numba_vllm.bench.kernel_report import ReportError, find_ptxas, select
 from numba_vllm.kernels import gemm_wgmma as gw
 from numba_vllm.kernels import matmul
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.wgmma import (
     ATOM_BYTES,
     DESC_K_STEP,
@@ -42,9 +44,9 @@ from numba_vllm.kernels.wgmma import (
     wgmma_fence,
     wgmma_wait,
 )
-from numba_vllm.loading.bf16 import BF16
+from numba_vllm.loading.bf16 import BF16, bf16_bits, to_bf16, upload_bf16
 from tests.helpers import ptx as ptx_check
-from tests.helpers.products import check_product, launch_case
+from tests.helpers.products import check_product, launch_case, random_case, wgmma_conversion
 
 PROBE_N = 16
 PROBE_K = 64
@@ -188,6 +190,103 @@ def test_k_not_a_multiple_of_8_goes_to_gemm_tc():
 def test_linear_sends_prefill_to_gemm_wgmma_when_asked():
     launcher = functools.partial(matmul.linear, gemm="wgmma")
     run_gemm_wgmma(matmul.GEMV_MAX_TOKENS + 1, 33, 16, True, launcher=launcher)
+
+
+# ---- x's bf16 copy written before the product (x_in_workspace) -------------------------------------
+
+EPS = 1e-5
+
+
+def _count_conversions(monkeypatch) -> list:
+    """A list that gets an entry at every launch of gemm_wgmma's conversion pass."""
+    seen = []
+    real = gw.launch
+
+    def counting(kernel_, *args, **kwargs):
+        if kernel_ is gw._x_to_bf16_kernel:
+            seen.append(args)
+        return real(kernel_, *args, **kwargs)
+
+    monkeypatch.setattr(gw, "launch", counting)
+    return seen
+
+
+def _workspace(values: int) -> matmul.GemmWorkspace:
+    """A GEMM workspace with an x copy of `values` bf16 (poisoned: 0xFFFF is a bf16 NaN) and no split parts."""
+    return matmul.GemmWorkspace(partials=None, x_bf16=cuda.to_device(np.full(values, 0xFFFF, np.uint16)))
+
+
+def _nan(shape):
+    return cuda.to_device(np.full(shape, np.nan, np.float32))
+
+
+def test_gemm_wgmma_reads_x_from_the_workspace_when_told(monkeypatch):
+    """x_in_workspace: the bf16 rows in bf16_x_destination's view are x; the f32 x (NaN) is not read."""
+    conversions = _count_conversions(monkeypatch)
+    x, w, out0 = random_case(np.random.default_rng(3), 13, 24, 72, True)
+    workspace, d_w, d_out = _workspace(13 * 72 + 5), upload_bf16(w), cuda.to_device(out0)
+    gw.bf16_x_destination(workspace, 13, 72, d_w).copy_to_device(bf16_bits(to_bf16(x)))
+    gw.gemm_wgmma(_nan(x.shape), d_w, d_out, True, config=gw.SMALL, workspace=workspace, x_in_workspace=True)
+    check_product(d_out.copy_to_host(), x.astype(BF16).astype(np.float32), w, out0, True)
+    assert conversions == []
+
+
+def test_the_workspace_takes_x_only_in_one_piece_by_aligned_rows():
+    """No destination (the f32 x is needed) past the workspace, at K % 8, or for an unaligned w; asking
+    gemm_wgmma to read x from the workspace then is an error, not a wrong product."""
+    workspace = _workspace(10 * 16)
+    assert gw.bf16_x_destination(workspace, 10, 16).shape == (10, 16)
+    assert gw.bf16_x_destination(workspace, 11, 16) is None
+    assert gw.bf16_x_destination(workspace, 4, 20) is None
+    unaligned = cuda.to_device(np.zeros(5 * 16 + 1, np.uint16))[1:].reshape(5, 16)  # (N, K) bits, 2 bytes off
+    assert gw.bf16_x_destination(workspace, 4, 16, unaligned) is None
+    with pytest.raises(KernelError, match="gemm_wgmma: x .4 x 20. cannot be read from the bf16 workspace"):
+        gw.gemm_wgmma(_nan((4, 20)), upload_bf16(np.ones((3, 20))), _nan((4, 3)), workspace=workspace, x_in_workspace=True)
+
+
+def test_linear_norm_writes_the_bf16_x_of_gemm_wgmma(monkeypatch):
+    """Before a gemm_wgmma product the norm stores its output as bf16 in the workspace: the bits the
+    conversion pass makes of the f32 norm, no conversion launch, the f32 scratch left alone."""
+    conversions = _count_conversions(monkeypatch)
+    m, n, k = matmul.GEMV_MAX_TOKENS + 1, 40, 48
+    rng = np.random.default_rng(4)
+    x, w, out0 = random_case(rng, m, n, k, True)
+    weight = upload_bf16(1.0 + 0.1 * rng.standard_normal(k))  # (K,) bf16
+    d_x, d_out, normed, workspace = cuda.to_device(x), cuda.to_device(out0), _nan((m, k)), _workspace(64 * k)
+    matmul.linear(d_x, upload_bf16(w), d_out, True, norm=(weight, EPS), normed=normed, gemm="wgmma", workspace=workspace)
+    assert conversions == []
+    assert np.isnan(normed.copy_to_host()).all()
+    h = _nan((m, k))  # (M, K) f32: the norm the f32 path would have converted
+    rms_norm(d_x, weight, h, EPS)
+    np.testing.assert_array_equal(workspace.x_bf16[: m * k].copy_to_host().reshape(m, k), wgmma_conversion(h))
+    check_product(d_out.copy_to_host(), to_bf16(h.copy_to_host()).astype(np.float32), w, out0, True)
+
+
+def test_linear_silu_hands_its_bf16_copy_to_the_next_product_only(monkeypatch):
+    """SwiGLU before a gemm_wgmma product: its output's bf16 copy (the conversion's bits) waits in the
+    workspace, the down product with that x takes it (no conversion), and any other call forgets it."""
+    conversions = _count_conversions(monkeypatch)
+    m, d, f = matmul.GEMV_MAX_TOKENS + 1, 16, 24
+    rng = np.random.default_rng(5)
+    x, w_gate_up, _ = random_case(rng, m, 2 * f, d, False)
+    _, w_down, out0 = random_case(rng, m, d, f, True)
+    d_x, d_gate_up, d_down, workspace = cuda.to_device(x), upload_bf16(w_gate_up), upload_bf16(w_down), _workspace(m * f)
+    gate_up, act, out = _nan((m, 2 * f)), _nan((m, f)), cuda.to_device(out0)
+    wgmma = {"gemm": "wgmma", "workspace": workspace}
+    matmul.linear(d_x, d_gate_up, act, silu_mul=True, gate_up=gate_up, **wgmma)
+    assert len(conversions) == 1 and workspace.x_bf16_of is act  # x's conversion (no norm before it)
+    check_product(gate_up.copy_to_host(), x.astype(BF16).astype(np.float32), w_gate_up, None, False)
+    np.testing.assert_array_equal(workspace.x_bf16[: m * f].copy_to_host().reshape(m, f), wgmma_conversion(act))
+    matmul.linear(act, d_down, out, True, **wgmma)
+    assert len(conversions) == 1 and workspace.x_bf16_of is None
+    check_product(out.copy_to_host(), to_bf16(act.copy_to_host()).astype(np.float32), w_down, out0, True)
+
+    matmul.linear(d_x, d_gate_up, act, silu_mul=True, gate_up=gate_up, **wgmma)  # 2nd conversion
+    matmul.linear(cuda.to_device(np.ones((m, f), np.float32)), d_down, _nan((m, d)), **wgmma)  # another x: 3rd
+    out = cuda.to_device(out0)
+    matmul.linear(act, d_down, out, True, **wgmma)  # the copy was forgotten: 4th
+    assert len(conversions) == 4
+    check_product(out.copy_to_host(), to_bf16(act.copy_to_host()).astype(np.float32), w_down, out0, True)
 
 
 @pytest.mark.parametrize(

@@ -21,8 +21,8 @@ from tests.helpers.ptx import compile_ptx, ptx_problems
 
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ptx")]  # compiles every kernel (seconds each), on the worker that compiles the rest
 
-VARIANTS = select(("embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "gather_rows", "argmax", "sample_gumbel",
-                   "reduce_parts", "rope", "logits_mask"))  # fmt: skip
+VARIANTS = select(("embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "silu_and_mul_bf16", "gather_rows", "argmax",
+                   "sample_gumbel", "reduce_parts", "rope", "logits_mask"))  # fmt: skip
 
 
 @pytest.fixture(scope="module")

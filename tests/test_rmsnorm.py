@@ -6,6 +6,10 @@ per element: rtol 2e-6 (about 16 float32 ulps), no absolute slack (a zero stays 
 The residual update of the fused kernel is one float32 addition: compared exactly.
 Simulator shapes: few rows, D not a multiple of 32 (40, 72, 100), 300 and 1000 (3 and 8 warps); gpu-marked:
 Llama 3.2 1B (D = 2048) at 1, 64 and 4096 rows.
+
+The bf16 output (the x workspace of gemm_wgmma) must be the float32 output rounded to nearest even,
+bit for bit: equal to NumPy's rounding of the float32 variant's output and to what gemm_wgmma's own
+conversion pass makes of it (so the products, and the engine's tokens, do not change).
 """
 
 import numpy as np
@@ -15,8 +19,9 @@ from numba import cuda
 from numba_vllm.kernels import rmsnorm as rmsnorm_module
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.rmsnorm import add_rms_norm, rms_norm
-from numba_vllm.loading.bf16 import to_bf16, upload_bf16
+from numba_vllm.loading.bf16 import bf16_bits, bf16_from_bits, to_bf16, upload_bf16
 from numba_vllm.model import reference
+from tests.helpers.products import wgmma_conversion
 
 gpu = pytest.mark.gpu
 EPS = 1e-5
@@ -81,6 +86,22 @@ def test_add_rms_norm_updates_residual_and_normalizes_it(num_rows, dim):
     np.testing.assert_array_equal(d_x.copy_to_host(), x)  # x is read only
 
 
+@pytest.mark.parametrize("num_rows, dim", [(1, 40), (9, 37), (33, 72), (2, 300)])  # rows 1 .. 33, odd and even D
+def test_rms_norm_bf16_output_is_the_f32_output_rounded(num_rows, dim):
+    x, weight = _inputs(_rng(), num_rows, dim)
+    d_x, d_weight = cuda.to_device(x), upload_bf16(weight)
+    out = _nan_device(x.shape)
+    rms_norm(d_x, d_weight, out, EPS)
+    bits = cuda.to_device(np.full(x.shape, 0xFFFF, np.uint16))  # (T, D) poisoned: a bf16 NaN no row makes
+    rms_norm(d_x, d_weight, bits, EPS)
+    got = bits.copy_to_host()
+    np.testing.assert_array_equal(got, bf16_bits(to_bf16(out.copy_to_host())))
+    if dim % 2 == 0:  # the conversion pass takes pairs
+        np.testing.assert_array_equal(got, wgmma_conversion(out))
+    want = _expected(x, weight)  # (T, D) float32: within one bf16 rounding (2^-8 relative) of NumPy
+    np.testing.assert_allclose(bf16_from_bits(got).astype(np.float32), want, rtol=2**-8 + RTOL, atol=0)
+
+
 def test_out_may_be_x(monkeypatch):
     rng = _rng()
     x, weight = _inputs(rng, 3, 100)
@@ -119,6 +140,10 @@ def test_bad_arguments_are_named():
         rms_norm(x, upload_bf16(np.ones(9, np.float32)), x, EPS)
     with pytest.raises(KernelError, match="out: shape"):
         rms_norm(x, weight, cuda.to_device(np.zeros((3, 8), np.float32)), EPS)
+    with pytest.raises(KernelError, match=r"out: shape \(2, 4\)"):
+        rms_norm(x, weight, cuda.to_device(np.zeros((2, 4), np.uint16)), EPS)
+    with pytest.raises(KernelError, match="out: dtype int32"):
+        rms_norm(x, weight, cuda.to_device(np.zeros((2, 8), np.int32)), EPS)
     with pytest.raises(KernelError, match="x: must be C-contiguous"):
         rms_norm(cuda.to_device(np.zeros((2, 16), np.float32))[:, ::2], weight, x, EPS)  # a strided view
     residual = cuda.to_device(np.zeros((2, 8), np.float32))

@@ -170,9 +170,14 @@ REGISTRY: tuple[KernelVariant, ...] = (
     ),
     KernelVariant("rope", "", "rope:rope_kernel", ROPE_SIG, "WARP_SIZE * ROPE_MAX_WARPS"),
     KernelVariant("rms_norm", "", "rmsnorm:rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)", "RMSNORM_MAX_THREADS"),
+    # its output as bf16 bits, into gemm_wgmma's x workspace
+    KernelVariant("rms_norm", "bf16", "rmsnorm:rms_norm_bf16_kernel", "(f32(2), u16(1), u16(2), float32)",
+                  "RMSNORM_MAX_THREADS"),  # fmt: skip
     KernelVariant("add_rms_norm", "", "rmsnorm:add_rms_norm_kernel", "(f32(2), f32(2), u16(1), f32(2), float32)",
                   "RMSNORM_MAX_THREADS"),  # fmt: skip
     KernelVariant("silu_and_mul", "", "activation:silu_and_mul_kernel", "(f32(2), f32(2))", "ACTIVATION_THREADS"),
+    KernelVariant("silu_and_mul_bf16", "", "activation:silu_and_mul_bf16_kernel", "(f32(2), f32(2), u16(2))",
+                  "ACTIVATION_THREADS"),  # fmt: skip
     KernelVariant("embedding", "", "embedding:embedding_kernel", "(i32(1), u16(2), f32(2))", "EMBEDDING_MAX_THREADS"),
     KernelVariant("gather_rows", "", "gather:gather_rows_kernel", "(f32(2), i32(1), f32(2))", "GATHER_THREADS"),
     KernelVariant("argmax", "", "sample:argmax_kernel", f"(f32(2), {PICK_TAIL})", "SAMPLE_MAX_THREADS"),

@@ -22,6 +22,12 @@ pass (``ceil(F / 1024)`` x T blocks) up to the caps ``ACTIVATION_MAX_COL_BLOCKS`
 stride. Shared memory: none. The two (4,) per-thread arrays live in registers: their loops have a
 constant trip count, so the compiler unrolls them and every index is a constant.
 
+bf16 copy: ``silu_and_mul_bf16_kernel`` also stores each value rounded to bf16 (nearest even) in a
+(T, F) uint16 array: the x workspace of ``gemm_wgmma`` when the down product after SwiGLU runs that
+GEMM (``matmul.linear``), which then copies the rows as they are instead of converting ``out`` in a
+pass of its own. The float32 ``out`` is still written (the model's trace, and a down product that
+runs another kernel, read it).
+
 Numerics: precise ``expf`` (no fastmath; the kernel is memory-bound, approximate math buys
 nothing). For g < -88, exp(-g) overflows to inf and silu(g) = g / inf = -0, the correct limit.
 """
@@ -31,7 +37,8 @@ import math
 from numba import cuda, float32
 
 from numba_vllm.kernels._launch import KernelError, check_array, launch
-from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.mma import f32_to_bf16_bits
 
 ACTIVATION_THREADS = 256  # threads per block, all along one row
 ACTIVATION_COLS_PER_THREAD = 4  # columns a thread loads before computing (a compile-time constant)
@@ -39,11 +46,12 @@ ACTIVATION_MAX_COL_BLOCKS = 256  # blocks along a row: F up to 262144 in one pas
 ACTIVATION_MAX_ROW_BLOCKS = 65535  # blocks across rows (gridDim.y limit); more rows loop
 
 
-@kernel
-def silu_and_mul_kernel(gate_up, out):
-    """out[t, j] = silu(gate_up[t, j]) * gate_up[t, F + j]. 2-D grid: (column blocks, row blocks).
+@device_function
+def _silu_and_mul_rows(gate_up, out, out_bits, bf16_copy):
+    """The kernels' body: out[t, j] = silu(gate_up[t, j]) * gate_up[t, F + j] over this block's rows and
+    column tiles, and with ``bf16_copy`` the same values rounded to bf16 into out_bits[t, j].
 
-    gate_up (T, 2F) float32; out (T, F) float32.
+    gate_up (T, 2F) float32; out (T, F) float32; out_bits (T, F) uint16 (read only with ``bf16_copy``).
     """
     gate = cuda.local.array(ACTIVATION_COLS_PER_THREAD, float32)  # (4,) this thread's gate values
     up = cuda.local.array(ACTIVATION_COLS_PER_THREAD, float32)  # (4,) and up values
@@ -61,22 +69,51 @@ def silu_and_mul_kernel(gate_up, out):
                 j = first + c * cuda.blockDim.x
                 if j < num_cols:
                     g = gate[c]
-                    out[t, j] = g / (float32(1.0) + math.exp(-g)) * up[c]
+                    value = g / (float32(1.0) + math.exp(-g)) * up[c]
+                    out[t, j] = value
+                    if bf16_copy:
+                        out_bits[t, j] = f32_to_bf16_bits(value)
 
 
-def silu_and_mul(gate_up, out) -> None:
+@kernel
+def silu_and_mul_kernel(gate_up, out):
+    """out[t, j] = silu(gate_up[t, j]) * gate_up[t, F + j]. 2-D grid: (column blocks, row blocks).
+
+    gate_up (T, 2F) float32; out (T, F) float32.
+    """
+    _silu_and_mul_rows(gate_up, out, out, False)  # (no bf16 copy: out stands in for its unused array)
+
+
+@kernel
+def silu_and_mul_bf16_kernel(gate_up, out, out_bits):
+    """``silu_and_mul_kernel``, also storing each value rounded to bf16 (nearest even) in out_bits.
+
+    gate_up (T, 2F) float32; out (T, F) float32; out_bits (T, F) uint16.
+    """
+    _silu_and_mul_rows(gate_up, out, out_bits, True)
+
+
+def silu_and_mul(gate_up, out, out_bits=None) -> None:
     """out = silu(gate) * up for gate_up = [gate | up] (device arrays).
 
     gate_up: (T, 2F) float32, gate in columns [0, F), up in [F, 2F); out: (T, F) float32, overwritten.
+    out_bits: None, or (T, F) uint16, overwritten with out's values as bf16 bits, rounded to nearest
+    even as ``gemm_wgmma`` rounds x (``matmul.linear`` hands it that GEMM's x workspace, so the down
+    product after SwiGLU needs no conversion pass of its own).
     """
     check_array("gate_up", gate_up, dtype="float32", ndim=2)
     num_rows, width = gate_up.shape
     if width % 2:
         raise KernelError(f"gate_up: shape {tuple(gate_up.shape)} has an odd width, expected (T, 2F)")
     check_array("out", out, dtype="float32", shape=(num_rows, width // 2))
+    if out_bits is not None:
+        check_array("out_bits", out_bits, dtype="uint16", shape=(num_rows, width // 2))
     num_cols = width // 2
     if num_rows == 0 or num_cols == 0:
         return
     tile_width = ACTIVATION_THREADS * ACTIVATION_COLS_PER_THREAD
     grid = (min(ACTIVATION_MAX_COL_BLOCKS, -(-num_cols // tile_width)), min(ACTIVATION_MAX_ROW_BLOCKS, num_rows))
-    launch(silu_and_mul_kernel, grid, ACTIVATION_THREADS, gate_up, out)
+    if out_bits is None:
+        launch(silu_and_mul_kernel, grid, ACTIVATION_THREADS, gate_up, out)
+    else:
+        launch(silu_and_mul_bf16_kernel, grid, ACTIVATION_THREADS, gate_up, out, out_bits)

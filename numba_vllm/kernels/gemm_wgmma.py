@@ -11,7 +11,11 @@ Data flow:
 - x is rounded to bf16 once per call by ``_x_to_bf16_kernel`` into a fixed workspace, so both
   operands go from global to shared memory by the Tensor Memory Accelerator (TMA), in the 128-byte
   swizzled layout wgmma reads, with no pass through registers. Past ``X_WORKSPACE_VALUES`` values
-  the product is done in row chunks that fit.
+  the product is done in row chunks that fit. Or the kernel that makes x writes its bf16 copy there
+  itself (``rms_norm`` and ``silu_and_mul`` with a uint16 output, into the view
+  ``bf16_x_destination`` returns: (M, K) row-major from the workspace's start, no padding, all M
+  rows at once) and the call says so (``x_in_workspace=True``): no conversion launch, and no
+  second pass over the f32 x. ``matmul.linear`` decides which.
 - A block is ``consumers`` warpgroups that compute (64 rows of the ``block_m x block_n`` output
   tile each, ``block_m = 64 * consumers``) and one more, the producer, of which one thread issues
   every copy: per K step of ``BLOCK_K`` = 64 values, one TMA box of x (block_m x 64) and one of w
@@ -62,9 +66,11 @@ boxes (no cluster multicast: 48 KB per K step for 4 MFLOP), the grid is not pers
 epilogue of a tile, 128 KB of f32 through shared memory, does not overlap the next tile's loads),
 and the output is f32 (twice cuBLAS's bf16 bytes). On decode shapes the fixed costs dominate: a
 2048 x 2048 weight takes ~10.5 us at any M up to 256 against ~2 us of reading it, and the
-conversion of x is a launch and a pass of its own. The next steps: a persistent grid with the
-epilogue overlapped, 2-block clusters multicasting the shared operand, bf16 activations from the
-model (no conversion), and ``setmaxnreg`` to give the consumers the producer's registers.
+conversion of x is a launch and a pass of its own (in a Llama step, only before the o products now:
+the norms and SwiGLU write the other products' bf16 x, ``x_in_workspace``). The next steps: a
+persistent grid with the epilogue overlapped, 2-block clusters multicasting the shared operand, the
+attention writing its output as bf16 too, and ``setmaxnreg`` to give the consumers the producer's
+registers.
 """
 
 import functools
@@ -428,7 +434,8 @@ def pick_k_split(config: TileConfig, num_blocks: int, k_dim: int, num_sms: int) 
 
 
 def gemm_wgmma(
-    x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None, workspace=None
+    x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None, workspace=None,
+    x_in_workspace: bool = False,
 ) -> None:
     """out = x @ w.T (or out += x @ w.T) with Hopper's wgmma; x is rounded to bf16.
 
@@ -436,8 +443,16 @@ def gemm_wgmma(
     ``split`` force a tiling and a K split (tests, benchmarks). ``workspace``: the model's
     `matmul.GemmWorkspace` (split-K parts and x's bf16 copy); without one, a split allocates its
     parts and x goes through a default copy buffer.
+
+    ``x_in_workspace``: a producer has already written x's bf16 copy (round to nearest even) where
+    this call reads it, the view ``bf16_x_destination(workspace, M, K, w)`` returned (rms_norm or
+    silu_and_mul with a uint16 output): no conversion pass runs, and x is read for its shape alone.
+    Raises KernelError when that view does not exist (K % 8, w unaligned, M x K past the workspace:
+    then the f32 x is needed, and the caller must not have skipped it).
     """
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
+    if x_in_workspace and bf16_x_destination(workspace, num_tokens, k_dim, w) is None:
+        raise KernelError(f"gemm_wgmma: x ({num_tokens} x {k_dim}) cannot be read from the bf16 workspace as it is")
     if num_tokens == 0 or num_rows == 0:
         return
     w_bits = weight_bits(w)
@@ -445,7 +460,10 @@ def gemm_wgmma(
     if k_dim % CHUNK_VALUES or not vector_aligned(w_bits):
         gemm_tc(x, w, out, accumulate, workspace=partials)  # no TMA copies of such rows; no Llama shape comes here
         return
-    x_workspace = _default_x_workspace() if workspace is None else workspace.x_bf16
+    x_workspace = _x_workspace(workspace)
+    if x_in_workspace:
+        _product(x_workspace, _x_views(x_workspace, num_tokens, k_dim)[0], w_bits, out, accumulate, config, split, partials)
+        return
     rows = min(num_tokens, x_capacity(x_workspace, k_dim))
     for m in range(0, num_tokens, rows):  # row chunks whose bf16 copy fits the workspace
         part, part_out = (x, out) if rows == num_tokens else (x[m : m + rows], out[m : m + rows])
@@ -453,6 +471,27 @@ def gemm_wgmma(
         blocks = min(-(-pairs.size // CONVERT_THREADS), 8 * num_sms())
         launch(_x_to_bf16_kernel, blocks, CONVERT_THREADS, part, pairs)
         _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, partials)
+
+
+def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None):
+    """Where a producer writes the bf16 copy of x (M, K) for ``gemm_wgmma(..., x_in_workspace=True)``:
+    the (M, K) uint16 view of the x workspace (``workspace.x_bf16``, or the default one without a
+    workspace) that the TMA copies from, rows of K values one after another from its start, no
+    padding. None when the product would not read x from there in one piece: K not a multiple of
+    ``CHUNK_VALUES`` or ``w`` (the product's (N, K) weight, when known) unaligned (gemm_tc runs it,
+    on the f32 x), or M x K past the workspace (row chunks, each converted from the f32 x). Every
+    Llama shape within the model's workspace gets a view."""
+    x_workspace = _x_workspace(workspace)
+    if k_dim == 0 or k_dim % CHUNK_VALUES or num_tokens > x_capacity(x_workspace, k_dim):
+        return None
+    if w is not None and (w.shape[1] != k_dim or not vector_aligned(w)):  # (w's address: no uint16 view to make)
+        return None
+    return _x_views(x_workspace, num_tokens, k_dim)[0]
+
+
+def _x_workspace(workspace):
+    """The (>= M x K,) uint16 bf16 copy of x: the model's, else the default one."""
+    return _default_x_workspace() if workspace is None else workspace.x_bf16
 
 
 def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partials) -> None:

@@ -22,17 +22,20 @@ What comes before and after a product in a Llama layer can ride along: ``norm`` 
 and ``silu_mul`` (SwiGLU on a [gate; up] product). When gemv runs they are fused into it (no
 launch and no pass over memory of their own: 33 fewer launches in a Llama 3.2 1B decode step, and
 16 fewer for SwiGLU); otherwise ``linear`` runs them as their own kernels (``rms_norm``,
-``silu_and_mul``) through the caller's scratch buffers ``normed`` and ``gate_up``.
+``silu_and_mul``) through the caller's scratch buffers ``normed`` and ``gate_up``. When gemm_wgmma
+runs the product, the norm writes its output as bf16 straight into that GEMM's x workspace, and
+SwiGLU adds a bf16 copy of its output there for the down product after it: those products skip the
+conversion pass of x (see ``linear``: 49 of the 65 conversions of a Llama 3.2 1B step).
 """
 
 import functools
-from typing import NamedTuple
+from dataclasses import dataclass
 
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.activation import silu_and_mul
 from numba_vllm.kernels.gemm import gemm
 from numba_vllm.kernels.gemm_tc import gemm_tc
-from numba_vllm.kernels.gemm_wgmma import gemm_wgmma
+from numba_vllm.kernels.gemm_wgmma import bf16_x_destination, gemm_wgmma
 from numba_vllm.kernels.gemv import MAX_TOKENS, gemv, gemv_fuses
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.sim.warp import simulator_enabled
@@ -53,11 +56,15 @@ def _hopper() -> bool:
     return tuple(cuda.get_current_device().compute_capability) == (9, 0)
 
 
-class GemmWorkspace(NamedTuple):
+@dataclass
+class GemmWorkspace:
     """The device scratch of the tensor-core GEMMs, allocated by the model (`model.llama.buffer_specs`)."""
 
     partials: object  # (gemm_tc.split_workspace_floats(SMs),) f32: the parts of a split K (gemm_tc, gemm_wgmma)
     x_bf16: object  # (>= tokens x K,) uint16: x rounded to bf16 for the TMA copies (gemm_wgmma)
+    # The (M, F) f32 array whose bf16 copy x_bf16 holds (SwiGLU's output, written by `linear`), for the
+    # next product alone: `linear` clears it at every call, after taking it when that product's x is it.
+    x_bf16_of: object = None
 
 
 def gemm_auto(x, w, out, accumulate: bool = False, workspace: GemmWorkspace | None = None) -> None:
@@ -77,6 +84,11 @@ PREFILL_GEMMS = {
 }
 
 
+def _runs_wgmma(gemm: str) -> bool:
+    """Whether ``PREFILL_GEMMS[gemm]`` is gemm_wgmma (which reads x as bf16 from the workspace)."""
+    return gemm == "wgmma" or (gemm == "auto" and _hopper())
+
+
 def linear(
     x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False, normed=None, gate_up=None,
     gemm: str = "auto", workspace: GemmWorkspace | None = None,
@@ -90,21 +102,48 @@ def linear(
     Unfused, they need ``normed`` (>= M, K) and ``gate_up`` (>= M, 2F) f32 scratch buffers.
     ``gemm``: which of ``PREFILL_GEMMS`` runs a product of more than ``GEMV_MAX_TOKENS`` tokens, with
     ``workspace`` its split-K scratch (`gemm_tc.split_workspace_floats`; None: allocated per call).
+
+    Who writes the bf16 x that gemm_wgmma copies by the TMA, when gemm_wgmma runs the product
+    (``bf16_x_destination`` gives a view: every Llama shape):
+    - after ``norm``: ``rms_norm`` stores its output as bf16 straight into the workspace (``normed``
+      is not written) and the product skips its conversion pass;
+    - after ``silu_mul``: ``silu_and_mul`` writes out (f32, as always) and its bf16 copy into the
+      workspace, and records in ``workspace.x_bf16_of`` that the copy is out's. The next call, if
+      its x is that array (the MLP's down product) and gemm_wgmma runs it, takes the copy as it is;
+      any other call forgets it. The copy's bits are the conversion's (both round the same f32
+      values to nearest even): the results do not change.
+    - otherwise (the attention output before the o product): gemm_wgmma converts x itself.
     """
     num_tokens = x.shape[0]
+    handed = workspace is not None and workspace.x_bf16_of is x  # SwiGLU's bf16 copy of x, in the workspace
+    if workspace is not None:
+        workspace.x_bf16_of = None  # it lives until the next product only
     if num_tokens <= GEMV_MAX_TOKENS and gemv_fuses(x, w):
         gemv(x, w, out, accumulate, norm, silu_mul)
         return
     if silu_mul and accumulate:
         raise KernelError("linear: silu_mul does not accumulate")
+    wgmma = num_tokens > GEMV_MAX_TOKENS and _runs_wgmma(gemm)
+    x_in_workspace = wgmma and handed and bf16_x_destination(workspace, num_tokens, x.shape[1], w) is not None
     if norm is not None:
         weight, eps = norm
-        rms_norm(x, weight, normed[:num_tokens], eps)
-        x = normed[:num_tokens]
+        x_bits = bf16_x_destination(workspace, num_tokens, x.shape[1], w) if wgmma else None  # (M, K) uint16
+        if x_bits is not None:
+            rms_norm(x, weight, x_bits, eps)
+            x_in_workspace = True
+        else:
+            rms_norm(x, weight, normed[:num_tokens], eps)
+            x = normed[:num_tokens]
     product = gate_up[:num_tokens] if silu_mul else out
     if num_tokens <= GEMV_MAX_TOKENS:
         gemv(x, w, product, accumulate)
+    elif x_in_workspace:
+        gemm_wgmma(x, w, product, accumulate, workspace=workspace, x_in_workspace=True)  # x: its shape alone
     else:
         PREFILL_GEMMS[gemm](x, w, product, accumulate, workspace)
     if silu_mul:
-        silu_and_mul(product, out)
+        # out is the next product's x: its bf16 copy for gemm_wgmma, (M, F) uint16, when that may run it
+        out_bits = bf16_x_destination(workspace, num_tokens, out.shape[1]) if wgmma and workspace is not None else None
+        silu_and_mul(product, out, out_bits)
+        if out_bits is not None:
+            workspace.x_bf16_of = out

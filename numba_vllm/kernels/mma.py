@@ -10,6 +10,7 @@ it as inline PTX from small ``@intrinsic`` functions, like ``vector_load.py`` do
   warp must execute it (``.sync.aligned``: same instruction, no divergence, no exited lanes).
 - ``pack_bf16x2(lo, hi) -> uint32``: two float32 rounded to bf16 (to nearest even) in one 32-bit
   register, ``lo`` in the low half (``cvt.rn.bf16x2.f32``): how fp32 activations become fragments.
+  ``f32_to_bf16_bits(value) -> uint16`` rounds one value the same way (a kernel storing a bf16 copy).
 - ``ldmatrix_x4(array, index) -> 4 x uint32``: ``ldmatrix.sync.aligned.m8n8.x4.shared.b16``, a
   warp-wide load of four 8 x 8 bf16 matrices from shared memory straight into fragment layout.
 - ``ldmatrix_x4_trans(array, index) -> 4 x uint32``: the same with ``.trans``: each matrix arrives
@@ -60,7 +61,9 @@ one of the behaviours the GPU allows).
 """
 
 import numpy as np
+from numba import uint16, uint32
 
+from numba_vllm.kernels.jit import device_function
 from numba_vllm.sim.warp import simulator_enabled
 
 MMA_M = 16  # rows of A, C, D
@@ -330,3 +333,10 @@ else:
             return context.get_dummy_value()
 
         return sig, codegen
+
+
+@device_function
+def f32_to_bf16_bits(value):
+    """One float32 rounded to bf16 (nearest even, as ``pack_bf16x2``), as its uint16 bits: what a kernel
+    stores where a bf16 copy is read (``gemm_wgmma``'s x workspace)."""
+    return uint16(pack_bf16x2(value, value) & uint32(0xFFFF))

@@ -3,7 +3,10 @@
     rms_norm:      out = x / sqrt(mean(x^2) + eps) * weight
     add_rms_norm:  residual += x;  out = rms_norm(residual) * weight      (one pass over memory)
 
-x, residual, out (T, D) float32; weight (D,) bf16; eps a float32 scalar.
+x, residual, out (T, D) float32; weight (D,) bf16; eps a float32 scalar. ``rms_norm`` can store its
+out as bf16 bits instead ((T, D) uint16, rounded to nearest even): the normed x of a product that
+``gemm_wgmma`` runs, written straight into the bf16 workspace that GEMM copies to shared memory by
+the TMA, so no float32 copy is written and no conversion pass reads it back (``matmul.linear``).
 
 Thread mapping: one block per row (grid = T) of ``min(RMSNORM_MAX_THREADS, ceil(D / 4) rounded up
 to 32)`` threads: 512 for Llama 3.2 1B (D = 2048), each owning 4 columns. The row is walked in
@@ -49,6 +52,7 @@ from numba import cuda, float32
 
 from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.mma import f32_to_bf16_bits
 from numba_vllm.kernels.reductions import WARP_SIZE, block_sum
 from numba_vllm.kernels.vector_load import bf16_bits_to_f32
 from numba_vllm.loading.bf16 import BF16
@@ -57,41 +61,57 @@ RMSNORM_MAX_THREADS = 1024  # threads per block; a row wider than 4 columns a th
 RMSNORM_COLS_PER_THREAD = 4  # columns a thread loads before using them (a compile-time constant)
 
 
-@kernel
-def rms_norm_kernel(x, weight_bits, out, eps):
-    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. Block t handles row t.
+def _make_rms_norm_kernel(bf16_out: bool):
+    """The norm kernel storing float32 (``bf16_out`` False) or bf16 bits rounded to nearest even (True:
+    the x workspace of ``gemm_wgmma``, which then copies it as it is). ``bf16_out`` is a constant of
+    the compiled code: the branch on it costs nothing."""
 
-    x, out (T, D) float32; weight_bits (D,) uint16 (the bf16 weight's bits); eps float32.
-    """
-    scratch = cuda.shared.array(32, float32)  # (32,) one partial sum per warp, for block_sum
-    xs = cuda.local.array(RMSNORM_COLS_PER_THREAD, float32)  # (4,) this thread's x values in a tile
-    ws = cuda.local.array(RMSNORM_COLS_PER_THREAD, float32)  # (4,) and weights
-    t = cuda.blockIdx.x
-    num_cols = x.shape[1]
-    tile_width = cuda.blockDim.x * RMSNORM_COLS_PER_THREAD
-    sum_sq = float32(0.0)
-    for tile in range(0, num_cols, tile_width):
-        first = tile + cuda.threadIdx.x
-        for c in range(RMSNORM_COLS_PER_THREAD):  # every load first: they overlap in flight
-            j = first + c * cuda.blockDim.x
-            xs[c] = x[t, j] if j < num_cols else float32(0.0)
-        for c in range(RMSNORM_COLS_PER_THREAD):
-            sum_sq += xs[c] * xs[c]
-    total = block_sum(sum_sq, scratch)
-    inv_rms = float32(1.0) / math.sqrt(total / float32(num_cols) + eps)
-    row_in_registers = num_cols <= tile_width  # one tile: xs still holds this thread's columns
-    for tile in range(0, num_cols, tile_width):
-        first = tile + cuda.threadIdx.x
-        for c in range(RMSNORM_COLS_PER_THREAD):
-            j = first + c * cuda.blockDim.x
-            if j < num_cols:
-                if not row_in_registers:
-                    xs[c] = x[t, j]
-                ws[c] = bf16_bits_to_f32(weight_bits[j])
-        for c in range(RMSNORM_COLS_PER_THREAD):
-            j = first + c * cuda.blockDim.x
-            if j < num_cols:
-                out[t, j] = xs[c] * inv_rms * ws[c]
+    @kernel
+    def rms_norm_kernel(x, weight_bits, out, eps):
+        """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight. Block t handles row t.
+
+        x (T, D) float32; weight_bits (D,) uint16 (the bf16 weight's bits); eps float32;
+        out (T, D) float32, or uint16 (bf16 bits) in the bf16 variant.
+        """
+        scratch = cuda.shared.array(32, float32)  # (32,) one partial sum per warp, for block_sum
+        xs = cuda.local.array(RMSNORM_COLS_PER_THREAD, float32)  # (4,) this thread's x values in a tile
+        ws = cuda.local.array(RMSNORM_COLS_PER_THREAD, float32)  # (4,) and weights
+        t = cuda.blockIdx.x
+        num_cols = x.shape[1]
+        tile_width = cuda.blockDim.x * RMSNORM_COLS_PER_THREAD
+        sum_sq = float32(0.0)
+        for tile in range(0, num_cols, tile_width):
+            first = tile + cuda.threadIdx.x
+            for c in range(RMSNORM_COLS_PER_THREAD):  # every load first: they overlap in flight
+                j = first + c * cuda.blockDim.x
+                xs[c] = x[t, j] if j < num_cols else float32(0.0)
+            for c in range(RMSNORM_COLS_PER_THREAD):
+                sum_sq += xs[c] * xs[c]
+        total = block_sum(sum_sq, scratch)
+        inv_rms = float32(1.0) / math.sqrt(total / float32(num_cols) + eps)
+        row_in_registers = num_cols <= tile_width  # one tile: xs still holds this thread's columns
+        for tile in range(0, num_cols, tile_width):
+            first = tile + cuda.threadIdx.x
+            for c in range(RMSNORM_COLS_PER_THREAD):
+                j = first + c * cuda.blockDim.x
+                if j < num_cols:
+                    if not row_in_registers:
+                        xs[c] = x[t, j]
+                    ws[c] = bf16_bits_to_f32(weight_bits[j])
+            for c in range(RMSNORM_COLS_PER_THREAD):
+                j = first + c * cuda.blockDim.x
+                if j < num_cols:
+                    value = xs[c] * inv_rms * ws[c]
+                    if bf16_out:
+                        out[t, j] = f32_to_bf16_bits(value)
+                    else:
+                        out[t, j] = value
+
+    return rms_norm_kernel
+
+
+rms_norm_kernel = _make_rms_norm_kernel(False)
+rms_norm_bf16_kernel = _make_rms_norm_kernel(True)
 
 
 @kernel
@@ -147,15 +167,19 @@ def _num_threads(dim: int) -> int:
 def rms_norm(x, weight, out, eps: float) -> None:
     """out = rms_norm(x) * weight, row by row (device arrays; ``out`` may be ``x``).
 
-    x: (T, D) float32; weight: (D,) bf16; out: (T, D) float32, overwritten; eps: e.g. 1e-5.
+    x: (T, D) float32; weight: (D,) bf16; eps: e.g. 1e-5; out: (T, D), overwritten: float32, or
+    uint16 for the bf16 bits of the values (rounded to nearest even, as ``gemm_wgmma`` rounds x: how
+    ``matmul.linear`` writes the normed x straight into that GEMM's bf16 workspace).
     """
     check_array("x", x, dtype="float32", ndim=2)
     num_rows, dim = x.shape
     check_array("weight", weight, dtype=BF16, shape=(dim,))
-    check_array("out", out, dtype="float32", shape=(num_rows, dim))
+    bf16_out = np.dtype(out.dtype) == np.uint16
+    check_array("out", out, dtype="uint16" if bf16_out else "float32", shape=(num_rows, dim))
     if num_rows == 0:
         return
-    launch(rms_norm_kernel, num_rows, _num_threads(dim), x, weight.view(np.uint16), out, float32(eps))
+    kernel_ = rms_norm_bf16_kernel if bf16_out else rms_norm_kernel
+    launch(kernel_, num_rows, _num_threads(dim), x, weight.view(np.uint16), out, float32(eps))
 
 
 def add_rms_norm(x, residual, weight, out, eps: float) -> None:

@@ -17,7 +17,8 @@ bf16, the KV cache bf16 in 16-token pages. Per layer:
 
 Each norm is handed to the product after it (`linear(..., norm=...)`), and SwiGLU to the gate/up
 product (`silu_mul`): in a decode-sized step gemv applies the norm as it loads x and SwiGLU as it
-stores, so they cost no launch and no pass over memory; in a prefill they run as their own kernels.
+stores, so they cost no launch and no pass over memory; in a prefill they run as their own kernels,
+and when gemm_wgmma runs the products they also write the bf16 x it reads (`linear` decides).
 Then the last token of every sampling sequence is gathered, normed and multiplied by the head.
 Sizes: T tokens (padded, see `executor/inputs.py`), Tp of them prefill, Sd decode rows after them;
 D hidden, H heads, KVH kv heads, HD head dim, F MLP width, V vocabulary, B sampled rows.
@@ -330,6 +331,7 @@ def buffer_specs(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms
         # split scratch: the GEMMs' K-split parts and x's bf16 copy (gemm_wgmma's TMA source), decode
         # attention's context-split states, the samplers' part winners
         "gemm_partials": ((gemm_tc_workspace_floats(num_sms),), f32),
+        # (written by gemm_wgmma's conversion pass, or by the norm or SwiGLU before the product: `matmul.linear`)
         "gemm_x_bf16": ((t * max(c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim),), np.uint16),
         "attention_partials": ((attention_workspace_floats(c.num_attention_heads, c.num_key_value_heads, c.head_dim),), f32),
         "sample_values": ((SAMPLE_WORKSPACE_SLOTS,), f32),

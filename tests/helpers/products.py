@@ -72,3 +72,15 @@ def run_product(m, n, k, accumulate, seed=0, x_offset=0, launcher=gemv):
     """Launch on fresh random data and check against the float64 product."""
     got, x, w, out0 = launch_case(m, n, k, accumulate, seed, x_offset, launcher)
     check_product(got, x, w, out0, accumulate)
+
+
+def wgmma_conversion(x) -> np.ndarray:
+    """The bf16 bits (M, K) uint16 that gemm_wgmma's conversion pass (`_x_to_bf16_kernel`) makes of a
+    device x (M, K) f32, K even: what a producer writing x's bf16 copy itself must match bit for bit."""
+    from numba_vllm.kernels._launch import launch
+    from numba_vllm.kernels.gemm_wgmma import CONVERT_THREADS, _x_to_bf16_kernel
+
+    m, k = x.shape
+    pairs = cuda.to_device(np.zeros((m, k // 2), np.uint32))
+    launch(_x_to_bf16_kernel, max(1, -(-pairs.size // CONVERT_THREADS)), CONVERT_THREADS, x, pairs)
+    return pairs.copy_to_host().view(np.uint16).reshape(m, k)
