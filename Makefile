@@ -38,12 +38,12 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 run: setup  ## run the default model on a sample question (pass more with ARGS="...")
 	$(VENV)/bin/numba-vllm run $(ARGS)
 
-# `make test` spreads the tests over TEST_WORKERS processes (pytest-xdist; CI has 2 cores). The tests
-# that compile kernels to PTX share one worker (xdist_group "ptx"), so each variant compiles once.
+# `make test` spreads the test files over TEST_WORKERS processes (pytest-xdist; CI has 2 cores), each
+# file whole on one of them, in order (its module fixtures built once, its tests in sequence).
 TEST_WORKERS ?= 2
 
 test: setup  ## the CPU suite, as CI runs it: kernels under the Numba CUDA simulator, engine on NumPy
-	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadgroup --durations=15
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 test-fast: setup  ## the CPU suite without the `slow` tests (SmolLM2, PTX, whole-model simulation): under 2 minutes
 	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu and not slow"

@@ -337,7 +337,6 @@ def wgmma_ptx():
 
 
 @pytest.mark.slow  # compiles through NVVM
-@pytest.mark.xdist_group("ptx")
 def test_conversion_compiles(wgmma_ptx):
     result = wgmma_ptx["x_to_bf16"]
     assert "error" not in result, result.get("error")
@@ -345,7 +344,6 @@ def test_conversion_compiles(wgmma_ptx):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("ptx")
 @pytest.mark.parametrize("variant", TILINGS, ids=[v.key for v in TILINGS])
 def test_kernel_compiles_to_wgmma_and_tma(wgmma_ptx, variant):
     result = wgmma_ptx[variant.key]

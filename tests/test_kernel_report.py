@@ -103,7 +103,6 @@ def report():
 
 
 @pytest.mark.slow  # compiles and assembles every variant (~40 s)
-@pytest.mark.xdist_group("ptx")
 def test_every_variant_launches_and_no_hot_kernel_spills(report):
     rows = {f"{r['kernel']} {r['variant']}".strip(): r for r in report["rows"]}
     cannot_launch = [key for key, r in rows.items() if r["blocks"] < 1]

@@ -79,7 +79,6 @@ def test_llama_sized_rows_on_the_gpu():
 
 
 @pytest.mark.slow  # compiles two kernels to PTX (seconds each)
-@pytest.mark.xdist_group("ptx")
 def test_logprobs_and_edits_kernels_compile_without_fp64():
     from numba_vllm.bench.kernel_report import select
     from tests.helpers.ptx import check_compiled_clean, compile_ptx

@@ -233,7 +233,6 @@ def ptx():
 
 
 @pytest.mark.slow  # compiles each variant (seconds each)
-@pytest.mark.xdist_group("ptx")
 @pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
 def test_kernel_compiles_clean(ptx, variant):
     result = ptx[variant.key]

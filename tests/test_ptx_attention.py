@@ -12,7 +12,7 @@ import pytest
 from numba_vllm.bench.kernel_report import select
 from tests.helpers import ptx as ptx_check
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ptx")]  # compiles every variant (seconds each), on the worker that compiles the rest
+pytestmark = pytest.mark.slow  # compiles every variant (seconds each)
 
 VARIANTS = select(("decode_attention", "decode_attention_merge", "decode_attention_fast", "decode_attention_fast_merge",
                    "decode_attention_tc", "prefill_attention"))  # fmt: skip

@@ -17,7 +17,7 @@ import pytest
 from numba_vllm.bench.kernel_report import select
 from tests.helpers import ptx as ptx_check
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ptx")]  # compiles every variant (seconds each), on the worker that compiles the rest
+pytestmark = pytest.mark.slow  # compiles every variant (seconds each)
 
 VARIANTS = select(("gemv", "gemv_unaligned", "gemm", "gemm_two_blocks", "gemm_tc", "sum_splits"))
 GEMV_KEYS = [v.key for v in VARIANTS if v.name == "gemv"]

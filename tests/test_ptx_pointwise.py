@@ -19,7 +19,7 @@ import pytest
 from numba_vllm.bench.kernel_report import select
 from tests.helpers.ptx import compile_ptx, ptx_problems
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ptx")]  # compiles every kernel (seconds each), on the worker that compiles the rest
+pytestmark = pytest.mark.slow  # compiles every kernel (seconds each)
 
 VARIANTS = select(("embedding", "rms_norm", "add_rms_norm", "silu_and_mul", "silu_and_mul_bf16", "gather_rows", "argmax",
                    "sample_gumbel", "reduce_parts", "rope", "logits_mask"))  # fmt: skip
