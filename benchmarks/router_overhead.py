@@ -93,7 +93,8 @@ def report(runs: dict[str, list[dict]], json_path: str | None) -> None:
         medians = {side: statistics.median(r["output_tokens_per_s"] for r in runs[side]) for side in runs}
         ratio = medians["router"] / medians["direct"]
         summary.update(median_output_tokens_per_s=medians, router_over_direct=ratio)
-        paired = [r["output_tokens_per_s"] / d["output_tokens_per_s"] for d, r in zip(runs["direct"], runs["router"])]
+        rounds = zip(runs["direct"], runs["router"], strict=False)  # a run cut short leaves one side a run behind
+        paired = [r["output_tokens_per_s"] / d["output_tokens_per_s"] for d, r in rounds]
         summary.update(round_ratios=paired, median_round_ratio=statistics.median(paired))
         print(f"median output tokens/s: direct {medians['direct']:.1f}, router {medians['router']:.1f} ({ratio:.1%}); "
               f"rounds: router/direct {', '.join(f'{p:.1%}' for p in paired)} (median {statistics.median(paired):.1%})")
