@@ -150,6 +150,53 @@ def test_the_front_end_folds_news_generically_and_cuts_at_stop_strings(chat_dir)
     assert [type(c).__name__ for c in sent] == ["AddRequest", "AbortRequests", "Shutdown"] and sent[1].request_ids == ["r"]
 
 
+def test_a_stop_string_in_one_of_n_sequences_frees_that_sequence_in_the_core(chat_dir):
+    """n = 2: a stop string ends sequence 1 in the front end while sequence 0 runs on; the core is
+    told to stop that sequence alone (AbortSequence, once), and nothing more when the request ends."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    from numba_vllm.loading.checkpoint import load_checkpoint
+    from numba_vllm.server.core_protocol import ModelInfo
+    from numba_vllm.server.engine_loop import EngineLoop, Sink
+
+    hf = HFTokenizer.from_file(str(chat_dir / "tokenizer.json"))
+    ids = hf.encode("the whole world", add_special_tokens=False).ids
+    stop = hf.decode(ids)[5:8]
+    ckpt = load_checkpoint(chat_dir)
+    stats = EngineStats(1, 0, 7, 40, 2, 38, 0, 5, 640, True, 0, 0, 0)
+    info = ModelInfo(ckpt.config, ckpt.tokenizer, MAX_LEN, "numpy", stats, str(chat_dir), {})
+    other = hf.encode("aaaa", add_special_tokens=False).ids[0]  # sequence 0's tokens: never the stop string
+
+    async def run():
+        core = _SilentCore()
+        front = EngineLoop(core, info, TINY_NAME)
+        front.start()
+        sent = []
+        front._send = sent.append
+        loop = asyncio.get_running_loop()
+        sink = Sink(loop, 0, loop.create_future(), asyncio.Queue())
+        params = SamplingParams(n=2, max_tokens=len(ids) + 2, stop=[stop], ignore_eos=True)
+        front.add("r", [1, 2], params, sink, time.perf_counter())
+        front._apply(StepOutputs(["r"], [], [], stats))
+        for k, token in enumerate(ids):  # the core runs both sequences until told
+            news = RequestOutput("r", None, [], [CompletionOutput(0, "", [other]), CompletionOutput(1, "", [token])])
+            front._apply(StepOutputs([], [], [news], stats))
+        last = [CompletionOutput(0, "", [other, other], finish_reason="length"),
+                CompletionOutput(1, "", [], finish_reason="abort")]  # fmt: skip
+        front._apply(StepOutputs([], [], [RequestOutput("r", None, [], last)], stats))
+        deltas = []
+        while not sink.queue.empty():
+            deltas.append(sink.queue.get_nowait())
+        await front.stop(0)
+        return deltas, sent
+
+    deltas, sent = asyncio.run(run())
+    reasons = {d.index: d.finish_reason for d in deltas if d.finish_reason}
+    assert reasons == {0: "length", 1: "stop"}
+    assert [type(c).__name__ for c in sent] == ["AddRequest", "AbortSequence", "Shutdown"]
+    assert (sent[1].request_id, sent[1].index) == ("r", 1)
+
+
 def test_the_server_process_never_imports_numba_cuda(tiny_dir):
     """`auto` makes the core look for a GPU (numba.cuda); the front end only gets the model's description."""
     script = f"""

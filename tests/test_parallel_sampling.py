@@ -143,3 +143,38 @@ def test_held_siblings_go_ahead_of_requests_that_arrived_after_theirs(tiny_dir):
     e.add_request("b", [7, 8], SamplingParams(max_tokens=1, ignore_eos=True))
     plan = steps(e)
     assert [s[0] for s in plan[1]] == ["0_r2", "1_r2"]  # "a" ran beside child 0; "b" waits behind the sibling
+
+
+def test_one_sequence_aborted_frees_its_pages_while_its_sibling_runs_on(tiny_dir):
+    """`abort_sequence`: what a server's front end sends when a stop string ends one of n sequences."""
+    e = engine(tiny_dir, async_scheduling=False)
+    e.add_request("r", PROMPT, SamplingParams(n=2, max_tokens=8, ignore_eos=True))
+    out = None
+    for _ in range(10):  # until both sequences have a token (child 1 waits for child 0's prompt)
+        out = (e.step() or [out])[0]
+        if out is not None and all(c.token_ids for c in out.outputs):
+            break
+    assert all(c.token_ids for c in out.outputs) and not out.finished
+    used = e.stats().num_pages_used
+    e.abort_sequence("r", 1)
+    assert out.outputs[1].finish_reason == "abort" and not out.finished
+    assert [r.request_id for r in e.stats(requests=True).running] == ["0_r"]
+    assert e.stats().num_pages_used < used  # child 1's own page (the shared prompt pages stay, child 0 holds them)
+    tokens_of_1 = list(out.outputs[1].token_ids)
+    while e.has_unfinished_requests():
+        e.step()
+    assert out.finished and len(out.outputs[0].token_ids) == 8 and out.outputs[0].finish_reason == "length"
+    assert out.outputs[1].token_ids == tokens_of_1  # nothing more for the aborted one
+    assert not e.has_unfinished_requests()
+    e.abort_sequence("r", 0)  # finished: ignored
+    e.abort_sequence("nobody", 0)
+
+
+def test_a_held_sibling_aborted_is_never_admitted(tiny_dir):
+    e = engine(tiny_dir, async_scheduling=False)
+    (out,) = [e.add_request("r", PROMPT, SamplingParams(n=3, max_tokens=2, ignore_eos=True))]
+    e.abort_sequence("r", 2)  # held: child 0's prompt is not computed yet
+    admitted = {s[0] for plan in steps(e) for s in plan}
+    assert admitted == {"0_r", "1_r"} and out.finished
+    assert [c.finish_reason for c in out.outputs] == ["length", "length", "abort"]
+    assert not e.has_unfinished_requests()

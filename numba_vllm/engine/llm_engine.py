@@ -235,6 +235,29 @@ class LLMEngine:
             if child_id not in held and self.scheduler.abort(child_id):
                 self.runner.release(child_id)
 
+    def abort_sequence(self, request_id: str, index: int) -> None:
+        """Stop one sequence of a request (``outputs[index]``, finish_reason "abort") while its
+        siblings go on: a server's front end that found a stop string in it says so. Its pages and
+        slot are freed (a sibling not yet admitted is never admitted); the request finishes when its
+        last sequence does. Unknown requests and finished sequences are ignored."""
+        family = self._families.get(request_id)
+        if family is None or not 0 <= index < len(family.child_ids):
+            return
+        child_id = family.child_ids[index]
+        builder = self._builders.pop(child_id, None)
+        if builder is None:  # finished already
+            return
+        self._logprobs.pop(child_id, None)
+        builder.abort()
+        waiting = [r for r in family.held if r.request_id == child_id]
+        if waiting:
+            family.held.remove(waiting[0])
+        elif self.scheduler.abort(child_id):
+            self.runner.release(child_id)
+        if family.output.finished:
+            del self._families[request_id]
+            self._holding.pop(request_id, None)
+
     def warm_up(self) -> None:
         """Compile the kernels and record the decode-step CUDA graphs (for sequences of up to
         `WARM_UP_GRAPH_TOKENS`) now, before the first request: a server does this once at start-up so

@@ -10,7 +10,8 @@ arrive typed, so a field added to them later (logprobs, say) passes through with
     -----------------------------                 ---------------------------
     AddRequest(id, prompt ids, params)            StepOutputs: after each round of the core's loop
     AbortRequests(ids)   (freed, no news back)        accepted / refused adds, every request's news
-    AbortAll             (each ends with "abort")     of that step (new tokens, finish), the stats
+    AbortSequence(id, i) (one of n sequences)         of that step (new tokens, finish), the stats
+    AbortAll             (each ends with "abort")
     WatchDetail          (the dashboard watches)  CoreStopped(error): the core's loop has ended
     Shutdown
 
@@ -51,6 +52,15 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
     request_ids: list[str]
 
 
+class AbortSequence(msgspec.Struct, tag="abort_sequence", array_like=True):
+    """Stop one sequence of a request with several (n > 1): the front end found a stop string in it;
+    its siblings go on (its "abort" in their later news is not the front end's concern: it has
+    ended the sequence already)."""
+
+    request_id: str
+    index: int
+
+
 class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
     """End every request with finish_reason "abort" (reported in the next StepOutputs)."""
 
@@ -65,7 +75,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     """Abort what runs (reported), then end the loop."""
 
 
-Command = AddRequest | AbortRequests | AbortAll | WatchDetail | Shutdown
+Command = AddRequest | AbortRequests | AbortSequence | AbortAll | WatchDetail | Shutdown
 
 
 # ---- core -> front end --------------------------------------------------------------------------

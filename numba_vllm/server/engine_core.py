@@ -33,6 +33,7 @@ from numba_vllm.engine.structured import GrammarError
 from numba_vllm.server.core_protocol import (
     AbortAll,
     AbortRequests,
+    AbortSequence,
     AddRequest,
     CoreAddresses,
     CoreStopped,
@@ -153,6 +154,12 @@ class EngineCore:
             for request_id in command.request_ids:
                 if self._live.pop(request_id, None) is not None:
                     engine.abort_request(request_id)
+        elif isinstance(command, AbortSequence):
+            live = self._live.get(command.request_id)
+            if live is not None:
+                engine.abort_sequence(command.request_id, command.index)
+                if live[0].finished:  # it was the last sequence running: the front end has its end
+                    del self._live[command.request_id]
         elif isinstance(command, AbortAll):
             self._abort_all()
         elif isinstance(command, WatchDetail):

@@ -7,6 +7,7 @@ this object, on the server's event loop, is all the HTTP handlers see of it:
     --------------------------                      -----------
     EngineLoop.add(id, ids, params, sink)  ──► AddRequest  ──► engine.add_request
     EngineLoop.abort(id)                   ──► AbortRequests (pages freed before the next step)
+    a stop string in one of n sequences    ──► AbortSequence (that sequence's pages freed)
     sink: accepted / refused, Delta(text, ids, finish) ◄── StepOutputs: one per step, every request's new tokens
 
 Detokenization and stop strings are done here, with each request's own `OutputBuilder` fed the
@@ -38,6 +39,7 @@ from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.server.core_protocol import (
     AbortAll,
     AbortRequests,
+    AbortSequence,
     AddRequest,
     CoreStopped,
     ModelInfo,
@@ -273,11 +275,14 @@ class EngineLoop:
                 setattr(out, f.name, value)
         m = self.metrics
         num_new = 0
+        stopped_here = []  # sequences a stop string ended here, which the core still runs
         for sequence in news.outputs:
             i = sequence.index
             if live.sent_final[i]:  # a stop string ended it; the core runs it on until told
                 continue
             text, new_tokens = self._fold(out, live.builders[i], sequence)
+            if sequence.finish_reason is None and out.outputs[i].finish_reason is not None:
+                stopped_here.append(i)
             num_new += len(new_tokens)
             c = out.outputs[i]
             if c.finish_reason == "error":
@@ -308,6 +313,9 @@ class EngineLoop:
             del self._live[request_id]
             if not news.finished:  # stop strings ended it here: the core frees it now
                 self._send(AbortRequests([request_id]))
+        else:  # n > 1: the core frees a stopped sequence's pages while its siblings go on
+            for i in stopped_here:
+                self._send(AbortSequence(request_id, i))
 
     def _fold(self, out: RequestOutput, builder: OutputBuilder, sequence: CompletionOutput) -> tuple[str, list[int]]:
         """One sequence's news into its CompletionOutput: its tokens through the builder (text, stop
