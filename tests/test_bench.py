@@ -291,3 +291,24 @@ def test_serve_benchmark_shared_prefix_target_smoke_on_numpy(long_config_dir, tm
     assert on["prefix_cache_queries"] == 3 * 1088 + 64 and on["prefix_cache_hits"] > 0 and off["prefix_cache_queries"] == 0
     assert "prefix_cache_hit_rate" not in off
     assert res["caching_on_vs_off"]["ttft_p50_lower"] == pytest.approx(off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"])
+
+
+def _kernel_timeline():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "kernel_timeline.py"
+    spec = importlib.util.spec_from_file_location("kernel_timeline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kernel_timeline_counts_busy_time_once_and_the_gaps_between():
+    timeline = _kernel_timeline()
+    events = [{"ts": 10, "dur": 5}, {"ts": 0, "dur": 4}, {"ts": 12, "dur": 8}, {"ts": 30, "dur": 1}]  # us, out of order
+    busy, span, gaps = timeline.busy_and_gaps(events)
+    assert (busy, span, gaps) == (4 + 10 + 1, 31, [6, 10])  # [0, 4), [10, 20) (two overlapping), [30, 31)
+    profiled = "numba_vllm::kernels::gemm_wgmma::gemm_wgmma_kernel_for::_3clocals_3e::gemm_wgmma_kernel[abi:v41](Array<f>)"
+    assert timeline.short_name(profiled) == "gemm_wgmma_kernel"
+    assert timeline.short_name("numba_vllm::kernels::rope::rope_kernel[abi:v3][abi:cw51]") == "rope_kernel"
+    assert timeline.short_name("Memcpy HtoD (Pinned -> Device)") == "Memcpy HtoD (Pinned -> Device)"
