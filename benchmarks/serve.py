@@ -27,7 +27,9 @@ message), `stream: true`, `ignore_eos: true` (every request generates exactly --
 the client: time to first token (TTFT), time per output token after the first (TPOT, per request),
 inter-token latency (ITL, per event, divided among the tokens it carries), end-to-end latency, and
 throughput over the timed run; from the server's /metrics, its steps, preemptions and prefix-cache
-hit rate over the run. Warm-up requests run first (on a GPU the first step compiles kernels); they
+hit rate over the run; with --start-server (on Linux), the CPU cores the server's front end, its
+engine core and the client each kept busy over the run (a front end near 1.0 is saturated: one
+Python thread detokenizes and writes every stream). Warm-up requests run first (on a GPU the first step compiles kernels); they
 never carry the shared prefix, so the timed run's first requests compute it.
 Everything is bounded: --num-requests, --max-time for the whole run (outstanding requests are then
 cancelled, which aborts them on the server) and --request-timeout for each request.
@@ -289,6 +291,36 @@ def stop_server(proc: subprocess.Popen) -> None:
             proc.wait()
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a process has used so far (Linux /proc), or None where it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_processes(pid: int) -> dict[str, int]:
+    """The started server's processes by role: its own (the HTTP front end) and the engine core it
+    spawned (multiprocessing's resource tracker left out); empty where /proc cannot tell."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            children = [int(c) for c in f.read().split()]
+    except OSError:
+        return {}
+    roles = {"front end": pid}
+    for child in children:
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmdline:
+            roles["engine core" if "engine core" not in roles else f"child {child}"] = child
+    return roles
+
+
 def measure(args, server_args: str | None) -> dict:
     """One timed run against args.base_url, or against `numba-vllm serve server_args` started for it."""
     proc = None
@@ -302,13 +334,25 @@ def measure(args, server_args: str | None) -> dict:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.model or httpx.get(base_url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
         before = metrics(base_url)
+        processes = server_processes(proc.pid) if proc is not None else {}
+        cpu_before = {role: cpu_seconds(pid) for role, pid in processes.items()}
+        client_before = time.process_time()
         results, wall, not_run = asyncio.run(run_load(args, base_url, model))
+        client_cpu = time.process_time() - client_before
+        cpu_after = {role: cpu_seconds(pid) for role, pid in processes.items()}
         after = metrics(base_url)
     finally:
         if proc is not None:
             stop_server(proc)
 
     summary = summarize(results, wall, not_run, args.slos)
+    # CPU cores each process kept busy over the run (1.0: one core all the time): a front end near 1.0
+    # is the bound (one Python thread tokenizes, detokenizes and writes every stream).
+    cores = {role: (cpu_after[role] - cpu_before[role]) / wall for role in processes
+             if cpu_before[role] is not None and cpu_after[role] is not None and wall > 0}  # fmt: skip
+    if wall > 0:
+        cores["client"] = client_cpu / wall
+    summary["cpu_cores_used"] = cores
     summary["config"] = {k: v for k, v in vars(args).items() if k not in ("api_key", "slos")} | {"model": model}
     if server_args is not None:
         summary["config"]["start_server"] = server_args
@@ -341,6 +385,8 @@ def report(args, summary: dict, title: str | None = None) -> None:
         slo = ", ".join(f"{k} <= {v:g} ms" for k, v in g["slo_ms"].items())
         rates = f"{g['requests_per_s']:.2f} requests/s, {g['output_tokens_per_s']:.1f} output tokens/s"
         print(f"goodput ({slo}): {g['requests']} requests, {rates}")
+    if summary.get("cpu_cores_used"):
+        print("CPU cores used over the run: " + ", ".join(f"{k} {v:.2f}" for k, v in summary["cpu_cores_used"].items()))
     if "engine_steps" in summary:
         hit_rate = f", prefix-cache hit rate {summary['prefix_cache_hit_rate']:.2f}" if "prefix_cache_hit_rate" in summary else ""
         print(f"server: {summary['engine_steps']:.0f} steps, {summary.get('num_preemptions', 0):.0f} preemptions{hit_rate}")

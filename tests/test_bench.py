@@ -3,6 +3,7 @@ Llama (through click's CliRunner, JSON checked), and one-line errors for bad opt
 and a missing transformers."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -291,6 +292,11 @@ def test_serve_benchmark_shared_prefix_target_smoke_on_numpy(long_config_dir, tm
     assert on["prefix_cache_queries"] == 3 * 1088 + 64 and on["prefix_cache_hits"] > 0 and off["prefix_cache_queries"] == 0
     assert "prefix_cache_hit_rate" not in off
     assert res["caching_on_vs_off"]["ttft_p50_lower"] == pytest.approx(off["ttft_ms"]["p50"] / on["ttft_ms"]["p50"])
+    for run in (on, off):  # the server started here: its front end and engine core, and the client
+        assert set(run["cpu_cores_used"]) == {"front end", "engine core", "client"}
+        assert all(0 <= v <= os.cpu_count() + 0.5 for v in run["cpu_cores_used"].values())
+        assert run["cpu_cores_used"]["engine core"] > 0.01  # it computed every token
+    assert "CPU cores used over the run: front end" in r.stdout
 
 
 def _kernel_timeline():
