@@ -31,6 +31,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _shared_ptx_results(tmp_path_factory):
+    """Under pytest-xdist, the workers of a run share the PTX they compile (tests/helpers/ptx.py), in
+    a folder beside their own temporary folders (pytest removes it with them, a few runs later)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is None:
+        yield
+        return
+    from tests.helpers import ptx
+
+    ptx.SHARED_DIR = tmp_path_factory.getbasetemp().parent / "ptx"
+    ptx.SHARED_DIR.mkdir(exist_ok=True)
+    yield
+    ptx.SHARED_DIR = None
+
+
 @pytest.fixture(scope="session")
 def smollm2_tok():
     """SmolLM2's tokenizer, read from the default model's GGUF (its metadata only: quick); skips the

@@ -2,17 +2,30 @@
 
 Compilation is ``numba_vllm.bench.kernel_report.compile_ptx`` (a child process with the simulator off,
 the kernels, signatures and block sizes of its ``REGISTRY``). Results are kept for the test session,
-so the PTX test files and the kernel report test compile each kernel once.
+so the PTX test files and the kernel report test compile each kernel once; under pytest-xdist they
+are also written to a folder the run's workers share (``SHARED_DIR``, set by ``tests/conftest.py``),
+so a variant one worker compiled is read, not compiled again, by the others.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
+from pathlib import Path
 
 from numba_vllm.bench import kernel_report
 
 F64_OP = re.compile(r"^\s*[a-z][\w.]*\.f64\b", re.M)  # an instruction working on doubles
 _COMPILED: dict[tuple[str, bool], dict] = {}  # (variant key, lineinfo) -> compile_ptx's result
+SHARED_DIR: Path | None = None  # the xdist workers' common folder of results, one JSON file a variant
+
+
+def _shared_file(key: str, lineinfo: bool) -> Path | None:
+    if SHARED_DIR is None:
+        return None
+    return SHARED_DIR / f"{hashlib.sha1(key.encode()).hexdigest()}-{int(lineinfo)}.json"
 
 
 def compile_ptx(variants, lineinfo: bool = False) -> dict[str, dict]:
@@ -21,10 +34,23 @@ def compile_ptx(variants, lineinfo: bool = False) -> dict[str, dict]:
     lineinfo: compile as ``make profile`` does (``NUMBA_VLLM_LINEINFO=1``: line tables in every kernel
     and device function).
     """
-    missing = [v for v in variants if (v.key, lineinfo) not in _COMPILED]
+    missing = []
+    for v in variants:
+        if (v.key, lineinfo) in _COMPILED:
+            continue
+        shared = _shared_file(v.key, lineinfo)
+        if shared is not None and shared.is_file():
+            _COMPILED[v.key, lineinfo] = json.loads(shared.read_text())
+        else:
+            missing.append(v)
     if missing:
         for key, result in kernel_report.compile_ptx(missing, lineinfo).items():
             _COMPILED[key, lineinfo] = result
+            shared = _shared_file(key, lineinfo)
+            if shared is not None:  # written whole, then renamed: a reader never sees half a file
+                partial = shared.with_suffix(f".{os.getpid()}.tmp")
+                partial.write_text(json.dumps(result))
+                partial.replace(shared)
     return {v.key: _COMPILED[v.key, lineinfo] for v in variants}
 
 
