@@ -51,7 +51,7 @@ import numpy as np
 from numba import cuda, float32
 
 from numba_vllm.kernels._launch import KernelError, check_array, launch
-from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import f32_to_bf16_bits
 from numba_vllm.kernels.reductions import WARP_SIZE, block_sum
 from numba_vllm.kernels.vector_load import bf16_bits_to_f32
@@ -59,6 +59,38 @@ from numba_vllm.loading.bf16 import BF16
 
 RMSNORM_MAX_THREADS = 1024  # threads per block; a row wider than 4 columns a thread loops
 RMSNORM_COLS_PER_THREAD = 4  # columns a thread loads before using them (a compile-time constant)
+
+
+@device_function
+def _store_normed(values, weight_bits, out, t, inv_rms, xs, ws, bf16_out):
+    """Step 3, both kernels' second pass over row t: out[t, j] = values[t, j] * inv_rms * weight[j]
+    for this thread's columns, as float32, or with ``bf16_out`` as bf16 bits rounded to nearest even.
+
+    values, out (T, D): the normed values (x, or add_rms_norm's residual) and where they go (float32,
+    or uint16 with ``bf16_out``); xs, ws (4,) float32 scratch, xs holding this thread's values of the
+    row's one tile when the row fits one (else they are read again: in add_rms_norm the residual
+    values this same thread wrote in the first pass, so no barrier is needed). ``bf16_out`` is the
+    same at every call site of a kernel, so the branch on it is folded away.
+    """
+    num_cols = values.shape[1]
+    tile_width = cuda.blockDim.x * RMSNORM_COLS_PER_THREAD
+    row_in_registers = num_cols <= tile_width
+    for tile in range(0, num_cols, tile_width):
+        first = tile + cuda.threadIdx.x
+        for c in range(RMSNORM_COLS_PER_THREAD):
+            j = first + c * cuda.blockDim.x
+            if j < num_cols:
+                if not row_in_registers:
+                    xs[c] = values[t, j]
+                ws[c] = bf16_bits_to_f32(weight_bits[j])
+        for c in range(RMSNORM_COLS_PER_THREAD):
+            j = first + c * cuda.blockDim.x
+            if j < num_cols:
+                value = xs[c] * inv_rms * ws[c]
+                if bf16_out:
+                    out[t, j] = f32_to_bf16_bits(value)
+                else:
+                    out[t, j] = value
 
 
 def _make_rms_norm_kernel(bf16_out: bool):
@@ -89,23 +121,7 @@ def _make_rms_norm_kernel(bf16_out: bool):
                 sum_sq += xs[c] * xs[c]
         total = block_sum(sum_sq, scratch)
         inv_rms = float32(1.0) / math.sqrt(total / float32(num_cols) + eps)
-        row_in_registers = num_cols <= tile_width  # one tile: xs still holds this thread's columns
-        for tile in range(0, num_cols, tile_width):
-            first = tile + cuda.threadIdx.x
-            for c in range(RMSNORM_COLS_PER_THREAD):
-                j = first + c * cuda.blockDim.x
-                if j < num_cols:
-                    if not row_in_registers:
-                        xs[c] = x[t, j]
-                    ws[c] = bf16_bits_to_f32(weight_bits[j])
-            for c in range(RMSNORM_COLS_PER_THREAD):
-                j = first + c * cuda.blockDim.x
-                if j < num_cols:
-                    value = xs[c] * inv_rms * ws[c]
-                    if bf16_out:
-                        out[t, j] = f32_to_bf16_bits(value)
-                    else:
-                        out[t, j] = value
+        _store_normed(x, weight_bits, out, t, inv_rms, xs, ws, bf16_out)  # xs: this thread's x
 
     return rms_norm_kernel
 
@@ -143,20 +159,7 @@ def add_rms_norm_kernel(x, residual, weight_bits, out, eps):
                 sum_sq += v * v
     total = block_sum(sum_sq, scratch)
     inv_rms = float32(1.0) / math.sqrt(total / float32(num_cols) + eps)
-    row_in_registers = num_cols <= tile_width  # one tile: xs still holds this thread's residual + x
-    for tile in range(0, num_cols, tile_width):
-        first = tile + cuda.threadIdx.x
-        for c in range(RMSNORM_COLS_PER_THREAD):
-            j = first + c * cuda.blockDim.x
-            if j < num_cols:
-                if not row_in_registers:
-                    # this thread wrote residual[t, j] in the first pass: no barrier needed to read it
-                    xs[c] = residual[t, j]
-                rs[c] = bf16_bits_to_f32(weight_bits[j])
-        for c in range(RMSNORM_COLS_PER_THREAD):
-            j = first + c * cuda.blockDim.x
-            if j < num_cols:
-                out[t, j] = xs[c] * inv_rms * rs[c]
+    _store_normed(residual, weight_bits, out, t, inv_rms, xs, rs, False)  # xs: this thread's residual + x
 
 
 def _num_threads(dim: int) -> int:
