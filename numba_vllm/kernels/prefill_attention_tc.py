@@ -324,6 +324,19 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                     out[token, head, j * MMA_N + 2 * t + 1] = acc_o[i, j, 2 * h + 1] * inv
 
     @device_function
+    def _mma_pair(acc, i, j, a, b0, b1, b2, b3):
+        """acc[i, j] += A B0 and acc[i, j + 1] += A B1 on the tensor cores: the A fragment of warp
+        tile i (a[i, 0..3]) times the two 16 x 8 B fragments one ldmatrix.x4 gave ((b0, b1): B0,
+        (b2, b3): B1). S += Q K^T with a = Q's fragments, O += P V with a = P's."""
+        acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3] = mma_bf16_16816(
+            a[i, 0], a[i, 1], a[i, 2], a[i, 3], b0, b1, acc[i, j, 0], acc[i, j, 1], acc[i, j, 2], acc[i, j, 3]
+        )
+        k = j + 1
+        acc[i, k, 0], acc[i, k, 1], acc[i, k, 2], acc[i, k, 3] = mma_bf16_16816(
+            a[i, 0], a[i, 1], a[i, 2], a[i, 3], b2, b3, acc[i, k, 0], acc[i, k, 1], acc[i, k, 2], acc[i, k, 3]
+        )
+
+    @device_function
     def _attend(ks, vs, qs, qf, qa, acc_s, acc_o, pf, row_max, row_sum, row_pos, alpha, buf, key0, masked, scale_log2, t,
                 q_row, q_half, k_row, k_half, v_row, v_half):
         """One warp's work on the key tile at key0 (in buffer ``buf``): S = Q K^T, the causal mask if
@@ -346,19 +359,7 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
             for jj in range(key_tiles // 2):
                 b0, b1, b2, b3 = ldmatrix_x4(ks, (buf, k_row + jj * MMA_K, word))
                 for i in range(warp_m_tiles):
-                    acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3] = (
-                        mma_bf16_16816(
-                            qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b0, b1,
-                            acc_s[i, 2 * jj, 0], acc_s[i, 2 * jj, 1], acc_s[i, 2 * jj, 2], acc_s[i, 2 * jj, 3],
-                        )
-                    )  # fmt: skip
-                    acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2], acc_s[i, 2 * jj + 1, 3] = (
-                        mma_bf16_16816(
-                            qa[i, 0], qa[i, 1], qa[i, 2], qa[i, 3], b2, b3,
-                            acc_s[i, 2 * jj + 1, 0], acc_s[i, 2 * jj + 1, 1], acc_s[i, 2 * jj + 1, 2],
-                            acc_s[i, 2 * jj + 1, 3],
-                        )
-                    )  # fmt: skip
+                    _mma_pair(acc_s, i, 2 * jj, qa, b0, b1, b2, b3)
 
         # 2. Online softmax
         if masked:
@@ -376,19 +377,7 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
                 word = _chunk_word(v_row, 2 * dd + v_half)
                 b0, b1, b2, b3 = ldmatrix_x4_trans(vs, (buf, v_row + kk * MMA_K, word))
                 for i in range(warp_m_tiles):
-                    acc_o[i, 2 * dd, 0], acc_o[i, 2 * dd, 1], acc_o[i, 2 * dd, 2], acc_o[i, 2 * dd, 3] = (
-                        mma_bf16_16816(
-                            pf[i, 0], pf[i, 1], pf[i, 2], pf[i, 3], b0, b1,
-                            acc_o[i, 2 * dd, 0], acc_o[i, 2 * dd, 1], acc_o[i, 2 * dd, 2], acc_o[i, 2 * dd, 3],
-                        )
-                    )  # fmt: skip
-                    acc_o[i, 2 * dd + 1, 0], acc_o[i, 2 * dd + 1, 1], acc_o[i, 2 * dd + 1, 2], acc_o[i, 2 * dd + 1, 3] = (
-                        mma_bf16_16816(
-                            pf[i, 0], pf[i, 1], pf[i, 2], pf[i, 3], b2, b3,
-                            acc_o[i, 2 * dd + 1, 0], acc_o[i, 2 * dd + 1, 1], acc_o[i, 2 * dd + 1, 2],
-                            acc_o[i, 2 * dd + 1, 3],
-                        )
-                    )  # fmt: skip
+                    _mma_pair(acc_o, i, 2 * dd, pf, b0, b1, b2, b3)
 
     @kernel(fastmath=True, launch_bounds=(THREADS, min_blocks))
     def prefill_attention_tc_kernel(q, k_flat, v_flat, block_tables, cu_seqlens, start_pos, scale_log2, out):
