@@ -221,19 +221,13 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> None:
         """Stop a request now (queued or running, every one of its sequences); its pages and slots are freed."""
-        family = self._families.pop(request_id, None)
+        family = self._families.get(request_id)
         if family is None:
             return
+        for index in range(len(family.child_ids)):
+            self.abort_sequence(request_id, index)
+        self._families.pop(request_id, None)  # (gone already: its last sequence ended it)
         self._holding.pop(request_id, None)
-        held = {r.request_id for r in family.held}
-        for child_id in family.child_ids:
-            builder = self._builders.pop(child_id, None)
-            self._logprobs.pop(child_id, None)
-            if builder is None:
-                continue
-            builder.abort()
-            if child_id not in held and self.scheduler.abort(child_id):
-                self.runner.release(child_id)
 
     def abort_sequence(self, request_id: str, index: int) -> None:
         """Stop one sequence of a request (``outputs[index]``, finish_reason "abort") while its
