@@ -40,10 +40,10 @@ from numba_vllm.bench.common import (  # noqa: E402
     synchronize,
     warm_up,
 )
-from numba_vllm.bench.throughput import offline_workload  # noqa: E402
-from numba_vllm.engine.sampling import SamplingParams  # noqa: E402
+from numba_vllm.bench.throughput import offline_workload, submit_workload  # noqa: E402
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "tests" / "data" / "llama-3.2-1b-instruct"
+NUM_REQUESTS, LENGTHS = 256, (100, 1024)  # bench throughput's defaults: prompt and output lengths alike
 def short_name(name: str) -> str:
     """A kernel's function name out of the profiler's (numba's kernels arrive as
     ``numba_vllm::kernels::module::[factory::_3clocals_3e::]name[abi:...](args)``; copies keep theirs)."""
@@ -84,15 +84,16 @@ def main() -> None:
         sys.exit(f"--steps: need 0 <= FIRST < END, got {first} {end}")
 
     ckpt, _, _ = load_model(None, str(CONFIG_DIR))
-    workload = offline_workload(256, 0, (100, 1024), (100, 1024), ckpt.config.vocab_size)
-    engine, _ = build_engine(ckpt, EngineOptions(max_num_seqs=args.max_num_seqs).engine_config(2049, scheduling="continuous"))
+    workload = offline_workload(NUM_REQUESTS, 0, LENGTHS, LENGTHS, ckpt.config.vocab_size)
+    options = EngineOptions(max_num_seqs=args.max_num_seqs)
+    max_model_len = LENGTHS[1] + LENGTHS[1] + 1  # longest prompt + longest output + 1, as bench throughput sizes it
+    engine, _ = build_engine(ckpt, options.engine_config(max_model_len, scheduling="continuous"))
     warm_up(engine, 64)
     record_decode_graphs(engine, workload.max_len)
-    for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
-        engine.add_request(f"r{i}", prompt, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    submit_workload(engine, workload)
 
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
-    step, host_times, wall = 0, [], None
+    step, host_times = 0, []
     while engine.has_unfinished_requests() and step < end:
         if step == first:
             synchronize("cuda")

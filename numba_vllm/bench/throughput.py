@@ -193,6 +193,15 @@ def run_label(mode: str, caching: bool | None) -> str:
     return mode if caching is None else f"{mode}, caching {'on' if caching else 'off'}"
 
 
+def submit_workload(engine, workload: Workload) -> list:
+    """Add every request of the workload to the engine, greedy with EOS ignored (each generates
+    exactly its output length); their RequestOutputs, which fill in as the engine steps."""
+    return [
+        engine.add_request(f"req-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+        for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
+    ]
+
+
 def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len: int, mode: str, log: Log):
     engine, load_s = build_engine(ckpt, options.engine_config(max_model_len, scheduling=mode))
     backend = engine.backend
@@ -202,10 +211,7 @@ def _run_engine(ckpt, options: EngineOptions, workload: Workload, max_model_len:
         warmup_s += record_decode_graphs(engine, longest)
         memory = DeviceMemory(backend)
         memory.sample()
-        outs = [
-            engine.add_request(f"req-{i}", p, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
-            for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens, strict=True))
-        ]
+        outs = submit_workload(engine, workload)
         steps0, preempt0 = engine.num_steps, engine.num_preemptions
         stats0 = engine.stats()
         step_times, step_ends, step_tokens, first_token_s = [], [], [], []  # per step: seconds, end since t0, tokens
