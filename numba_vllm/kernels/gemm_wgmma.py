@@ -451,7 +451,8 @@ def gemm_wgmma(
     then the f32 x is needed, and the caller must not have skipped it).
     """
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
-    if x_in_workspace and bf16_x_destination(workspace, num_tokens, k_dim, w) is None:
+    written = bf16_x_destination(workspace, num_tokens, k_dim, w) if x_in_workspace else None  # (M, K) uint16
+    if x_in_workspace and written is None:
         raise KernelError(f"gemm_wgmma: x ({num_tokens} x {k_dim}) cannot be read from the bf16 workspace as it is")
     if num_tokens == 0 or num_rows == 0:
         return
@@ -461,8 +462,8 @@ def gemm_wgmma(
         gemm_tc(x, w, out, accumulate, workspace=partials)  # no TMA copies of such rows; no Llama shape comes here
         return
     x_workspace = _x_workspace(workspace)
-    if x_in_workspace:
-        _product(x_workspace, _x_views(x_workspace, num_tokens, k_dim)[0], w_bits, out, accumulate, config, split, partials)
+    if written is not None:
+        _product(x_workspace, written, w_bits, out, accumulate, config, split, partials)
         return
     rows = min(num_tokens, x_capacity(x_workspace, k_dim))
     for m in range(0, num_tokens, rows):  # row chunks whose bf16 copy fits the workspace
