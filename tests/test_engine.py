@@ -215,8 +215,8 @@ def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alon
 def test_simulated_wgmma_products_give_numpy_tokens_with_bf16_x_from_norm_and_swiglu(tiny_dir, monkeypatch):
     """gemm_wgmma (the Hopper GEMM, which the simulator runs when asked) on every product of more than 8
     tokens: a 27-token prefill step (3-token prompts) and decode steps of 9 sequences give NumPy's greedy tokens, and
-    only the o products (x: the attention output) run the conversion pass; the norms and SwiGLU
-    write the bf16 x themselves."""
+    only the o products (x: the attention output) run the conversion pass; the norms and SwiGLU (in
+    the gate/up product's epilogue) write the bf16 x themselves."""
     launches = []  # every kernel gemm_wgmma launches
     real = gemm_wgmma.launch
 
@@ -235,6 +235,8 @@ def test_simulated_wgmma_products_give_numpy_tokens_with_bf16_x_from_norm_and_sw
     products = len(launches) - conversions - launches.count(gemm_wgmma._sum_splits_kernel)
     assert products == 3 * (4 * layers + 1)  # 3 steps (prefill, 2 decodes): qkv, o, gate_up, down a layer; the head
     assert conversions == 3 * layers  # the o products'
+    fused = {gemm_wgmma.gemm_wgmma_kernel_for(config, True) for config in gemm_wgmma.TILE_CONFIGS}
+    assert sum(kernel_ in fused for kernel_ in launches) == 3 * layers  # gate/up with SwiGLU in the epilogue
 
 
 # ---- static batching ---------------------------------------------------------------------------

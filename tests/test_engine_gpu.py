@@ -102,9 +102,10 @@ def test_cuda_graph_replay_equals_eager_launches(tmp_path):
 
 def test_bf16_x_from_norm_and_swiglu_gives_the_conversions_logits(tmp_path, monkeypatch):
     """The products that gemm_wgmma runs (gemm auto on an H100/H200) read the bf16 x that the norms and
-    SwiGLU wrote: the same bits as the conversion pass, so the same logits, bit for bit, and the same
-    tokens as with every x converted (the norm written in f32 first); and only the o products (x: the
-    attention output) launch the conversion. Prompts of 9 to 31 tokens, 12 sequences decoding."""
+    SwiGLU (in the gate/up product's epilogue) wrote: the same bits as SwiGLU on its own and the
+    conversion pass, so the same logits, bit for bit, and the same tokens as with every x converted
+    (the norm and SwiGLU written in f32 first); and only the o products (x: the attention output)
+    launch the conversion. Prompts of 9 to 31 tokens, 12 sequences decoding."""
     if not matmul._hopper():
         pytest.skip("gemm auto runs gemm_wgmma on an H100/H200 only")
     path = tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
@@ -116,6 +117,7 @@ def test_bf16_x_from_norm_and_swiglu_gives_the_conversions_logits(tmp_path, monk
         with monkeypatch.context() as patch:
             if not producers:  # no view for a producer: every gemm_wgmma product converts its x, as before
                 patch.setattr(matmul, "bf16_x_destination", lambda *args: None)
+                patch.setattr(matmul, "silu_mul_destination", lambda *args: None)  # SwiGLU on its own, in f32
             llm = LLM(str(path), backend="cuda", max_num_seqs=16, num_pages=64, async_scheduling=False)
             logits = _record_sampled_logits(llm.engine.runner)
             outs = llm.generate(prompts, params)

@@ -192,7 +192,7 @@ def test_linear_sends_prefill_to_gemm_wgmma_when_asked():
     run_gemm_wgmma(matmul.GEMV_MAX_TOKENS + 1, 33, 16, True, launcher=launcher)
 
 
-# ---- x's bf16 copy written before the product (x_in_workspace) -------------------------------------
+# ---- x's bf16 copy written before the product (x_copy) ---------------------------------------------
 
 EPS = 1e-5
 
@@ -221,12 +221,12 @@ def _nan(shape):
 
 
 def test_gemm_wgmma_reads_x_from_the_workspace_when_told(monkeypatch):
-    """x_in_workspace: the bf16 rows in bf16_x_destination's view are x; the f32 x (NaN) is not read."""
+    """x_copy: the bf16 rows in bf16_x_destination's view are x; the f32 x (NaN) is not read."""
     conversions = _count_conversions(monkeypatch)
     x, w, out0 = random_case(np.random.default_rng(3), 13, 24, 72, True)
     workspace, d_w, d_out = _workspace(13 * 72 + 5), upload_bf16(w), cuda.to_device(out0)
     gw.bf16_x_destination(workspace, 13, 72, d_w).copy_to_device(bf16_bits(to_bf16(x)))
-    gw.gemm_wgmma(_nan(x.shape), d_w, d_out, True, config=gw.SMALL, workspace=workspace, x_in_workspace=True)
+    gw.gemm_wgmma(_nan(x.shape), d_w, d_out, True, config=gw.SMALL, workspace=workspace, x_copy=workspace.x_bf16)
     check_product(d_out.copy_to_host(), x.astype(BF16).astype(np.float32), w, out0, True)
     assert conversions == []
 
@@ -240,8 +240,8 @@ def test_the_workspace_takes_x_only_in_one_piece_by_aligned_rows():
     assert gw.bf16_x_destination(workspace, 4, 20) is None
     unaligned = cuda.to_device(np.zeros(5 * 16 + 1, np.uint16))[1:].reshape(5, 16)  # (N, K) bits, 2 bytes off
     assert gw.bf16_x_destination(workspace, 4, 16, unaligned) is None
-    with pytest.raises(KernelError, match="gemm_wgmma: x .4 x 20. cannot be read from the bf16 workspace"):
-        gw.gemm_wgmma(_nan((4, 20)), upload_bf16(np.ones((3, 20))), _nan((4, 3)), workspace=workspace, x_in_workspace=True)
+    with pytest.raises(KernelError, match="gemm_wgmma: x .4 x 20. cannot be read from the bf16 copy"):
+        gw.gemm_wgmma(_nan((4, 20)), upload_bf16(np.ones((3, 20))), _nan((4, 3)), workspace=workspace, x_copy=workspace.x_bf16)
 
 
 def test_linear_norm_writes_the_bf16_x_of_gemm_wgmma(monkeypatch):
@@ -274,11 +274,11 @@ def test_linear_silu_hands_its_bf16_copy_to_the_next_product_only(monkeypatch):
     gate_up, act, out = _nan((m, 2 * f)), _nan((m, f)), cuda.to_device(out0)
     wgmma = {"gemm": "wgmma", "workspace": workspace}
     matmul.linear(d_x, d_gate_up, act, silu_mul=True, gate_up=gate_up, **wgmma)
-    assert len(conversions) == 1 and workspace.x_bf16_of is act  # x's conversion (no norm before it)
+    assert len(conversions) == 1 and workspace.handed == (act, workspace.x_bf16)  # x's conversion (no norm before it)
     check_product(gate_up.copy_to_host(), x.astype(BF16).astype(np.float32), w_gate_up, None, False)
     np.testing.assert_array_equal(workspace.x_bf16[: m * f].copy_to_host().reshape(m, f), wgmma_conversion(act))
     matmul.linear(act, d_down, out, True, **wgmma)
-    assert len(conversions) == 1 and workspace.x_bf16_of is None
+    assert len(conversions) == 1 and workspace.handed is None
     check_product(out.copy_to_host(), to_bf16(act.copy_to_host()).astype(np.float32), w_down, out0, True)
 
     matmul.linear(d_x, d_gate_up, act, silu_mul=True, gate_up=gate_up, **wgmma)  # 2nd conversion
@@ -287,6 +287,95 @@ def test_linear_silu_hands_its_bf16_copy_to_the_next_product_only(monkeypatch):
     matmul.linear(act, d_down, out, True, **wgmma)  # the copy was forgotten: 4th
     assert len(conversions) == 4
     check_product(out.copy_to_host(), to_bf16(act.copy_to_host()).astype(np.float32), w_down, out0, True)
+
+
+# ---- SwiGLU in the gate/up product's epilogue -----------------------------------------------------
+
+
+def swiglu_reference(x, w_gate_up):
+    """(value, bound) (M, F) float64: silu(x @ gate.T) * (x @ up.T) on the bf16-rounded inputs, and how
+    far a kernel's bf16 result may be from it: one bf16 rounding (2^-8 relative) plus the products'
+    fp32 error (test_gemv's RTOL of |x| @ |w|.T) carried through silu (|silu'| <= 1.1) and the multiply."""
+    x64 = x.astype(BF16).astype(np.float64)
+    w64 = w_gate_up.astype(np.float32).astype(np.float64)
+    f = w64.shape[0] // 2
+    g, u = x64 @ w64[:f].T, x64 @ w64[f:].T
+    eg, eu = 1e-5 * (np.abs(x64) @ np.abs(w64[:f]).T), 1e-5 * (np.abs(x64) @ np.abs(w64[f:]).T)
+    silu = g / (1.0 + np.exp(-g))
+    value = silu * u
+    return value, 2.0**-8 * np.abs(value) + 1.1 * np.abs(u) * eg + np.abs(silu) * eu + 1e-30
+
+
+def check_swiglu(got_bits, x, w_gate_up):
+    """A kernel's (M, F) bf16 bits against swiglu_reference; 0xFFFF (the poison) fails as NaN."""
+    got = got_bits.view(BF16).astype(np.float64)
+    want, bound = swiglu_reference(x, w_gate_up)
+    assert not np.isnan(got).any(), f"{np.isnan(got).sum()} outputs unwritten (NaN)"
+    err = np.abs(got - want)
+    worst = np.unravel_index(np.argmax(err / bound), err.shape)
+    assert np.all(err <= bound), f"at {worst}: got {got[worst]}, want {want[worst]}"
+
+
+@pytest.mark.parametrize(
+    "m, f, k, config",
+    [(5, 24, 72, gw.SMALL),  # one block: gate rows 0..23 then up rows 24..47 in its two 64-row boxes
+     (9, 40, 200, gw.TINY)],  # two column tiles of 32 (the second with 8), K past the stages
+    ids=["small", "tiny"],
+)  # fmt: skip
+def test_gemm_wgmma_silu_mul(m, f, k, config):
+    """out_bits = bf16(silu(x @ gate.T) * (x @ up.T)): each block pairs gate and up rows of the same
+    columns, at M and F not multiples of the tile; every element written (the output starts as NaN)."""
+    x, w, _ = random_case(np.random.default_rng(m + f), m, 2 * f, k, False)
+    out_bits = cuda.to_device(np.full((m, f), 0xFFFF, np.uint16))
+    gw.gemm_wgmma_silu_mul(cuda.to_device(x), upload_bf16(w), out_bits, config=config)
+    check_swiglu(out_bits.copy_to_host(), x, w)
+
+
+def test_gemm_wgmma_silu_mul_refuses_what_it_cannot_copy():
+    """F or K not a multiple of 8 (TMA row strides): an error, not a wrong product (linear then runs
+    SwiGLU on its own: silu_mul_destination says None)."""
+    workspace = matmul.GemmWorkspace(partials=None, x_bf16=cuda.device_array(64, np.uint16),
+                                     act_bf16=cuda.device_array(64, np.uint16))  # fmt: skip
+    for f, k in ((12, 16), (8, 20)):
+        w = upload_bf16(np.ones((2 * f, k)))
+        assert gw.silu_mul_destination(workspace, 2, w) is None
+        with pytest.raises(KernelError, match="gemm_wgmma_silu_mul: w"):
+            gw.gemm_wgmma_silu_mul(_nan((2, k)), w, cuda.device_array((2, f), np.uint16))
+    assert gw.silu_mul_destination(workspace, 2, upload_bf16(np.ones((16, 16)))).shape == (2, 8)
+    assert gw.silu_mul_destination(workspace, 9, upload_bf16(np.ones((16, 16)))) is None  # 9 x 8 > 64 values
+
+
+def test_linear_runs_swiglu_in_the_product_when_only_the_next_product_reads_it(monkeypatch):
+    """next_product_only: the norm's bf16 x, the gate/up product with SwiGLU in its epilogue (the f32
+    product and act are never written), the down product reading act's bf16 copy: the MLP of a
+    Llama layer with no conversion pass; a product that cannot read the copy is an error, since no
+    f32 act exists."""
+    conversions = _count_conversions(monkeypatch)
+    m, d, f = matmul.GEMV_MAX_TOKENS + 1, 16, 24
+    rng = np.random.default_rng(6)
+    x, w_gate_up, _ = random_case(rng, m, 2 * f, d, False)
+    _, w_down, out0 = random_case(rng, m, d, f, True)
+    weight = upload_bf16(1.0 + 0.1 * rng.standard_normal(d))  # (D,) bf16 norm weight
+    workspace = matmul.GemmWorkspace(partials=None, x_bf16=cuda.to_device(np.full(m * f, 0xFFFF, np.uint16)),
+                                     act_bf16=cuda.to_device(np.full(m * f, 0xFFFF, np.uint16)))  # fmt: skip
+    d_x, gate_up, act, out = cuda.to_device(x), _nan((m, 2 * f)), _nan((m, f)), cuda.to_device(out0)
+    wgmma = {"gemm": "wgmma", "workspace": workspace}
+    matmul.linear(d_x, upload_bf16(w_gate_up), act, norm=(weight, EPS), silu_mul=True, normed=_nan((m, d)),
+                  gate_up=gate_up, next_product_only=True, **wgmma)  # fmt: skip
+    assert conversions == [] and workspace.handed == (act, workspace.act_bf16)
+    assert np.isnan(gate_up.copy_to_host()).all() and np.isnan(act.copy_to_host()).all()
+    h = _nan((m, d))
+    rms_norm(d_x, weight, h, EPS)
+    act_bits = workspace.act_bf16[: m * f].copy_to_host().reshape(m, f)
+    check_swiglu(act_bits, h.copy_to_host(), w_gate_up)
+    matmul.linear(act, upload_bf16(w_down), out, True, **wgmma)
+    assert conversions == [] and workspace.handed is None
+    check_product(out.copy_to_host(), act_bits.view(BF16).astype(np.float32), w_down, out0, True)
+
+    matmul.linear(d_x, upload_bf16(w_gate_up), act, norm=(weight, EPS), silu_mul=True, normed=_nan((m, d)),
+                  gate_up=gate_up, next_product_only=True, **wgmma)  # fmt: skip
+    with pytest.raises(KernelError, match="exists only as a bf16 copy"):
+        matmul.linear(act, upload_bf16(w_down), out, True, gemm="tensor_cores", workspace=workspace)
 
 
 @pytest.mark.parametrize(
@@ -350,7 +439,7 @@ def test_kernel_compiles_to_wgmma_and_tma(wgmma_ptx, variant):
     assert "error" not in result, result.get("error")
     text = result["ptx"]
     assert ptx_check.ptx_problems(text, hot=True) == []
-    block_n = int(variant.variant.split("x")[1])
+    block_n = int(variant.variant.split()[1].split("x")[1])  # "LARGE 128x256" or "LARGE 128x256 silu_mul"
     assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16" in text
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
     assert "mbarrier.try_wait.parity.shared::cta.b64" in text
@@ -403,3 +492,14 @@ def test_gemm_wgmma_gpu_decode_shapes(m, n, k):
 @pytest.mark.gpu
 def test_gemm_wgmma_gpu_misaligned_x():
     run_gemm_wgmma(200, 2048, 2048, True, x_offset=3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=["large", "medium", "small", "tiny"])
+@pytest.mark.parametrize("m,f,k", [(300, 8192, 2048), (77, 1000, 2048)])
+def test_gemm_wgmma_silu_mul_gpu_each_tiling(m, f, k, config):
+    """SwiGLU in the epilogue at Llama 3.2 1B's gate/up shape, and at an F no tile divides."""
+    x, w, _ = random_case(np.random.default_rng(m), m, 2 * f, k, False)
+    out_bits = cuda.to_device(np.full((m, f), 0xFFFF, np.uint16))
+    gw.gemm_wgmma_silu_mul(cuda.to_device(x), upload_bf16(w), out_bits, config=config)
+    check_swiglu(out_bits.copy_to_host(), x, w)

@@ -26,7 +26,9 @@ bf16 copy: ``silu_and_mul_bf16_kernel`` also stores each value rounded to bf16 (
 (T, F) uint16 array: the x workspace of ``gemm_wgmma`` when the down product after SwiGLU runs that
 GEMM (``matmul.linear``), which then copies the rows as they are instead of converting ``out`` in a
 pass of its own. The float32 ``out`` is still written (the model's trace, and a down product that
-runs another kernel, read it).
+runs another kernel, read it). When nothing but the down product reads ``out``, ``linear`` skips
+these kernels altogether on Hopper: the gate/up product applies ``swiglu`` in its epilogue
+(``gemm_wgmma.gemm_wgmma_silu_mul``).
 
 Numerics: precise ``expf`` (no fastmath; the kernel is memory-bound, approximate math buys
 nothing). For g < -88, exp(-g) overflows to inf and silu(g) = g / inf = -0, the correct limit.
@@ -44,6 +46,13 @@ ACTIVATION_THREADS = 256  # threads per block, all along one row
 ACTIVATION_COLS_PER_THREAD = 4  # columns a thread loads before computing (a compile-time constant)
 ACTIVATION_MAX_COL_BLOCKS = 256  # blocks along a row: F up to 262144 in one pass; wider rows loop
 ACTIVATION_MAX_ROW_BLOCKS = 65535  # blocks across rows (gridDim.y limit); more rows loop
+
+
+@device_function
+def swiglu(gate, up):
+    """SwiGLU of one element in f32: silu(gate) * up = gate / (1 + exp(-gate)) * up (these kernels'
+    and the gate/up product's epilogue in ``gemm_wgmma``: the same formula, so the same bits)."""
+    return gate / (float32(1.0) + math.exp(-gate)) * up
 
 
 @device_function
@@ -68,8 +77,7 @@ def _silu_and_mul_rows(gate_up, out, out_bits, bf16_copy):
             for c in range(ACTIVATION_COLS_PER_THREAD):
                 j = first + c * cuda.blockDim.x
                 if j < num_cols:
-                    g = gate[c]
-                    value = g / (float32(1.0) + math.exp(-g)) * up[c]
+                    value = swiglu(gate[c], up[c])
                     out[t, j] = value
                     if bf16_copy:
                         out_bits[t, j] = f32_to_bf16_bits(value)

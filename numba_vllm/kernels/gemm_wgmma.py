@@ -14,8 +14,13 @@ Data flow:
   the product is done in row chunks that fit. Or the kernel that makes x writes its bf16 copy there
   itself (``rms_norm`` and ``silu_and_mul`` with a uint16 output, into the view
   ``bf16_x_destination`` returns: (M, K) row-major from the workspace's start, no padding, all M
-  rows at once) and the call says so (``x_in_workspace=True``): no conversion launch, and no
+  rows at once) and the call says where (``x_copy=`` that buffer): no conversion launch, and no
   second pass over the f32 x. ``matmul.linear`` decides which.
+- SwiGLU in the epilogue (``gemm_wgmma_silu_mul``, the gate/up product of a Llama MLP, w = [gate;
+  up]): a block's w slice is two TMA boxes, ``block_n / 2`` gate rows and the same rows of up, so
+  its accumulators hold matching gate and up columns; the epilogue writes bf16(silu(g) * u) into a
+  second buffer (``act_bf16``) that the down product then reads as its x (``x_copy``). The (M, 2F)
+  f32 product is never written nor read back.
 - A block is ``consumers`` warpgroups that compute (64 rows of the ``block_m x block_n`` output
   tile each, ``block_m = 64 * consumers``) and one more, the producer, of which one thread issues
   every copy: per K step of ``BLOCK_K`` = 64 values, one TMA box of x (block_m x 64) and one of w
@@ -67,7 +72,7 @@ epilogue of a tile, 128 KB of f32 through shared memory, does not overlap the ne
 and the output is f32 (twice cuBLAS's bf16 bytes). On decode shapes the fixed costs dominate: a
 2048 x 2048 weight takes ~10.5 us at any M up to 256 against ~2 us of reading it, and the
 conversion of x is a launch and a pass of its own (in a Llama step, only before the o products now:
-the norms and SwiGLU write the other products' bf16 x, ``x_in_workspace``). The next steps: a
+the norms and SwiGLU write the other products' bf16 x, ``x_copy``). The next steps: a
 persistent grid with the epilogue overlapped, 2-block clusters multicasting the shared operand, the
 attention writing its output as bf16 too, and ``setmaxnreg`` to give the consumers the producer's
 registers.
@@ -80,6 +85,7 @@ import numpy as np
 from numba import cuda, float32, uint32
 
 from numba_vllm.kernels._launch import KernelError, launch, num_sms
+from numba_vllm.kernels.activation import swiglu
 from numba_vllm.kernels.gemm_tc import SUM_THREADS, _sum_splits_kernel, gemm_tc
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
@@ -170,8 +176,13 @@ def blocks_per_sm(config: TileConfig) -> int:
 
 
 @functools.cache
-def gemm_wgmma_kernel_for(config: TileConfig):
-    """Compile-time specialisation of the kernel for one tiling (its sizes are constants in it)."""
+def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
+    """Compile-time specialisation of the kernel for one tiling (its sizes are constants in it).
+
+    ``silu_mul``: w is [gate; up] (2F, K) and the block's ``block_n`` columns are ``block_n / 2`` gate
+    rows and the same up rows (two TMA boxes of ``block_n / 2`` rows fill the stage's w slice, one
+    above the other); the epilogue stores bf16(silu(gate) * up), ``block_n / 2`` columns of the (M, F)
+    output, as pairs of bf16 in uint32 words."""
     block_m, block_n, stages, threads = config.block_m, config.block_n, config.stages, config.threads
     consumers = config.consumers
     assert block_n % 16 == 0 and block_n <= 256 and stages >= 2
@@ -182,19 +193,24 @@ def gemm_wgmma_kernel_for(config: TileConfig):
     consumer_threads = consumers * WARPGROUP_THREADS
     out_row_words = block_n + OUT_PAD_WORDS
     out_chunks = block_m * block_n // 4  # 16-byte pieces of the output tile
+    half_n = block_n // 2  # with silu_mul: the tile's gate columns, then as many up columns
+    half_bytes = half_n * SWIZZLE_ROW_BYTES
+    act_chunks = block_m * half_n // 4  # with silu_mul: 4-value pieces of the (M, F) output tile
     mma = wgmma_bf16(block_n)
     fence_acc = wgmma_fence(block_n)
     wait_but_one = wgmma_wait(block_n, 1)
     wait_all = wgmma_wait(block_n, 0)
     store_acc = store_accumulators(block_n, out_row_words)
     load_x = tma_load_2d(block_m)
-    load_w = tma_load_2d(block_n)
+    load_w = tma_load_2d(half_n if silu_mul else block_n)
 
     @kernel(launch_bounds=(threads, 1))
     def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, accumulate, tiles_per_split, m_fastest):
-        # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes block_m x 64 and block_n x 64)
+        # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes block_m x 64 and block_n x 64,
+        # with silu_mul block_n / 2 x 64)
         # x_bits (M, K) uint16: bf16 bits; w_bits (N, K) uint16; K % 8 == 0
-        # out (M, N) f32, or with K split over blockIdx.z, (splits * M, N): part z's rows z*M .. z*M + M - 1
+        # out (M, N) f32, or with K split over blockIdx.z, (splits * M, N): part z's rows z*M .. z*M + M - 1;
+        # with silu_mul (M, F / 2) uint32: (M, F) bf16 in pairs, N = 2F, F % 4 == 0, never split
         # accumulate: 1 out +=, 0 out =; tiles_per_split: BLOCK_K slices per part of K
         # m_fastest: 1 when blockIdx.x walks the M tiles (and blockIdx.y the N tiles), 0 the reverse
         smem = cuda.shared.array(0, uint32)  # stages x (x slice, w slice), from a 1024-byte boundary; mbarriers
@@ -237,7 +253,11 @@ def gemm_wgmma_kernel_for(config: TileConfig):
                     stage = tiles + s * stage_bytes
                     k = k_first + tile * BLOCK_K
                     load_x(smem, stage, x_map, x_bits, k, m0, barrier)
-                    load_w(smem, stage + x_bytes, w_map, w_bits, k, n0, barrier)
+                    if silu_mul:  # gate rows, then the same rows of up (N / 2 further down w)
+                        load_w(smem, stage + x_bytes, w_map, w_bits, k, n_tile * half_n, barrier)
+                        load_w(smem, stage + x_bytes + half_bytes, w_map, w_bits, k, num_rows // 2 + n_tile * half_n, barrier)
+                    else:
+                        load_w(smem, stage + x_bytes, w_map, w_bits, k, n0, barrier)
             return
 
         acc = cuda.local.array(acc_count, float32)  # this thread's part of the warpgroup's 64 x block_n
@@ -270,6 +290,18 @@ def gemm_wgmma_kernel_for(config: TileConfig):
         warp_row = group * WGMMA_M + (tid % WARPGROUP_THREADS) // 32 * 16 + (lane >> 2)
         store_acc(acc, smem, first_word + warp_row * out_row_words + 2 * (lane & 3))
         named_barrier(CONSUMERS_BARRIER, consumer_threads)
+        if silu_mul:  # 4 gate values and their 4 up values -> 4 bf16 of (M, F), as two uint32
+            for c in range(tid, act_chunks, consumer_threads):
+                r = c // (half_n // 4)
+                col = c % (half_n // 4) * 4
+                m = m0 + r
+                n = n_tile * half_n + col
+                if m < num_tokens and n < num_rows // 2:
+                    g0, g1, g2, g3 = load_shared_f32x4(smem_f32, first_word + r * out_row_words + col)
+                    u0, u1, u2, u3 = load_shared_f32x4(smem_f32, first_word + r * out_row_words + half_n + col)
+                    out[m, n // 2] = pack_bf16x2(swiglu(g0, u0), swiglu(g1, u1))
+                    out[m, n // 2 + 1] = pack_bf16x2(swiglu(g2, u2), swiglu(g3, u3))
+            return
         row_offset = cuda.blockIdx.z * num_tokens
         for c in range(tid, out_chunks, consumer_threads):
             r = c // (block_n // 4)
@@ -435,54 +467,83 @@ def pick_k_split(config: TileConfig, num_blocks: int, k_dim: int, num_sms: int) 
 
 def gemm_wgmma(
     x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None, workspace=None,
-    x_in_workspace: bool = False,
+    x_copy=None,
 ) -> None:
     """out = x @ w.T (or out += x @ w.T) with Hopper's wgmma; x is rounded to bf16.
 
     x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits), out (M, N) f32. ``config`` and
     ``split`` force a tiling and a K split (tests, benchmarks). ``workspace``: the model's
-    `matmul.GemmWorkspace` (split-K parts and x's bf16 copy); without one, a split allocates its
+    `matmul.GemmWorkspace` (split-K parts and the bf16 buffers); without one, a split allocates its
     parts and x goes through a default copy buffer.
 
-    ``x_in_workspace``: a producer has already written x's bf16 copy (round to nearest even) where
-    this call reads it, the view ``bf16_x_destination(workspace, M, K, w)`` returned (rms_norm or
-    silu_and_mul with a uint16 output): no conversion pass runs, and x is read for its shape alone.
-    Raises KernelError when that view does not exist (K % 8, w unaligned, M x K past the workspace:
-    then the f32 x is needed, and the caller must not have skipped it).
+    ``x_copy``: a producer has already written x's bf16 copy (round to nearest even) from the start
+    of this uint16 buffer, the view ``bf16_x_destination(workspace, M, K, w, x_copy)`` returned: the
+    workspace's ``x_bf16`` (rms_norm, silu_and_mul) or ``act_bf16`` (``gemm_wgmma_silu_mul``). No
+    conversion pass runs, and x is read for its shape alone. Raises KernelError when that view does
+    not exist (K % 8, w unaligned, M x K past the buffer: then the f32 x is needed, and the caller
+    must not have skipped it).
     """
-    num_tokens, num_rows, k_dim = check_linear_args(x, w, out)
-    written = bf16_x_destination(workspace, num_tokens, k_dim, w) if x_in_workspace else None  # (M, K) uint16
-    if x_in_workspace and written is None:
-        raise KernelError(f"gemm_wgmma: x ({num_tokens} x {k_dim}) cannot be read from the bf16 workspace as it is")
+    check_linear_args(x, w, out)
+    _run(x, w, out, accumulate, config, split, workspace, x_copy, False)
+
+
+def gemm_wgmma_silu_mul(x, w, out_bits, config: TileConfig | None = None, workspace=None, x_copy=None) -> None:
+    """out_bits = bf16(silu(x @ gate.T) * (x @ up.T)) for w = [gate; up]: SwiGLU in the product's epilogue.
+
+    x (M, K) f32 (or only its shape, with ``x_copy`` as in ``gemm_wgmma``), w (2F, K) bf16 (or its
+    uint16 bits), out_bits (M, F) uint16, F % 8 == 0, K % 8 == 0, w 16-byte aligned
+    (``silu_mul_destination`` checks all of it). A block computes matching columns of gate and up (its
+    w slice is two TMA boxes: ``block_n / 2`` gate rows and the same up rows), and its epilogue
+    writes bf16(silu(g) * u) with ``activation.swiglu``: the bits that ``silu_and_mul``'s bf16 copy
+    of the f32 product would hold, while the (M, 2F) f32 product is never written nor read back (at
+    2,048 tokens of Llama 3.2 1B, 268 MB less traffic a layer). Never split over K.
+    """
+    num_rows = w.shape[0]
+    num_tokens, num_rows, k_dim = check_linear_args(x, w, out_bits, out_cols=num_rows // 2, out_dtype=np.uint16)
+    if num_rows % (2 * CHUNK_VALUES) or k_dim % CHUNK_VALUES or not vector_aligned(weight_bits(w)):
+        raise KernelError(f"gemm_wgmma_silu_mul: w ({num_rows} x {k_dim}) needs 2F and K multiples of 16 and 8, 16-byte aligned")
+    pairs = _cached_views("pairs", out_bits, tuple(out_bits.shape), lambda: (out_bits.view(np.uint32),))[0]  # (M, F / 2)
+    _run(x, w, pairs, False, config, 1, workspace, x_copy, True)
+
+
+def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool) -> None:
+    """gemm_wgmma's and gemm_wgmma_silu_mul's common path (arguments checked): x's bf16 copy as the
+    producer left it in ``x_copy``, else converted into the x workspace, in row chunks when it does
+    not fit; then the product (``out``: (M, N) f32, or with ``silu_mul`` the (M, F / 2) uint32 pairs)."""
+    num_tokens, k_dim = x.shape
+    num_rows = w.shape[0]
+    written = bf16_x_destination(workspace, num_tokens, k_dim, w, x_copy) if x_copy is not None else None  # (M, K) uint16
+    if x_copy is not None and written is None:
+        raise KernelError(f"gemm_wgmma: x ({num_tokens} x {k_dim}) cannot be read from the bf16 copy as it is")
     if num_tokens == 0 or num_rows == 0:
         return
     w_bits = weight_bits(w)
     partials = None if workspace is None else workspace.partials
-    if k_dim % CHUNK_VALUES or not vector_aligned(w_bits):
+    if k_dim % CHUNK_VALUES or not vector_aligned(w_bits):  # (gemm_wgmma_silu_mul has refused these)
         gemm_tc(x, w, out, accumulate, workspace=partials)  # no TMA copies of such rows; no Llama shape comes here
         return
-    x_workspace = _x_workspace(workspace)
     if written is not None:
-        _product(x_workspace, written, w_bits, out, accumulate, config, split, partials)
+        _product(x_copy, written, w_bits, out, accumulate, config, split, partials, silu_mul)
         return
+    x_workspace = x_copy_buffer(workspace)
     rows = min(num_tokens, x_capacity(x_workspace, k_dim))
     for m in range(0, num_tokens, rows):  # row chunks whose bf16 copy fits the workspace
         part, part_out = (x, out) if rows == num_tokens else (x[m : m + rows], out[m : m + rows])
         x_bits, pairs = _x_views(x_workspace, part.shape[0], k_dim)
         blocks = min(-(-pairs.size // CONVERT_THREADS), 8 * num_sms())
         launch(_x_to_bf16_kernel, blocks, CONVERT_THREADS, part, pairs)
-        _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, partials)
+        _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, partials, silu_mul)
 
 
-def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None):
-    """Where a producer writes the bf16 copy of x (M, K) for ``gemm_wgmma(..., x_in_workspace=True)``:
-    the (M, K) uint16 view of the x workspace (``workspace.x_bf16``, or the default one without a
-    workspace) that the TMA copies from, rows of K values one after another from its start, no
-    padding. None when the product would not read x from there in one piece: K not a multiple of
-    ``CHUNK_VALUES`` or ``w`` (the product's (N, K) weight, when known) unaligned (gemm_tc runs it,
-    on the f32 x), or M x K past the workspace (row chunks, each converted from the f32 x). Every
-    Llama shape within the model's workspace gets a view."""
-    x_workspace = _x_workspace(workspace)
+def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None, buffer=None):
+    """Where a producer writes the bf16 copy of x (M, K) for ``gemm_wgmma(..., x_copy=buffer)``: the
+    (M, K) uint16 view of ``buffer`` (default: the x workspace, ``workspace.x_bf16``, or the default
+    one without a workspace) that the TMA copies from, rows of K values one after another from its
+    start, no padding. None when the product would not read x from there in one piece: K not a
+    multiple of ``CHUNK_VALUES`` or ``w`` (the product's (N, K) weight, when known) unaligned
+    (gemm_tc runs it, on the f32 x), or M x K past the buffer (row chunks, each converted from the
+    f32 x). Every Llama shape within the model's workspace gets a view."""
+    x_workspace = x_copy_buffer(workspace) if buffer is None else buffer
     if k_dim == 0 or k_dim % CHUNK_VALUES or num_tokens > x_capacity(x_workspace, k_dim):
         return None
     if w is not None and (w.shape[1] != k_dim or not vector_aligned(w)):  # (w's address: no uint16 view to make)
@@ -490,17 +551,31 @@ def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None):
     return _x_views(x_workspace, num_tokens, k_dim)[0]
 
 
-def _x_workspace(workspace):
-    """The (>= M x K,) uint16 bf16 copy of x: the model's, else the default one."""
+def silu_mul_destination(workspace, num_tokens: int, w):
+    """Where ``gemm_wgmma_silu_mul`` of x (M, K) and w = [gate; up] (2F, K) writes its (M, F) bf16
+    output, which the down product then reads as its x (``x_copy=workspace.act_bf16``): the (M, F)
+    view of ``workspace.act_bf16``. None when that product cannot run: no such buffer, F or K not a
+    multiple of ``CHUNK_VALUES``, w unaligned, or M x F past the buffer."""
+    if workspace is None or workspace.act_bf16 is None:
+        return None
+    num_rows, k_dim = w.shape
+    if num_rows % (2 * CHUNK_VALUES) or k_dim % CHUNK_VALUES or not vector_aligned(w):
+        return None
+    return bf16_x_destination(workspace, num_tokens, num_rows // 2, None, workspace.act_bf16)
+
+
+def x_copy_buffer(workspace):
+    """The x workspace, (>= M x K,) uint16, where x's bf16 copy goes: the model's, else the default one."""
     return _default_x_workspace() if workspace is None else workspace.x_bf16
 
 
-def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partials) -> None:
-    """The wgmma product of x's bf16 copy (a workspace view) and w (uint16 bits), split or not."""
+def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partials, silu_mul: bool) -> None:
+    """The wgmma product of x's bf16 copy (a view from the start of the buffer ``x_workspace``) and w
+    (uint16 bits), split or not; with ``silu_mul`` (never split) SwiGLU in the epilogue."""
     num_tokens, k_dim = x_bits.shape
     num_rows = w_bits.shape[0]
     config = config or pick_tile_config(num_tokens, num_rows, num_sms())
-    grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)
+    grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)  # (silu_mul: F / (block_n / 2))
     split = split or pick_k_split(config, grid_n * grid_m, k_dim, num_sms())
     num_tiles = -(-k_dim // BLOCK_K)
     tiles_per_split = -(-num_tiles // split)
@@ -509,8 +584,8 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partia
     grid = (grid_m, grid_n, splits) if m_fastest else (grid_n, grid_m, splits)
     capacity = x_capacity(x_workspace, k_dim)
     x_map = _tensor_map(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
-    w_map = _tensor_map(w_bits, num_rows, config.block_n)
-    kernel_ = gemm_wgmma_kernel_for(config)
+    w_map = _tensor_map(w_bits, num_rows, config.block_n // 2 if silu_mul else config.block_n)
+    kernel_ = gemm_wgmma_kernel_for(config, silu_mul)
     flag = 1 if accumulate else 0
     shared = config.shared_bytes
     if splits == 1:

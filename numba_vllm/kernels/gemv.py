@@ -263,15 +263,16 @@ def weight_bits(w):
     return w if np.dtype(w.dtype) == np.uint16 else w.view(np.uint16)
 
 
-def check_linear_args(x, w, out, out_cols=None):
-    """Check x (M, K) f32, w (N, K) bf16 (or its uint16 bits), out (M, out_cols or N) f32; return M, N, K."""
+def check_linear_args(x, w, out, out_cols=None, out_dtype=np.float32):
+    """Check x (M, K) f32, w (N, K) bf16 (or its uint16 bits), out (M, out_cols or N) of out_dtype
+    (f32 unless said); return M, N, K."""
     check_array("x", x, np.float32, ndim=2)
     if np.dtype(w.dtype) not in (BF16, np.dtype(np.uint16)):
         raise KernelError(f"w: dtype {w.dtype}, expected bfloat16 (or its uint16 bits)")
     num_tokens, k_dim = x.shape
     check_array("w", w, shape=(None, k_dim))
     num_rows = w.shape[0]
-    check_array("out", out, np.float32, shape=(num_tokens, num_rows if out_cols is None else out_cols))
+    check_array("out", out, out_dtype, shape=(num_tokens, num_rows if out_cols is None else out_cols))
     return num_tokens, num_rows, k_dim
 
 

@@ -24,8 +24,10 @@ launch and no pass over memory of their own: 33 fewer launches in a Llama 3.2 1B
 16 fewer for SwiGLU); otherwise ``linear`` runs them as their own kernels (``rms_norm``,
 ``silu_and_mul``) through the caller's scratch buffers ``normed`` and ``gate_up``. When gemm_wgmma
 runs the product, the norm writes its output as bf16 straight into that GEMM's x workspace, and
-SwiGLU adds a bf16 copy of its output there for the down product after it: those products skip the
-conversion pass of x (see ``linear``: 49 of the 65 conversions of a Llama 3.2 1B step).
+SwiGLU runs in the gate/up product's epilogue (``gemm_wgmma_silu_mul``: no f32 product, no launch
+of its own) and leaves only the bf16 x of the down product after it, or, where the f32 output is
+read too (a traced step), adds a bf16 copy to it: those products skip the conversion pass of x
+(see ``linear``: 49 of the 65 conversions of a Llama 3.2 1B step).
 """
 
 import functools
@@ -35,7 +37,13 @@ from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.activation import silu_and_mul
 from numba_vllm.kernels.gemm import gemm
 from numba_vllm.kernels.gemm_tc import gemm_tc
-from numba_vllm.kernels.gemm_wgmma import bf16_x_destination, gemm_wgmma
+from numba_vllm.kernels.gemm_wgmma import (
+    bf16_x_destination,
+    gemm_wgmma,
+    gemm_wgmma_silu_mul,
+    silu_mul_destination,
+    x_copy_buffer,
+)
 from numba_vllm.kernels.gemv import MAX_TOKENS, gemv, gemv_fuses
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.sim.warp import simulator_enabled
@@ -62,9 +70,13 @@ class GemmWorkspace:
 
     partials: object  # (gemm_tc.split_workspace_floats(SMs),) f32: the parts of a split K (gemm_tc, gemm_wgmma)
     x_bf16: object  # (>= tokens x K,) uint16: x rounded to bf16 for the TMA copies (gemm_wgmma)
-    # The (M, F) f32 array whose bf16 copy x_bf16 holds (SwiGLU's output, written by `linear`), for the
-    # next product alone: `linear` clears it at every call, after taking it when that product's x is it.
-    x_bf16_of: object = None
+    # (>= tokens x F,) uint16: SwiGLU's output in bf16 when the gate/up product computes it in its
+    # epilogue (gemm_wgmma_silu_mul), the down product's x; None: SwiGLU always runs on its own
+    act_bf16: object = None
+    # (array, buffer): the (M, F) f32 array SwiGLU's output went to, and the buffer (x_bf16 or
+    # act_bf16) from whose start its bf16 copy waits for the next product alone: `linear` clears it
+    # at every call, after taking it when that product's x is the array
+    handed: tuple | None = None
 
 
 def gemm_auto(x, w, out, accumulate: bool = False, workspace: GemmWorkspace | None = None) -> None:
@@ -91,7 +103,7 @@ def _runs_wgmma(gemm: str) -> bool:
 
 def linear(
     x, w, out, accumulate: bool = False, norm=None, silu_mul: bool = False, normed=None, gate_up=None,
-    gemm: str = "auto", workspace: GemmWorkspace | None = None,
+    gemm: str = "auto", workspace: GemmWorkspace | None = None, next_product_only: bool = False,
 ) -> None:
     """out = x @ w.T, or out += x @ w.T with ``accumulate`` (a residual add fused into the product).
 
@@ -103,42 +115,57 @@ def linear(
     ``gemm``: which of ``PREFILL_GEMMS`` runs a product of more than ``GEMV_MAX_TOKENS`` tokens, with
     ``workspace`` its split-K scratch (`gemm_tc.split_workspace_floats`; None: allocated per call).
 
+    ``next_product_only`` (with ``silu_mul``): out is read by the next product alone, as its x (the
+    MLP's down product), so when gemm_wgmma runs and the workspace has ``act_bf16``
+    (``silu_mul_destination``), SwiGLU runs in the gate/up product's epilogue
+    (``gemm_wgmma_silu_mul``): neither the (M, 2F) f32 product nor out's f32 values are written,
+    only out's bf16 copy, which the next call takes. ``gate_up`` is not written then.
+
     Who writes the bf16 x that gemm_wgmma copies by the TMA, when gemm_wgmma runs the product
     (``bf16_x_destination`` gives a view: every Llama shape):
     - after ``norm``: ``rms_norm`` stores its output as bf16 straight into the workspace (``normed``
       is not written) and the product skips its conversion pass;
-    - after ``silu_mul``: ``silu_and_mul`` writes out (f32, as always) and its bf16 copy into the
-      workspace, and records in ``workspace.x_bf16_of`` that the copy is out's. The next call, if
-      its x is that array (the MLP's down product) and gemm_wgmma runs it, takes the copy as it is;
-      any other call forgets it. The copy's bits are the conversion's (both round the same f32
-      values to nearest even): the results do not change.
+    - after ``silu_mul``: the gate/up product's epilogue (above), or else ``silu_and_mul`` writes out
+      (f32) and its bf16 copy into the x workspace; either way ``workspace.handed`` records where
+      out's copy is. The next call, if its x is that array and gemm_wgmma runs it, takes the copy as
+      it is; any other call forgets it. The copy's bits are the conversion's (both round the same
+      f32 values to nearest even): the results do not change.
     - otherwise (the attention output before the o product): gemm_wgmma converts x itself.
     """
     num_tokens = x.shape[0]
-    handed = workspace is not None and workspace.x_bf16_of is x  # SwiGLU's bf16 copy of x, in the workspace
+    handed = workspace.handed if workspace is not None else None
     if workspace is not None:
-        workspace.x_bf16_of = None  # it lives until the next product only
+        workspace.handed = None  # it lives until the next product only
+    copy = handed[1] if handed is not None and handed[0] is x else None  # the buffer holding x's bf16 copy
     if num_tokens <= GEMV_MAX_TOKENS and gemv_fuses(x, w):
         gemv(x, w, out, accumulate, norm, silu_mul)
         return
     if silu_mul and accumulate:
         raise KernelError("linear: silu_mul does not accumulate")
     wgmma = num_tokens > GEMV_MAX_TOKENS and _runs_wgmma(gemm)
-    x_in_workspace = wgmma and handed and bf16_x_destination(workspace, num_tokens, x.shape[1], w) is not None
+    if copy is not None and not (wgmma and bf16_x_destination(workspace, num_tokens, x.shape[1], w, copy) is not None):
+        if copy is workspace.act_bf16:  # SwiGLU ran in the epilogue: x's f32 values were never written
+            raise KernelError(f"linear: x ({num_tokens} x {x.shape[1]}) exists only as a bf16 copy this product cannot read")
+        copy = None  # the f32 x is there: convert it
     if norm is not None:
         weight, eps = norm
         x_bits = bf16_x_destination(workspace, num_tokens, x.shape[1], w) if wgmma else None  # (M, K) uint16
         if x_bits is not None:
             rms_norm(x, weight, x_bits, eps)
-            x_in_workspace = True
+            copy = x_copy_buffer(workspace)
         else:
             rms_norm(x, weight, normed[:num_tokens], eps)
             x = normed[:num_tokens]
+    act_bits = silu_mul_destination(workspace, num_tokens, w) if silu_mul and next_product_only and wgmma else None
+    if act_bits is not None:  # (M, F) uint16: SwiGLU in the product's epilogue
+        gemm_wgmma_silu_mul(x, w, act_bits, workspace=workspace, x_copy=copy)
+        workspace.handed = (out, workspace.act_bf16)
+        return
     product = gate_up[:num_tokens] if silu_mul else out
     if num_tokens <= GEMV_MAX_TOKENS:
         gemv(x, w, product, accumulate)
-    elif x_in_workspace:
-        gemm_wgmma(x, w, product, accumulate, workspace=workspace, x_in_workspace=True)  # x: its shape alone
+    elif copy is not None:
+        gemm_wgmma(x, w, product, accumulate, workspace=workspace, x_copy=copy)  # x: its shape alone
     else:
         PREFILL_GEMMS[gemm](x, w, product, accumulate, workspace)
     if silu_mul:
@@ -146,4 +173,4 @@ def linear(
         out_bits = bf16_x_destination(workspace, num_tokens, out.shape[1]) if wgmma and workspace is not None else None
         silu_and_mul(product, out, out_bits)
         if out_bits is not None:
-            workspace.x_bf16_of = out
+            workspace.handed = (out, workspace.x_bf16)

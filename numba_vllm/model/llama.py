@@ -149,7 +149,9 @@ class DeviceModel:
         specs = buffer_specs(c, max_num_tokens, max_num_seqs, num_sms())
         self.buffers = {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in specs.items()}
         self.sampler_workspace = PartWinners(self.buffers["sample_values"], self.buffers["sample_indices"])
-        self.gemm_workspace = matmul.GemmWorkspace(self.buffers["gemm_partials"], self.buffers["gemm_x_bf16"])
+        self.gemm_workspace = matmul.GemmWorkspace(
+            self.buffers["gemm_partials"], self.buffers["gemm_x_bf16"], self.buffers["gemm_act_bf16"]
+        )
         # Padding rows read stale rows of `attn` and write (and padding decode rows read) slot 0 of the
         # null page: start both at zero, so that what padding computes is always finite.
         self.buffers["attn"].copy_to_device(np.zeros(self.buffers["attn"].shape, np.float32))
@@ -198,7 +200,10 @@ class DeviceModel:
             if trace is not None:
                 rms_norm(a.x, w["mlp_norm"], a.h, eps)
                 report("mlp_norm", i, a.h)
-            self._linear(a.x, w["gate_up"], a.act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=a.h, gate_up=a.gate_up)
+            # Unless traced, act is the down product's x alone: on Hopper SwiGLU may then run in the gate/up
+            # product's epilogue, leaving only act's bf16 copy (`matmul.linear`'s next_product_only).
+            self._linear(a.x, w["gate_up"], a.act, norm=(w["mlp_norm"], eps), silu_mul=True, normed=a.h, gate_up=a.gate_up,
+                         next_product_only=trace is None)  # fmt: skip
             report("mlp_act", i, a.act)
             self._linear(a.act, w["down"], a.x, accumulate=True)  # x += MLP output
             report("mlp_residual", i, a.x)
@@ -333,6 +338,8 @@ def buffer_specs(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms
         "gemm_partials": ((gemm_tc_workspace_floats(num_sms),), f32),
         # (written by gemm_wgmma's conversion pass, or by the norm or SwiGLU before the product: `matmul.linear`)
         "gemm_x_bf16": ((t * max(c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim),), np.uint16),
+        # (SwiGLU's bf16 output when the gate/up product computes it in its epilogue: the down product's x)
+        "gemm_act_bf16": ((t * c.intermediate_size,), np.uint16),
         "attention_partials": ((attention_workspace_floats(c.num_attention_heads, c.num_key_value_heads, c.head_dim),), f32),
         "sample_values": ((SAMPLE_WORKSPACE_SLOTS,), f32),
         "sample_indices": ((SAMPLE_WORKSPACE_SLOTS,), np.int32),
