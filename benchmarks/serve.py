@@ -27,7 +27,8 @@ message), `stream: true`, `ignore_eos: true` (every request generates exactly --
 the client: time to first token (TTFT), time per output token after the first (TPOT, per request),
 inter-token latency (ITL, per event, divided among the tokens it carries), end-to-end latency, and
 throughput over the timed run; from the server's /metrics, its steps, preemptions and prefix-cache
-hit rate over the run; with --start-server (on Linux), the CPU cores the server's front end, its
+hit rate over the run, and its own mean TTFT (from its handler's start, warm-up requests included:
+the rest of the client's TTFT is the client and HTTP); with --start-server (on Linux), the CPU cores the server's front end, its
 engine core and the client each kept busy over the run (a front end near 1.0 is saturated: one
 Python thread detokenizes and writes every stream). Warm-up requests run first (on a GPU the first step compiles kernels); they
 never carry the shared prefix, so the timed run's first requests compute it.
@@ -362,6 +363,11 @@ def measure(args, server_args: str | None) -> dict:
             summary[key.removesuffix("_total")] = after[name] - before[name]
     if summary.get("prefix_cache_queries"):
         summary["prefix_cache_hit_rate"] = summary["prefix_cache_hits"] / summary["prefix_cache_queries"]
+    # The server's own TTFT (its handler's start to the first token in the front end): what the
+    # client's TTFT adds to it is the client and HTTP (sending, parsing, the event's way back).
+    ttft_sum, ttft_count = "numba_vllm:time_to_first_token_seconds_sum", "numba_vllm:time_to_first_token_seconds_count"
+    if all(k in d for k in (ttft_sum, ttft_count) for d in (before, after)) and after[ttft_count] > before[ttft_count]:
+        summary["server_ttft_mean_ms"] = 1000 * (after[ttft_sum] - before[ttft_sum]) / (after[ttft_count] - before[ttft_count])
     return summary
 
 
@@ -387,6 +393,9 @@ def report(args, summary: dict, title: str | None = None) -> None:
         print(f"goodput ({slo}): {g['requests']} requests, {rates}")
     if summary.get("cpu_cores_used"):
         print("CPU cores used over the run: " + ", ".join(f"{k} {v:.2f}" for k, v in summary["cpu_cores_used"].items()))
+    if "server_ttft_mean_ms" in summary:
+        print(f"TTFT mean at the server (its handler to the first token): {summary['server_ttft_mean_ms']:.1f} ms, "
+              f"at the client {summary['ttft_ms']['mean']:.1f} ms")  # fmt: skip
     if "engine_steps" in summary:
         hit_rate = f", prefix-cache hit rate {summary['prefix_cache_hit_rate']:.2f}" if "prefix_cache_hit_rate" in summary else ""
         print(f"server: {summary['engine_steps']:.0f} steps, {summary.get('num_preemptions', 0):.0f} preemptions{hit_rate}")

@@ -296,6 +296,7 @@ def test_serve_benchmark_shared_prefix_target_smoke_on_numpy(long_config_dir, tm
         assert set(run["cpu_cores_used"]) == {"front end", "engine core", "client"}
         assert all(0 <= v <= os.cpu_count() + 0.5 for v in run["cpu_cores_used"].values())
         assert run["cpu_cores_used"]["engine core"] > 0.01  # it computed every token
+        assert run["server_ttft_mean_ms"] > 0  # from the server's TTFT histogram
     assert "CPU cores used over the run: front end" in r.stdout
 
 
