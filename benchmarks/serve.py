@@ -48,10 +48,13 @@ import statistics
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
-import httpx
+import aiohttp
 import numpy as np
+
+EVENT_BYTES = 1 << 22  # the longest event line read (the first event carries the prompt's token ids)
 
 
 @dataclass
@@ -86,25 +89,26 @@ def make_body(args, seed: int, rng: np.random.Generator, model: str, prefix: lis
     return body
 
 
-async def one_request(client: httpx.AsyncClient, path: str, body: dict, timeout: float) -> Result:
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict, timeout: float) -> Result:
     r = Result()
     try:
-        await asyncio.wait_for(_stream_one(client, path, body, r), timeout)
+        await asyncio.wait_for(_stream_one(session, url, body, r), timeout)
     except asyncio.TimeoutError:  # noqa: UP041 (not the builtin before Python 3.11)
         r.ok, r.error = False, f"timed out after {timeout:.0f} s"
-    except httpx.HTTPError as e:
+    except (aiohttp.ClientError, ValueError) as e:  # ValueError: an event line past read_bufsize
         r.ok, r.error = False, f"{type(e).__name__}: {e}"
     return r
 
 
-async def _stream_one(client: httpx.AsyncClient, path: str, body: dict, r: Result) -> None:
+async def _stream_one(session: aiohttp.ClientSession, url: str, body: dict, r: Result) -> None:
     t0 = time.perf_counter()
     last = None
-    async with client.stream("POST", path, json=body) as resp:
-        if resp.status_code != 200:
-            r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:200]}"
+    async with session.post(url, json=body) as resp:
+        if resp.status != 200:
+            r.error = f"HTTP {resp.status}: {(await resp.read()).decode(errors='replace')[:200]}"
             return
-        async for line in resp.aiter_lines():
+        async for raw in resp.content:  # the event stream, a line at a time
+            line = raw.decode().rstrip("\r\n")
             if not line.startswith("data: "):
                 continue
             data = line[6:]
@@ -137,13 +141,15 @@ async def _stream_one(client: httpx.AsyncClient, path: str, body: dict, r: Resul
 
 
 async def run_load(args, base_url: str, model: str) -> tuple[list[Result], float, int]:
-    path = "/v1/chat/completions" if args.chat else "/v1/completions"
+    url = base_url + ("/v1/chat/completions" if args.chat else "/v1/completions")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    limits = httpx.Limits(max_connections=args.concurrency + 2, max_keepalive_connections=args.concurrency + 2)
+    connector = aiohttp.TCPConnector(limit=args.concurrency + 2)
     rng = np.random.default_rng(args.seed)
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=None) as client:
+    session = aiohttp.ClientSession(headers=headers, connector=connector,
+                                    timeout=aiohttp.ClientTimeout(total=None), read_bufsize=EVENT_BYTES)  # fmt: skip
+    async with session as client:
         for i in range(args.warmup):
-            w = await one_request(client, path, make_body(args, 1_000_000 + i, rng, model, []), args.request_timeout)
+            w = await one_request(client, url, make_body(args, 1_000_000 + i, rng, model, []), args.request_timeout)
             if not w.ok:
                 raise SystemExit(f"warm-up request failed: {w.error}")
         prefix = rng.integers(args.min_token_id, args.vocab_size, args.shared_prefix_len).tolist()
@@ -154,7 +160,7 @@ async def run_load(args, base_url: str, model: str) -> tuple[list[Result], float
         async def send(i: int) -> None:
             nonlocal started
             started += 1
-            results[i] = await one_request(client, path, bodies[i], args.request_timeout)
+            results[i] = await one_request(client, url, bodies[i], args.request_timeout)
 
         t0 = time.perf_counter()
         if args.request_rate == float("inf"):  # closed loop: C workers, each sends the next as one finishes
@@ -246,13 +252,19 @@ def parse_slos(specs: list[str]) -> dict[str, float]:
     return slos
 
 
+def get(url: str, timeout: float, headers: dict | None = None) -> bytes:
+    """GET url's body (the client's few synchronous calls, outside the timed run); OSError on failure."""
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers or {}), timeout=timeout) as resp:
+        return resp.read()
+
+
 def metrics(base_url: str) -> dict[str, float]:
     """The server's /metrics as {'name{labels}': value}. Parsed here rather than with
     numba_vllm.server.metrics.parse_metrics, whose import pulls in the server and the engine: the
-    load-test client needs only httpx."""
+    load-test client needs only aiohttp and numpy."""
     try:
-        text = httpx.get(base_url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
+        text = get(base_url + "/metrics", 10).decode()
+    except OSError:
         return {}
     values = {}
     for line in text.splitlines():
@@ -273,9 +285,9 @@ def start_server(server_args: str, port: int, wait_s: float) -> tuple[subprocess
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with status {proc.returncode}")
         try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
+            get(base + "/health", 2)  # HTTPError (an OSError) unless 200
+            return proc, base
+        except OSError:
             pass
         time.sleep(0.5)
     stop_server(proc)
@@ -333,7 +345,7 @@ def measure(args, server_args: str | None) -> dict:
         proc, base_url = start_server(server_args, port, args.server_start_timeout)
     try:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model = args.model or httpx.get(base_url + "/v1/models", headers=headers, timeout=10).json()["data"][0]["id"]
+        model = args.model or json.loads(get(base_url + "/v1/models", 10, headers))["data"][0]["id"]
         before = metrics(base_url)
         processes = server_processes(proc.pid) if proc is not None else {}
         cpu_before = {role: cpu_seconds(pid) for role, pid in processes.items()}

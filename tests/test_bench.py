@@ -275,7 +275,7 @@ def test_serve_benchmark_shared_prefix_target_smoke_on_numpy(long_config_dir, tm
     """benchmarks/serve.py with the target's prefix and prompt lengths, a tiny model on numpy: it starts
     the server twice, with prefix caching and without, and reports both runs and their ratios."""
     pytest.importorskip("fastapi")
-    pytest.importorskip("httpx")
+    pytest.importorskip("aiohttp")
     out = tmp_path / "serve.json"
     server = f"--model {long_config_dir} --load-format dummy --backend numpy --max-num-seqs 4"
     args = ["-n", "3", "-c", "3", "--shared-prefix-len", "1024", "--prompt-len", "64", "--output-len", "3", "--warmup", "1",
