@@ -20,7 +20,9 @@ Data flow:
   up]): a block's w slice is two TMA boxes, ``block_n / 2`` gate rows and the same rows of up, so
   its accumulators hold matching gate and up columns; the epilogue writes bf16(silu(g) * u) into a
   second buffer (``act_bf16``) that the down product then reads as its x (``x_copy``). The (M, 2F)
-  f32 product is never written nor read back.
+  f32 product is never written nor read back. On an H200, one Llama 3.2 1B MLP (norm, gate/up,
+  SwiGLU, down; CUDA events around the calls) took 471 us instead of 672 at M = 2,048 and 164
+  instead of 261 at M = 256; batch-32 decode steps 1.56 ms instead of 1.63.
 - A block is ``consumers`` warpgroups that compute (64 rows of the ``block_m x block_n`` output
   tile each, ``block_m = 64 * consumers``) and one more, the producer, of which one thread issues
   every copy: per K step of ``BLOCK_K`` = 64 values, one TMA box of x (block_m x 64) and one of w
