@@ -48,7 +48,8 @@ def test_step_buffers_include_the_kernels_split_workspaces():
     attention_split = max(64 * 264, 4096) * 4 * (64 + 2)
     sampler = 4096 * 2  # part winners: values and indices
     x_bf16 = t * 8192  # the widest x a product reads (the MLP's 8192), as bf16 for gemm_wgmma's TMA
-    want = 4 * (activations + gemm_split + attention_split + sampler) + 2 * x_bf16
+    act_bf16 = t * 8192  # SwiGLU's bf16 output from the gate/up product's epilogue (the down product's x)
+    want = 4 * (activations + gemm_split + attention_split + sampler) + 2 * (x_bf16 + act_bf16)
     assert buffer_bytes(LLAMA_1B, t, seqs, num_sms=132) == want
 
 

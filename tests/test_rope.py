@@ -105,7 +105,8 @@ SHAPES = [  # (T, H, KVH, HD)
     (1, 1, 1, 8),
     (5, 3, 1, 16),
     (3, 4, 2, 64),
-    (2, 33, 1, 16),  # 34 heads: more than 32 warps, the head loop runs twice
+    (2, 33, 1, 16),  # 35 heads: 8 warps of 6 heads in flight, the last group partly empty
+    (2, 40, 8, 16),  # 56 heads: more than 8 x 6, the head loop runs twice
     (2, 1, 1, 256),  # HD/2 = 128: each lane rotates 4 channel pairs
     pytest.param(1, 32, 8, 64, marks=gpu),
     pytest.param(64, 32, 8, 64, marks=gpu),

@@ -24,16 +24,25 @@ Hugging Face's and Meta's Llama code; at position 100 000 that rounding alone is
 ulp(1e5)/2 = 0.004 rad, which is what the model saw in training.
 
 Thread mapping: one block per token (grid = T) of ``WARP_SIZE x num_warps`` threads, with
-``num_warps = min(ROPE_MAX_WARPS, H + 2*KVH)``: 32 x 32 for Llama 3.2 1B (48 heads, HD = 64).
-1. The block's threads, numbered flat, compute cos and sin of the token's HD/2 angles into shared
-   memory: each angle is computed once per token, not once per head.
-2. ``syncthreads``; then warp ``y`` takes heads ``y, y + num_warps, ...`` of the token and lane ``x``
-   channel pairs ``x, x + 32, ...`` below HD/2, so a warp reads and writes 32 neighbouring channels
-   of x1 and of x2 (coalesced). The 2-D block gives head and channel without integer division
-   (64-bit division costs ~100 instructions).
+``num_warps = min(ROPE_WARPS, H + 2*KVH)``: 32 x 8 for Llama 3.2 1B (48 heads, HD = 64). Warp ``y``
+takes heads ``y, y + num_warps, ...`` of the token, ``ROPE_HEADS_IN_FLIGHT`` of them at a time, and
+lane ``x`` channel pairs ``x, x + 32, ...`` below HD/2, so a warp reads and writes 32 neighbouring
+channels of x1 and of x2 (coalesced). For each of its channel pairs a lane first loads the pair of
+every head of the group (all the loads in flight together), then computes the pair's cos and sin
+(the arithmetic runs while the loads are on their way), then rotates and stores. The 2-D block
+gives head and channel without integer division (64-bit division costs ~100 instructions).
 
-Shared memory: ``cos_table`` and ``sin_table``, ``ROPE_MAX_HALF_DIM`` float32 each (1 KiB), of which
-the first HD/2 are used; HD may be at most ``2 * ROPE_MAX_HALF_DIM``.
+Why this shape: the first version took a block of 32 warps per token, one head per warp, with the
+token's cos/sin table in shared memory behind a ``syncthreads``. At 52 registers a thread, one such
+block filled an SM's registers: one token at a time per SM, one head's 256 bytes in flight per warp.
+On an H200 a 2,048-token prefill step's launch took 70 us (10% of the step) for ~45 MB, 15 us at the
+memory's bandwidth. This version's blocks of 8 warps, at 122 registers a thread (ptxas, sm_90),
+fit two to an SM, and each warp has 6 heads' loads in flight: 24 KB in flight per SM against 8 KB.
+Each warp computes the cos/sin of its own channels (a few dozen instructions, overlapped with its
+loads), so there is no shared memory and no block barrier. (Not yet timed on a GPU:
+``benchmarks/bench_pointwise.py`` and ``benchmarks/kernel_timeline.py`` measure it.) Arrays are
+passed flat, with 32-bit index arithmetic (the launcher refuses arrays of 2**31 elements).
+HD may be at most ``2 * ROPE_MAX_HALF_DIM``.
 
 The bf16 stores: the caches arrive as their uint16 bits (as attention reads them). A lane rounds its
 pair (x1, x2) to bf16 with one ``pack_bf16x2`` (``cvt.rn.bf16x2.f32``, round to nearest even) and
@@ -67,8 +76,9 @@ from numba_vllm.kernels.reductions import WARP_SIZE
 from numba_vllm.loading.bf16 import BF16
 from numba_vllm.model.config import PAGE_SIZE
 
-ROPE_MAX_WARPS = 32  # warps per block (one head each at a time); more heads than this loop
-ROPE_MAX_HALF_DIM = 128  # shared cos/sin table size: head_dim <= 256
+ROPE_WARPS = 8  # warps per block (at most): one token's heads shared among them
+ROPE_HEADS_IN_FLIGHT = 6  # heads a warp loads before rotating and storing any (8 x 6: Llama 3.2 1B's 48 in one pass)
+ROPE_MAX_HALF_DIM = 128  # head_dim <= 256: a lane takes at most ROPE_MAX_HALF_DIM / 32 channel pairs
 
 
 def _split_pi_over_2(num_short_pieces: int = 3, bits: int = 7) -> tuple:
@@ -118,52 +128,50 @@ def _sin_cos(angle):
 
 
 @kernel
-def rope_kernel(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache):
+def rope_kernel(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache, num_q_heads, num_kv_heads):
     """Split one token's fused Q/K/V (block t handles token t): rotate q into ``q``, rotate k into
     the K cache, copy v into the V cache.
 
-    qkv (T, H + 2*KVH, HD) f32; positions, kv_indices (T,) int32; inv_freq (HD/2,) f32;
-    q (T, H, HD) f32 out; k_cache, v_cache (P, PAGE_SIZE, KVH, HD) uint16 (bf16 bits).
+    All arrays flat, so that an element's place is one 32-bit multiply-add from its row's: qkv
+    (T * (H + 2*KVH) * HD,) f32; positions, kv_indices (T,) int32; inv_freq (HD/2,) f32; q (T * H *
+    HD,) f32 out; k_cache, v_cache (P * PAGE_SIZE * KVH * HD,) uint16 (bf16 bits); num_q_heads H,
+    num_kv_heads KVH (int32).
     """
-    cos_table = cuda.shared.array(ROPE_MAX_HALF_DIM, float32)  # (HD/2,) used: cos of this token's angles
-    sin_table = cuda.shared.array(ROPE_MAX_HALF_DIM, float32)  # (HD/2,) used: sin of this token's angles
+    x1s = cuda.local.array(ROPE_HEADS_IN_FLIGHT, float32)  # the group's heads' channel i
+    x2s = cuda.local.array(ROPE_HEADS_IN_FLIGHT, float32)  # and channel i + HD/2
     t = cuda.blockIdx.x
-    half = inv_freq.shape[0]
+    half = int32(inv_freq.shape[0])
+    head_dim = 2 * half
     position = float32(positions[t])
-    flat_id = cuda.threadIdx.y * cuda.blockDim.x + cuda.threadIdx.x
-    for i in range(flat_id, half, cuda.blockDim.x * cuda.blockDim.y):
-        s, c = _sin_cos(position * inv_freq[i])
-        sin_table[i] = s
-        cos_table[i] = c
-    cuda.syncthreads()  # wait for the token's whole cos/sin table
-
-    num_q_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    page = kv_indices[t] // PAGE_SIZE
-    offset = kv_indices[t] % PAGE_SIZE
-    for head in range(cuda.threadIdx.y, num_q_heads + 2 * num_kv_heads, cuda.blockDim.y):
-        for i in range(cuda.threadIdx.x, half, cuda.blockDim.x):
-            x1 = qkv[t, head, i]
-            x2 = qkv[t, head, i + half]
-            if head < num_q_heads + num_kv_heads:  # q or k: rotate
-                c = cos_table[i]
-                s = sin_table[i]
-                x1, x2 = x1 * c - x2 * s, x2 * c + x1 * s
-            if head < num_q_heads:
-                q[t, head, i] = x1
-                q[t, head, i + half] = x2
-            else:
+    num_heads = num_q_heads + 2 * num_kv_heads
+    qkv_row = t * num_heads * head_dim  # token t's first element of qkv
+    q_row = t * num_q_heads * head_dim
+    cache_row = kv_indices[t] * num_kv_heads * head_dim  # its slot (page, offset) in the caches
+    warps = cuda.blockDim.y
+    for first in range(cuda.threadIdx.y, num_heads, warps * ROPE_HEADS_IN_FLIGHT):  # heads first + j * warps
+        for i in range(cuda.threadIdx.x, half, WARP_SIZE):  # the lane's channel pairs (i, i + HD/2)
+            for j in range(ROPE_HEADS_IN_FLIGHT):  # every load of the group before any use
+                head = first + j * warps
+                if head < num_heads:
+                    x1s[j] = qkv[qkv_row + head * head_dim + i]
+                    x2s[j] = qkv[qkv_row + head * head_dim + i + half]
+            sin_i, cos_i = _sin_cos(position * inv_freq[i])
+            for j in range(ROPE_HEADS_IN_FLIGHT):
+                head = first + j * warps
+                if head >= num_heads:
+                    continue
+                x1, x2 = x1s[j], x2s[j]
+                if head < num_q_heads + num_kv_heads:  # q or k: rotate
+                    x1, x2 = x1 * cos_i - x2 * sin_i, x2 * cos_i + x1 * sin_i
+                if head < num_q_heads:
+                    q[q_row + head * head_dim + i] = x1
+                    q[q_row + head * head_dim + i + half] = x2
+                    continue
                 pair = pack_bf16x2(x1, x2)  # bf16(x1) in the low half, bf16(x2) in the high half
-                lo = uint16(pair & uint32(0xFFFF))
-                hi = uint16(pair >> uint32(16))
-                if head < num_q_heads + num_kv_heads:
-                    kv_head = head - num_q_heads
-                    k_cache[page, offset, kv_head, i] = lo
-                    k_cache[page, offset, kv_head, i + half] = hi
-                else:
-                    kv_head = head - num_q_heads - num_kv_heads
-                    v_cache[page, offset, kv_head, i] = lo
-                    v_cache[page, offset, kv_head, i + half] = hi
+                cache = k_cache if head < num_q_heads + num_kv_heads else v_cache
+                at = cache_row + (head - num_q_heads) % num_kv_heads * head_dim + i
+                cache[at] = uint16(pair & uint32(0xFFFF))
+                cache[at + half] = uint16(pair >> uint32(16))
 
 
 def rope_and_cache_write(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cache) -> None:
@@ -190,6 +198,10 @@ def rope_and_cache_write(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cac
         return
     if k_cache.shape[0] == 0:
         raise KernelError("k_cache: has no pages")
-    num_warps = min(ROPE_MAX_WARPS, num_heads + 2 * num_kv_heads)
-    launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), qkv, positions, inv_freq, kv_indices, q,
-           k_cache.view(np.uint16), v_cache.view(np.uint16))  # fmt: skip
+    num_warps = min(ROPE_WARPS, num_heads + 2 * num_kv_heads)
+    if max(qkv.size, k_cache.size) >= 2**31:
+        raise KernelError(f"rope: arrays of 2**31 elements or more (qkv {qkv.size}, k_cache {k_cache.size}) need 64-bit indices")
+    flat = (qkv.reshape(qkv.size), q.reshape(q.size), k_cache.view(np.uint16).reshape(k_cache.size),
+            v_cache.view(np.uint16).reshape(v_cache.size))  # fmt: skip
+    launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), flat[0], positions, inv_freq, kv_indices, flat[1], flat[2],
+           flat[3], np.int32(num_heads), np.int32(num_kv_heads))  # fmt: skip
