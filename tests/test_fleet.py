@@ -186,8 +186,11 @@ def test_answers_through_the_router_match_one_engine(fleet, ref):
 def group_owners(fleet) -> list[int]:
     """Which replica serves each group's prefix. The groups' first requests go out together, so the
     router (cache_aware: a new prefix goes to the least loaded replica) spreads them; later requests
-    follow their group's prefix one at a time (`_owner` checks that each group stays on one replica)."""
-    seeds = [_stream_in_background(fleet, group_prompt(g, 1000), max_tokens=48) for g in range(REPLICAS)]
+    follow their group's prefix one at a time (`_owner` checks that each group stays on one replica).
+    The first requests generate 400 tokens, so that each is still running when the next reaches the
+    router even on a loaded machine: with one finished before the next arrived, every replica would
+    be equally loaded and the router could send all three to the same one."""
+    seeds = [_stream_in_background(fleet, group_prompt(g, 1000), max_tokens=400) for g in range(REPLICAS)]
     for _, result in seeds:
         result["thread"].join(60)
         assert "error" not in result and result["finish_reason"] == "length", result
