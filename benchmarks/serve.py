@@ -345,7 +345,10 @@ def measure(args, server_args: str | None) -> dict:
         proc, base_url = start_server(server_args, port, args.server_start_timeout)
     try:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model = args.model or json.loads(get(base_url + "/v1/models", 10, headers))["data"][0]["id"]
+        try:
+            model = args.model or json.loads(get(base_url + "/v1/models", 10, headers))["data"][0]["id"]
+        except OSError as e:
+            raise SystemExit(f"cannot reach the server at {base_url}: {e}") from None
         before = metrics(base_url)
         processes = server_processes(proc.pid) if proc is not None else {}
         cpu_before = {role: cpu_seconds(pid) for role, pid in processes.items()}

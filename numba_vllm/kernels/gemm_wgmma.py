@@ -502,7 +502,7 @@ def gemm_wgmma_silu_mul(x, w, out_bits, config: TileConfig | None = None, worksp
     """
     num_rows = w.shape[0]
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out_bits, out_cols=num_rows // 2, out_dtype=np.uint16)
-    if num_rows % (2 * CHUNK_VALUES) or k_dim % CHUNK_VALUES or not vector_aligned(weight_bits(w)):
+    if not _silu_mul_fits(w):
         raise KernelError(f"gemm_wgmma_silu_mul: w ({num_rows} x {k_dim}) needs 2F and K multiples of 16 and 8, 16-byte aligned")
     pairs = _cached_views("pairs", out_bits, tuple(out_bits.shape), lambda: (out_bits.view(np.uint32),))[0]  # (M, F / 2)
     _run(x, w, pairs, False, config, 1, workspace, x_copy, True)
@@ -558,12 +558,16 @@ def silu_mul_destination(workspace, num_tokens: int, w):
     output, which the down product then reads as its x (``x_copy=workspace.act_bf16``): the (M, F)
     view of ``workspace.act_bf16``. None when that product cannot run: no such buffer, F or K not a
     multiple of ``CHUNK_VALUES``, w unaligned, or M x F past the buffer."""
-    if workspace is None or workspace.act_bf16 is None:
+    if workspace is None or workspace.act_bf16 is None or not _silu_mul_fits(w):
         return None
+    return bf16_x_destination(workspace, num_tokens, w.shape[0] // 2, None, workspace.act_bf16)
+
+
+def _silu_mul_fits(w) -> bool:
+    """Whether w = [gate; up] (2F, K) suits gemm_wgmma_silu_mul: F and K multiples of ``CHUNK_VALUES``
+    (16-byte TMA rows of w and of the (M, F) output the down product copies), w 16-byte aligned."""
     num_rows, k_dim = w.shape
-    if num_rows % (2 * CHUNK_VALUES) or k_dim % CHUNK_VALUES or not vector_aligned(w):
-        return None
-    return bf16_x_destination(workspace, num_tokens, num_rows // 2, None, workspace.act_bf16)
+    return num_rows % (2 * CHUNK_VALUES) == 0 and k_dim % CHUNK_VALUES == 0 and vector_aligned(w)
 
 
 def x_copy_buffer(workspace):
