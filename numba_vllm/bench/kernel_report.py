@@ -88,8 +88,8 @@ DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"  # q, k
 DECODE_FAST_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), float32, int32, f32(3))"  # flat caches; + pages per split
 PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"  # ... cu_seqlens, start_pos ...
 PREFILL_TC_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), i32(1), float32, f32(3))"  # flat caches
-# flat qkv, positions, inv_freq, kv indices, flat q, flat k/v caches, H, KVH
-ROPE_SIG = "(f32(1), i32(1), f32(1), i32(1), f32(1), u16(1), u16(1), int32, int32)"
+# flat qkv, positions, inv_freq, kv indices, flat q, k/v caches as rows of slots, H, KVH
+ROPE_SIG = "(f32(1), i32(1), f32(1), i32(1), f32(1), u16(2), u16(2), int32, int32)"
 PICK_TAIL = "int64, i32(1), f32(1), i32(1)"  # the samplers': part_cols, token_ids, the workspace's values and indices
 
 # gemv, per token tile: the engine's fusions (q/k/v and the head take the norm, gate/up the norm and
