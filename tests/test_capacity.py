@@ -39,7 +39,8 @@ def test_page_bytes_and_pages_for_memory():
 
 
 def test_step_buffers_include_the_kernels_split_workspaces():
-    """Every device buffer a step uses, by hand: the activations and the three split scratch areas."""
+    """Every device buffer a step uses, by hand: the activations, the three split scratch areas and
+    the GEMM's split counters."""
     t, seqs = 2048 + 64, 64
     activations = t * (2048 + 2048 + 48 * 64 + 32 * 64 + 32 * 64 + 2 * 8192 + 8192) + seqs * (2048 + 128256)
     gemm_split = 4 * 132 * 128 * 256  # SPLIT_BLOCKS_PER_SM x SMs x the largest tile (128x256)
@@ -49,7 +50,8 @@ def test_step_buffers_include_the_kernels_split_workspaces():
     sampler = 4096 * 2  # part winners: values and indices
     x_bf16 = t * 8192  # the widest x a product reads (the MLP's 8192), as bf16 for gemm_wgmma's TMA
     act_bf16 = t * 8192  # SwiGLU's bf16 output from the gate/up product's epilogue (the down product's x)
-    want = 4 * (activations + gemm_split + attention_split + sampler) + 2 * (x_bf16 + act_bf16)
+    tile_counters = 4096  # gemm_wgmma's K splits: an int32 count of parts per output tile
+    want = 4 * (activations + gemm_split + attention_split + sampler + tile_counters) + 2 * (x_bf16 + act_bf16)
     assert buffer_bytes(LLAMA_1B, t, seqs, num_sms=132) == want
 
 

@@ -139,8 +139,8 @@ def test_bf16_x_from_norm_and_swiglu_gives_the_conversions_logits(tmp_path, monk
     c = llm.engine.runner.model.config
     o_shape = (c.hidden_size, c.num_attention_heads * c.head_dim)  # (N, K) of the o product alone (F = 768)
     converted = [args[0].shape[1] for kernel_, args in launches if kernel_ is gemm_wgmma._x_to_bf16_kernel]  # K
-    products = [args[3].shape for kernel_, args in launches if kernel_ not in (gemm_wgmma._x_to_bf16_kernel,
-                                                                              gemm_wgmma._sum_splits_kernel)]  # fmt: skip
+    # every other launch is a product (a K split sums its parts inside it)
+    products = [args[3].shape for kernel_, args in launches if kernel_ is not gemm_wgmma._x_to_bf16_kernel]
     assert len(products) >= 4 * len(converted) > 0  # every step of > 8 tokens: 4 products a layer (and the head)
     assert converted == [o_shape[1]] * products.count(o_shape)  # one conversion per o product, none for the rest
 

@@ -48,6 +48,7 @@ from numba_vllm.loading.bf16 import BF16, bf16_bits, to_bf16, upload_bf16
 from tests.helpers import ptx as ptx_check
 from tests.helpers.products import check_product, launch_case, random_case, wgmma_conversion
 
+TILING_IDS = ["large", "small", "small_deep", "tiny", "tiny_shallow"]  # gw.TILE_CONFIGS
 PROBE_N = 16
 PROBE_K = 64
 PROBE_ACC = 8  # accumulators per thread (PROBE_N / 2): a literal, as a local array's size must be
@@ -153,10 +154,15 @@ def test_gemm_wgmma_tiny_tiling():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("config", [gw.LARGE, gw.MEDIUM], ids=["large", "medium"])
-def test_gemm_wgmma_two_warpgroups(config):
+def test_gemm_wgmma_two_warpgroups():
     """130 rows: two row tiles, the second warpgroup of the first holding rows 64..127."""
-    run_gemm_wgmma(130, 40, 136, True, launcher=functools.partial(gw.gemm_wgmma, config=config))
+    run_gemm_wgmma(130, 40, 136, True, launcher=functools.partial(gw.gemm_wgmma, config=gw.LARGE))
+
+
+@pytest.mark.parametrize("config", [gw.SMALL_DEEP, gw.TINY_SHALLOW], ids=["small_deep", "tiny_shallow"])
+def test_gemm_wgmma_other_pipeline_depths(config):
+    """The same tiles with 6 and 4 stages: K = 840 (14 slices) wraps either pipeline twice or more."""
+    run_gemm_wgmma(20, 70, 840, True, seed=config.stages, launcher=functools.partial(gw.gemm_wgmma, config=config))
 
 
 @pytest.mark.parametrize("accumulate", [False, True])
@@ -165,6 +171,28 @@ def test_gemm_wgmma_split_k_sums_its_parts(accumulate):
     for split in (2, 3):
         launcher = functools.partial(gw.gemm_wgmma, config=gw.SMALL, split=split)
         run_gemm_wgmma(5, 24, 264, accumulate, seed=split, launcher=launcher)
+
+
+def test_the_last_part_of_a_split_sums_them_and_clears_its_counter():
+    """The block that finds a tile's count at splits - 1 sums the parts and sets the count back to
+    zero: two products in a row through one workspace (the second would miss the first's zeros),
+    both right, every counter zero after each, on two row tiles and three column tiles."""
+    counters = cuda.to_device(np.zeros(gw.TILE_COUNTERS, np.int32))
+    workspace = matmul.GemmWorkspace(partials=cuda.to_device(np.full(3 * 6 * 64 * 64, np.nan, np.float32)),
+                                     x_bf16=cuda.device_array(70 * 200, np.uint16), tile_counters=counters)  # fmt: skip
+    for seed in (1, 2):
+        launcher = functools.partial(gw.gemm_wgmma, config=gw.TINY, split=3, workspace=workspace)
+        run_gemm_wgmma(70, 150, 200, seed == 2, seed=seed, launcher=launcher)
+        assert not counters.copy_to_host().any()
+
+
+def test_gemm_wgmma_silu_mul_split_k():
+    """SwiGLU after a K split: the last part of each tile sums gate and up columns, then applies it."""
+    m, f, k = 9, 40, 328
+    x, w, _ = random_case(np.random.default_rng(11), m, 2 * f, k, False)
+    out_bits = cuda.to_device(np.full((m, f), 0xFFFF, np.uint16))
+    gw.gemm_wgmma_silu_mul(cuda.to_device(x), upload_bf16(w), out_bits, config=gw.TINY, split=2)
+    check_swiglu(out_bits.copy_to_host(), x, w)
 
 
 def test_gemm_wgmma_converts_x_in_row_chunks():
@@ -380,13 +408,29 @@ def test_linear_runs_swiglu_in_the_product_when_only_the_next_product_reads_it(m
 
 @pytest.mark.parametrize(
     "m, n, sms, want",
-    [(4096, 8192, 132, gw.LARGE), (512, 8192, 132, gw.LARGE), (64, 128256, 132, gw.LARGE), (256, 8192, 132, gw.MEDIUM),
-     (128, 16384, 132, gw.MEDIUM), (512, 2048, 132, gw.SMALL), (128, 8192, 132, gw.SMALL), (256, 2048, 132, gw.TINY),
-     (64, 8192, 132, gw.TINY), (1, 1, 132, gw.TINY), (128, 256, 1, gw.LARGE)],
+    [(4096, 8192, 132, gw.LARGE), (512, 8192, 132, gw.LARGE), (64, 128256, 132, gw.SMALL), (128, 128256, 132, gw.LARGE),
+     (256, 8192, 132, gw.SMALL), (128, 16384, 132, gw.SMALL), (512, 2048, 132, gw.SMALL), (1024, 2048, 132, gw.SMALL),
+     (128, 8192, 132, gw.SMALL), (256, 2048, 132, gw.TINY), (64, 8192, 132, gw.TINY), (1, 1, 132, gw.TINY),
+     (128, 256, 1, gw.LARGE), (64, 256, 1, gw.SMALL)],
 )  # fmt: skip
 def test_the_largest_tiling_that_reaches_most_sms_is_picked(m, n, sms, want):
-    """The picks that were fastest on an H200 (gemm_wgmma's table): 128 LARGE tiles beat 256 SMALL ones."""
+    """The tile sizes that were fastest on an H200 (gemm_wgmma's table): 128 LARGE tiles beat 256
+    SMALL ones, and no 128-row tile for 64 rows or fewer."""
     assert gw.pick_tile_config(m, n, num_sms=sms) == want
+
+
+@pytest.mark.parametrize(
+    "m, n, k, want",
+    [(32, 2048, 2048, (gw.TINY, 1)), (32, 2048, 8192, (gw.TINY, 4)), (128, 2048, 8192, (gw.TINY, 2)),
+     (256, 2048, 8192, (gw.TINY, 1)), (512, 2048, 8192, (gw.SMALL, 2)), (512, 2048, 2048, (gw.SMALL_DEEP, 1)),
+     (128, 8192, 2048, (gw.SMALL_DEEP, 1)), (256, 8192, 2048, (gw.SMALL, 1)), (32, 128256, 2048, (gw.SMALL, 1)),
+     (512, 8192, 2048, (gw.LARGE, 1)), (1024, 2048, 2048, (gw.SMALL, 1)),
+     (320, 2048, 2048, (gw.TINY_SHALLOW, 1))],  # 80 SMALL tiles fall short of 99: 160 TINY ones, more than the SMs
+)  # fmt: skip
+def test_the_plan_is_the_fastest_measured(m, n, k, want):
+    """Tile, split and pipeline depth as the H200 sweep found fastest (docs/benchmarks.md): a grid of
+    at most one block per SM gets the deeper pipeline, a larger one the shallower."""
+    assert gw.pick_plan(m, n, k, num_sms=132) == want
 
 
 @pytest.mark.parametrize(
@@ -477,7 +521,7 @@ def test_wgmma_gpu_random_values():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=["large", "medium", "small", "tiny"])
+@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=TILING_IDS)
 @pytest.mark.parametrize("m,n,k,accumulate", [(256, 2048, 8192, True), (77, 3072, 2048, False), (333, 1003, 1000, True)])
 def test_gemm_wgmma_gpu_each_tiling(m, n, k, accumulate, config):
     run_gemm_wgmma(m, n, k, accumulate, seed=m, launcher=functools.partial(gw.gemm_wgmma, config=config))
@@ -490,12 +534,36 @@ def test_gemm_wgmma_gpu_decode_shapes(m, n, k):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=TILING_IDS)
+@pytest.mark.parametrize("split", [2, 3, 8])
+def test_gemm_wgmma_gpu_split_k(config, split):
+    """K split on the GPU, where the parts' blocks run at once and any of them can arrive last: the
+    sum is right (and the counters are left at zero for the next product, which checks it again)."""
+    counters = cuda.to_device(np.zeros(gw.TILE_COUNTERS, np.int32))
+    workspace = matmul.GemmWorkspace(partials=cuda.device_array(split * 3 * 16 * 128 * 256, np.float32),
+                                     x_bf16=cuda.device_array(300 * 4096, np.uint16), tile_counters=counters)  # fmt: skip
+    for seed in (1, 2):
+        launcher = functools.partial(gw.gemm_wgmma, config=config, split=split, workspace=workspace)
+        run_gemm_wgmma(300, 2000, 4096, seed == 2, seed=seed, launcher=launcher)
+        assert not counters.copy_to_host().any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=TILING_IDS)
+def test_gemm_wgmma_silu_mul_gpu_split_k(config):
+    x, w, _ = random_case(np.random.default_rng(3), 77, 2 * 1000, 2048, False)
+    out_bits = cuda.to_device(np.full((77, 1000), 0xFFFF, np.uint16))
+    gw.gemm_wgmma_silu_mul(cuda.to_device(x), upload_bf16(w), out_bits, config=config, split=4)
+    check_swiglu(out_bits.copy_to_host(), x, w)
+
+
+@pytest.mark.gpu
 def test_gemm_wgmma_gpu_misaligned_x():
     run_gemm_wgmma(200, 2048, 2048, True, x_offset=3)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=["large", "medium", "small", "tiny"])
+@pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=TILING_IDS)
 @pytest.mark.parametrize("m,f,k", [(300, 8192, 2048), (77, 1000, 2048)])
 def test_gemm_wgmma_silu_mul_gpu_each_tiling(m, f, k, config):
     """SwiGLU in the epilogue at Llama 3.2 1B's gate/up shape, and at an F no tile divides."""

@@ -74,6 +74,34 @@ def _case(name: str, launcher, m: int, n: int, k: int, torch, torch_dtype, seed:
     }
 
 
+_WGMMA_PARTS: list = []  # one split-K workspace for every gemm_wgmma case (made at the first)
+
+
+def _wgmma_case(name: str, m: int, n: int, k: int, torch, torch_dtype, seed: int) -> dict:
+    """gemm_wgmma as the model runs it: x's bf16 copy already written (by the norm or SwiGLU before
+    the product, ``x_copy``), the split-K parts and counters in a workspace. The conversion pass that
+    only the o product still needs is its own case (``x_to_bf16``)."""
+    from numba_vllm.kernels._launch import num_sms
+    from numba_vllm.kernels.gemm_tc import split_workspace_floats
+    from numba_vllm.kernels.gemm_wgmma import TILE_COUNTERS
+    from numba_vllm.kernels.matmul import GemmWorkspace
+
+    if not _WGMMA_PARTS:
+        _WGMMA_PARTS.extend((cuda.device_array(split_workspace_floats(num_sms()), np.float32),
+                             cuda.to_device(np.zeros(TILE_COUNTERS, np.int32))))  # fmt: skip
+    ops = _Operands(m, n, k, seed)
+    x_copy = cuda.to_device(np.ascontiguousarray(ops.x_host.astype(BF16)).view(np.uint16).reshape(-1))  # (M * K,) bf16 bits
+    workspace = GemmWorkspace(partials=_WGMMA_PARTS[0], x_bf16=x_copy, tile_counters=_WGMMA_PARTS[1])
+    return {
+        "name": name,
+        "shape": f"M={m} N={n} K={k}",
+        "run": lambda: gemm_wgmma(ops.x, ops.w, ops.out, workspace=workspace, x_copy=x_copy),
+        "bytes": n * k * 2 + m * k * 2 + m * n * 4,  # x read as bf16
+        "flops": 2 * m * n * k,
+        "torch": None if torch is None else _torch_linear(torch, ops, torch_dtype),
+    }
+
+
 def cases() -> list[dict]:
     """gemv at batch 1/8/32 on the four weight shapes; gemm, gemm_tc and gemm_wgmma at M=4096, N=8192,
     K=2048; gemm_tc and gemm_wgmma at M = 64 .. 512 on the weight shapes and the gate/up projection."""
@@ -87,12 +115,32 @@ def cases() -> list[dict]:
     m, n, k = GEMM_SHAPE
     out.append(_case("gemm", gemm, m, n, k, torch, f32, seed=1))
     out.append(_case("gemm_tc", gemm_tc, m, n, k, torch, bf16, seed=1))
-    out.append(_case("gemm_wgmma", gemm_wgmma, m, n, k, torch, bf16, seed=1))
+    out.append(_wgmma_case("gemm_wgmma", m, n, k, torch, bf16, seed=1))
+    out.append(_conversion_case(m, k))
     for n, k in TC_WEIGHT_SHAPES:
         for m in TC_TOKENS:
             out.append(_case(f"gemm_tc_m{m}", gemm_tc, m, n, k, torch, bf16, seed=n + k + m))
-            out.append(_case(f"gemm_wgmma_m{m}", gemm_wgmma, m, n, k, torch, bf16, seed=n + k + m))
+            out.append(_wgmma_case(f"gemm_wgmma_m{m}", m, n, k, torch, bf16, seed=n + k + m))
     return out
+
+
+def _conversion_case(m: int, k: int) -> dict:
+    """x (M, K) f32 rounded to bf16 into gemm_wgmma's workspace: the pass a product pays when no kernel
+    before it wrote x's bf16 copy (in a Llama layer, only the o product's)."""
+    from numba_vllm.kernels._launch import launch, num_sms
+    from numba_vllm.kernels.gemm_wgmma import CONVERT_THREADS, _default_x_workspace, _x_to_bf16_kernel, _x_views
+
+    x = cuda.to_device(np.random.default_rng(m).standard_normal((m, k), dtype=np.float32))
+    pairs = _x_views(_default_x_workspace(), m, k)[1]
+    blocks = min(-(-pairs.size // CONVERT_THREADS), 8 * num_sms())
+    return {
+        "name": "x_to_bf16",
+        "shape": f"M={m} K={k}",
+        "run": lambda: launch(_x_to_bf16_kernel, blocks, CONVERT_THREADS, x, pairs),
+        "bytes": m * k * 6,
+        "flops": 0,
+        "torch": None,
+    }
 
 
 def crossover_cases() -> list[dict]:

@@ -40,44 +40,55 @@ Data flow:
   padded by 8 words so the quads of a warp hit distinct banks) and copy the tile out with
   row-contiguous 16-byte reads: consecutive threads write consecutive columns of ``out``.
 
-Grids and splits: ``TILE_CONFIGS`` from largest (LARGE, 128 x 256) to smallest (TINY, 64 x 64);
-``pick_tile_config`` takes the largest tile whose grid reaches three quarters of the SMs, and K is
-split like gemm_tc's (partial tiles into a workspace, summed in a fixed order: deterministic) only
-when few tiles meet a long K (parts of at least 2048), as the measurements below chose.
-``blockIdx.x`` walks the M tiles when there are few of
-them (the blocks that run together share each w tile: a 128256-row head is read from memory once,
-not once per M tile), else the N tiles (w of a layer fits in L2, x streams once).
+Grids and splits (``pick_plan``): the tile size is the largest of LARGE (128 x 256), SMALL (64 x 128)
+and TINY (64 x 64) whose grid reaches three quarters of the SMs (128-row tiles only for more than
+64 rows); K is split only when few tiles meet a long K (parts of at least 2048); then the pipeline
+depth follows the grid: at most one block per SM gets the deeper SMALL_DEEP (6 stages), more
+blocks than SMs the shallower TINY_SHALLOW (4 stages, three blocks an SM). The parts of a split K
+never leave the kernel: every block writes its accumulators to a workspace, as its threads hold
+them (coalesced), and counts itself on its output tile's counter (an atomic add after a
+``threadfence``); the block that arrives last sums every part in order of z (the same additions
+whichever block it is: deterministic), sets the counter back to zero, and runs the epilogue, SwiGLU
+included. ``blockIdx.x`` walks the M tiles when there are few of them (the blocks that run together
+share each w tile: a 128256-row head is read from memory once, not once per M tile), else the N
+tiles (w of a layer fits in L2, x streams once).
 
 Requirements: K % 8 == 0 and w 16-byte aligned (TMA row strides and addresses); otherwise
 ``gemm_wgmma`` hands the product to ``gemm_tc``. Every Llama-family shape meets them. The x
 workspace is shared by every call: products run one after another on one stream.
 
-Measured on an H200 (2026-12-01; CUPTI kernel time, L2 flushed before each call; torch is cuBLAS
-bf16 ``matmul`` on bf16 x; "product" is this kernel alone on the tiling the launcher picks, x's
-conversion comes on top: 2-3 us at K = 2048 and M <= 256, 4-10 us at M = 512 or K = 8192, 18 us at
-M = 4096):
+Measured on an H200 (2026-12-02, ``numba-vllm bench kernels --only gemm_wgmma``: CUPTI kernel time,
+L2 flushed before each call; the product as the model runs it, x's bf16 copy already written by the
+kernel before; torch is cuBLAS bf16 ``matmul`` on bf16 x, in the same run; "before": the same rows
+on 2026-12-01, without the conversion of x, which the model needs only before the o product):
 
-    M x N x K            tilings (/split) for M = 64, 128, 256, 512   product (us)              torch (us)
-    4096 x 8192 x 2048   LARGE                                       275 (500 TFLOP/s)         178 (773 TFLOP/s)
-    M x 2048 x 2048      TINY, TINY, TINY, SMALL                     10.5, 10.6, 11.1, 16.6    7.0, 7.2, 7.5, 9.8
-    M x 8192 x 2048      TINY, SMALL, MEDIUM, LARGE                  16.3, 22.1, 28.0, 39.6    14.8, 14.8, 17.1, 26.2
-    M x 16384 x 2048     MEDIUM, MEDIUM, LARGE, LARGE                29.0, 32.5, 42.7, 72.6    24.5, 25.5, 29.8, 47.8
-    M x 2048 x 8192      TINY/4, TINY/2, TINY, SMALL/2               19.3, 26.2, 30.7, 49.6    16.9, 19.7, 21.6, 31.4
-    M x 128256 x 2048    LARGE                                       171, 194, 289, 511        151, 151, 195, 380
+    M x N x K           plan, M = 64, 128, 256, 512     product (us)              torch (us)              before (us)
+    4096 x 8192 x 2048  LARGE                           279 (493 TFLOP/s)         178                     275
+    M x 2048 x 2048     TINY x 3, SMALL_DEEP            10.1, 10.2, 10.5, 16.3    6.1, 6.4, 6.8, 8.9      10.5, 10.6, 11.1, 16.6
+    M x 8192 x 2048     TINY, SMALL_DEEP, SMALL, LARGE  15.5, 19.6, 25.8, 38.8    13.5, 13.8, 16.2, 25.6  16.3, 22.1, 28.0, 39.6
+    M x 16384 x 2048    SMALL_DEEP, SMALL, LARGE x 2    27.0, 30.6, 42.4, 73.7    23.3, 24.2, 27.9, 46.4  29.0, 32.5, 42.7, 72.6
+    M x 2048 x 8192     TINY/4, TINY/2, TINY, SMALL/2   19.7, 23.2, 29.9, 40.3    15.8, 19.2, 21.2, 31.9  19.3, 26.2, 30.7, 49.6
+    M x 128256 x 2048   SMALL, LARGE x 3                161, 192, 290, 504        145, 146, 191, 368      171, 194, 289, 511
 
-With the conversion, 4096 x 8192 x 2048 took 293 us (470 TFLOP/s). gemm_tc took 2-4x longer on
-every one of these shapes (665 us at 4096 x 8192 x 2048, 23 us at 128 x 2048 x 2048). What bounds
-this kernel, from the same runs and ptxas (CUDA 13.0): LARGE uses 154 registers (cap 168: 384
-threads, one block an SM), no spills, 194 KB of shared memory; each block loads its own x and w
-boxes (no cluster multicast: 48 KB per K step for 4 MFLOP), the grid is not persistent (the
-epilogue of a tile, 128 KB of f32 through shared memory, does not overlap the next tile's loads),
-and the output is f32 (twice cuBLAS's bf16 bytes). On decode shapes the fixed costs dominate: a
-2048 x 2048 weight takes ~10.5 us at any M up to 256 against ~2 us of reading it, and the
-conversion of x is a launch and a pass of its own (in a Llama step, only before the o products now:
-the norms and SwiGLU write the other products' bf16 x, ``x_copy``). The next steps: a
-persistent grid with the epilogue overlapped, 2-block clusters multicasting the shared operand, the
-attention writing its output as bf16 too, and ``setmaxnreg`` to give the consumers the producer's
-registers.
+The plan came from a sweep of every tiling (the five of ``TILE_CONFIGS`` and a 128 x 128 one) and split (1-8) at
+M = 32 .. 2048 on these weights (docs/benchmarks.md): it picks the fastest within 2% everywhere. The
+conversion of x, where it runs, comes on top: 2-3 us at K = 2048 and M <= 256, 18 us at M = 4096.
+gemm_tc took 2-4x longer on every one of these shapes. What bounds this kernel, from the same runs
+and ptxas (CUDA 13.5): LARGE uses 168 registers (its cap: 384 threads, one block an SM), no spills,
+194 KB of shared memory; each block loads its own x and w boxes (no cluster multicast: 48 KB per K
+step for 4 MFLOP), the grid is not persistent (the epilogue of a tile, 128 KB of f32 through shared
+memory, does not overlap the next tile's loads), and the output is f32 (twice cuBLAS's bf16
+bytes). On decode shapes, one block's pipeline is the bound: a 64 x 2048 x K product on 32 TINY
+blocks (CUDA events behind a sleeping kernel, same H200) takes 6.7 us at K = 64 (an empty launch:
+2.8; cuBLAS 5.1) and 0.19 us more per 64 of K (cuBLAS 0.15), 0.16 with the weight already in L2,
+so the memory is not what limits it: each K step is 4 wgmma chained on the same accumulators, a
+dependency the next step waits for. A K split fills more SMs but pays a serial chain of its own
+(parts written, fence, atomic count, the last block's loads: ~3 us), so on K = 2048 it does not
+win. Prefetching the tensor maps or dropping their acquire fence changed nothing (< 0.5 us). The
+next steps: two accumulator sets alternating by K step in small tiles (two chains in flight), a
+persistent grid with the epilogue overlapped, 2-block clusters multicasting the shared operand,
+the attention writing its output as bf16 too, and ``setmaxnreg`` to give the consumers the
+producer's registers.
 """
 
 import functools
@@ -88,7 +99,7 @@ from numba import cuda, float32, uint32
 
 from numba_vllm.kernels._launch import KernelError, launch, num_sms
 from numba_vllm.kernels.activation import swiglu
-from numba_vllm.kernels.gemm_tc import SUM_THREADS, _sum_splits_kernel, gemm_tc
+from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import pack_bf16x2
@@ -123,10 +134,12 @@ BLOCK_K = TILE_K  # 64 values of K per pipeline stage (one 128-byte swizzled row
 CHUNK_VALUES = 8  # K must be a multiple of this (16-byte TMA row strides)
 OUT_PAD_WORDS = 8  # padding of an epilogue row: the 8 rows a warp stores cover distinct banks
 BARRIER_BYTES = 8  # one mbarrier
+FLAG_BYTES = 8  # after the mbarriers: the word that tells a split's blocks which of them sums the parts
 CONSUMERS_BARRIER = 1  # named barrier of the consumer warpgroups (0 is syncthreads)
 X_WORKSPACE_VALUES = 32 * 1024 * 1024  # bf16 copy of x of a call without the model's workspace: 64 MB, made once
 MIN_SPLIT_TILES = 32  # split K only into parts of at least this many BLOCK_K slices (2048 of K)
 CONVERT_THREADS = 256
+TILE_COUNTERS = 4096  # output tiles a K-split product may have (one int32 counter each)
 SHARED_BYTES_PER_SM = 228 * 1024  # H100/H200: shared memory an SM gives its blocks (1 KB each reserved)
 
 
@@ -155,21 +168,25 @@ class TileConfig:
         return max(self.stages * self.stage_bytes, self.block_m * (self.block_n + OUT_PAD_WORDS) * 4)
 
     @property
-    def shared_bytes(self) -> int:  # + the full and empty mbarriers + alignment slack
-        return self.barrier_offset + 2 * self.stages * BARRIER_BYTES + ATOM_BYTES
+    def shared_bytes(self) -> int:  # + the full and empty mbarriers, the last-part flag, alignment slack
+        return self.barrier_offset + 2 * self.stages * BARRIER_BYTES + FLAG_BYTES + ATOM_BYTES
 
 
-# Prefill: 128 x 256, two consumer warpgroups of 64 x 256 (128 accumulators a thread), 4 stages: 194 KB.
+# Prefill and large decode batches: 128 x 256, two consumer warpgroups of 64 x 256 (128 accumulators
+# a thread), 4 stages: 194 KB, one block per SM.
 LARGE = TileConfig(consumers=2, block_n=256, stages=4)
-# 128 x 128, 6 stages: 194 KB.
-MEDIUM = TileConfig(consumers=2, block_n=128, stages=6)
 # 64 x 128, one consumer warpgroup, 4 stages: 98 KB, two blocks per SM.
 SMALL = TileConfig(consumers=1, block_n=128, stages=4)
+# The same tile, 6 stages (146 KB), for a grid of at most one block per SM: more bytes in flight.
+SMALL_DEEP = TileConfig(consumers=1, block_n=128, stages=6)
 # Skinny products (decode batches on a 2048-row weight): 64 x 64, 8 stages (the bytes in flight of a
-# 128-row tile): 130 KB.
+# 128-row tile): 130 KB, one block per SM.
 TINY = TileConfig(consumers=1, block_n=64, stages=8)
-TILE_CONFIGS = (LARGE, MEDIUM, SMALL, TINY)  # largest first
-FILL_FRACTION = 0.75  # a tiling qualifies when its grid gives a tile to this share of the SMs
+# The same tile, 4 stages (66 KB), for a grid of more blocks than SMs: three share an SM.
+TINY_SHALLOW = TileConfig(consumers=1, block_n=64, stages=4)
+TILE_CONFIGS = (LARGE, SMALL, SMALL_DEEP, TINY, TINY_SHALLOW)  # every tiling the launcher picks
+TILE_SHAPES = (LARGE, SMALL, TINY)  # the tile sizes, largest first, each at the stages its split is chosen for
+FILL_FRACTION = 0.75  # a tile size qualifies when its grid gives a tile to this share of the SMs
 
 
 def blocks_per_sm(config: TileConfig) -> int:
@@ -206,13 +223,17 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
     load_x = tma_load_2d(block_m)
     load_w = tma_load_2d(half_n if silu_mul else block_n)
 
-    @kernel(launch_bounds=(threads, 1))
-    def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, accumulate, tiles_per_split, m_fastest):
+    @kernel(launch_bounds=(threads, blocks_per_sm(config)))
+    def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, tiles_per_split, m_fastest):
         # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes block_m x 64 and block_n x 64,
         # with silu_mul block_n / 2 x 64)
         # x_bits (M, K) uint16: bf16 bits; w_bits (N, K) uint16; K % 8 == 0
-        # out (M, N) f32, or with K split over blockIdx.z, (splits * M, N): part z's rows z*M .. z*M + M - 1;
-        # with silu_mul (M, F / 2) uint32: (M, F) bf16 in pairs, N = 2F, F % 4 == 0, never split
+        # out (M, N) f32; with silu_mul (M, F / 2) uint32: (M, F) bf16 in pairs, N = 2F, F % 4 == 0
+        # K split over blockIdx.z (gridDim.z parts): parts (>= splits * grid_m * grid_n * block_m * block_n,)
+        # f32, each block's accumulators as the threads hold them (part z of output tile t from
+        # (z * tiles + t) * block_m * block_n); counters (>= grid_m * grid_n,) int32, zero: per output
+        # tile, how many of its parts are written (the last block sums them and sets it back to zero).
+        # Unsplit: neither is read.
         # accumulate: 1 out +=, 0 out =; tiles_per_split: BLOCK_K slices per part of K
         # m_fastest: 1 when blockIdx.x walks the M tiles (and blockIdx.y the N tiles), 0 the reverse
         smem = cuda.shared.array(0, uint32)  # stages x (x slice, w slice), from a 1024-byte boundary; mbarriers
@@ -285,8 +306,35 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
                 break
         wait_all(acc)
 
-        # Epilogue: accumulators -> shared memory (row-padded tile) -> out, 16 bytes per thread per row piece.
         first_word = pad >> 2
+        splits = cuda.gridDim.z
+        if splits > 1:  # K split: every part goes to `parts`; the tile's last part to arrive sums them
+            grid_n = cuda.gridDim.y if m_fastest else cuda.gridDim.x
+            tile_id = m_tile * grid_n + n_tile
+            tile_parts = cuda.gridDim.x * cuda.gridDim.y  # output tiles
+            part = (cuda.blockIdx.z * tile_parts + tile_id) * acc_count * consumer_threads + tid
+            for i in range(acc_count):  # accumulator i of every thread, one after another: coalesced
+                parts[part + i * consumer_threads] = acc[i]
+            cuda.threadfence()  # this thread's part is visible to the whole GPU before the count says so
+            named_barrier(CONSUMERS_BARRIER, consumer_threads)
+            flag = first_word + (barrier_offset + 2 * stages * BARRIER_BYTES) // 4
+            if tid == 0:
+                last = cuda.atomic.add(counters, tile_id, 1) == splits - 1
+                smem[flag] = uint32(1) if last else uint32(0)
+                if last:
+                    counters[tile_id] = 0  # every part has arrived: ready for the next launch
+            named_barrier(CONSUMERS_BARRIER, consumer_threads)
+            if smem[flag] == 0:
+                return
+            cuda.threadfence()  # the other parts, as their blocks wrote them
+            for i in range(acc_count):
+                acc[i] = float32(0.0)
+            for z in range(splits):  # in order of z, whichever block is last: deterministic
+                part = (z * tile_parts + tile_id) * acc_count * consumer_threads + tid
+                for i in range(acc_count):  # loads independent of each other: in flight together
+                    acc[i] += parts[part + i * consumer_threads]
+
+        # Epilogue: accumulators -> shared memory (row-padded tile) -> out, 16 bytes per thread per row piece.
         named_barrier(CONSUMERS_BARRIER, consumer_threads)  # every consumer is done reading the stages
         lane = tid % 32
         warp_row = group * WGMMA_M + (tid % WARPGROUP_THREADS) // 32 * 16 + (lane >> 2)
@@ -304,7 +352,6 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
                     out[m, n // 2] = pack_bf16x2(swiglu(g0, u0), swiglu(g1, u1))
                     out[m, n // 2 + 1] = pack_bf16x2(swiglu(g2, u2), swiglu(g3, u3))
             return
-        row_offset = cuda.blockIdx.z * num_tokens
         for c in range(tid, out_chunks, consumer_threads):
             r = c // (block_n // 4)
             col = c % (block_n // 4) * 4
@@ -312,7 +359,7 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
             n = n0 + col
             if m < num_tokens:
                 v0, v1, v2, v3 = load_shared_f32x4(smem_f32, first_word + r * out_row_words + col)
-                _store4(out, row_offset + m, n, num_rows, v0, v1, v2, v3, accumulate)
+                _store4(out, m, n, num_rows, v0, v1, v2, v3, accumulate)
 
     return gemm_wgmma_kernel
 
@@ -354,6 +401,22 @@ def _x_to_bf16_kernel(x, x_pairs):
 
 
 @functools.cache
+def _unused_parts():
+    """What an unsplit product passes for ``parts`` (never read): one f32."""
+    return cuda.device_array(1, np.float32)
+
+
+@functools.cache
+def _default_tile_counters():
+    return cuda.to_device(np.zeros(TILE_COUNTERS, np.int32))
+
+
+def _tile_counters(counters):
+    """The workspace's split-K counters, or the process's default ones for a call without them."""
+    return _default_tile_counters() if counters is None else counters
+
+
+@functools.cache
 def _default_x_workspace():
     """The bf16 copy of x for calls that bring no workspace (tests, benchmarks): allocated once, so
     its tensor maps are made once too. The model passes its own (`model.llama.buffer_specs`)."""
@@ -385,12 +448,6 @@ def _x_views(x_workspace, rows: int, k_dim: int):
         return x_bits, x_bits.view(np.uint32)
 
     return _cached_views("x", x_workspace, (rows, k_dim), make)
-
-
-def _partials(workspace, splits: int, num_tokens: int, num_rows: int):
-    """The split-K workspace as a (splits * M, N) f32 matrix."""
-    size = splits * num_tokens * num_rows
-    return _cached_views("parts", workspace, (size, num_rows), lambda: (workspace[:size].reshape(-1, num_rows),))[0]
 
 
 def x_capacity(x_workspace, k_dim: int) -> int:
@@ -440,24 +497,46 @@ def _tensor_map(bits, rows: int, box_rows: int):
 
 
 def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig:
-    """The largest tiling whose grid gives a tile to ``FILL_FRACTION`` of the SMs (else the smallest).
+    """The tile size: the largest of ``TILE_SHAPES`` whose grid gives a tile to ``FILL_FRACTION`` of
+    the SMs (else the smallest), 128-row tiles only for more than 64 rows of x.
 
     Measured on an H200 (see the module docstring): larger tiles read less per product and win as
-    long as most SMs have one; a grid of 128 LARGE tiles (M = 512, N = 8192) beat 256 SMALL ones.
+    long as most SMs have one; a grid of 128 LARGE tiles (M = 512, N = 8192) beat 256 SMALL ones,
+    and 64-row tiles beat 128-row ones whose lower half would be padding (M <= 64). A 128 x 128
+    tiling (two consumers) was never the fastest of these on any decode or prefill shape tried.
     """
-    for config in TILE_CONFIGS:
+    for config in TILE_SHAPES:
+        if config.block_m > WGMMA_M and num_tokens <= WGMMA_M:
+            continue
         if -(-num_rows // config.block_n) * -(-num_tokens // config.block_m) >= FILL_FRACTION * num_sms:
             return config
-    return TILE_CONFIGS[-1]
+    return TILE_SHAPES[-1]
+
+
+def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple[TileConfig, int]:
+    """The tiling and K split of a product: the tile size (``pick_tile_config``), its split
+    (``pick_k_split``), then the stages for the grid that makes: a grid of at most one block per SM
+    gets the deeper pipeline (SMALL_DEEP), one of more blocks than SMs the shallower one that lets
+    blocks share an SM (TINY_SHALLOW). On an H200 this picked, within 2%, the fastest of every
+    tiling and split tried at M = 32 .. 2048 on Llama 3.2 1B's weights (docs/benchmarks.md)."""
+    config = pick_tile_config(num_tokens, num_rows, num_sms)
+    tiles = -(-num_rows // config.block_n) * -(-num_tokens // config.block_m)
+    split = pick_k_split(config, tiles, k_dim, num_sms)
+    if config == SMALL and tiles * split <= num_sms:
+        return SMALL_DEEP, split
+    if config == TINY and tiles * split > num_sms:
+        return TINY_SHALLOW, split
+    return config, split
 
 
 def pick_k_split(config: TileConfig, num_blocks: int, k_dim: int, num_sms: int) -> int:
     """Into how many parts to split K: doubling while the blocks still run at once (``blocks_per_sm``
     per SM) and each part keeps ``MIN_SPLIT_TILES`` slices.
 
-    On an H200 a split paid only on long K (8192) with few tiles (M = 64 or 128 on a 2048-row weight:
-    32 and 64 TINY tiles, split 4 and 2 ways); on K = 2048 the partial sums cost more than the SMs
-    that the split fills.
+    On an H200 a split paid only on long K (8192) with few tiles (M = 32 .. 128 on a 2048-row weight:
+    32 and 64 TINY tiles, split 4 and 2 ways, and 128 SMALL tiles at M = 512, split 2); on K = 2048
+    it did not: no product there is bound by its blocks' K loops (a 64-row product of a 2048 x 2048
+    weight took 12.9 us on 32 blocks and 13.8 on 128 blocks of a 4-way split).
     """
     num_tiles = -(-k_dim // BLOCK_K)
     room = blocks_per_sm(config) * num_sms
@@ -489,7 +568,9 @@ def gemm_wgmma(
     _run(x, w, out, accumulate, config, split, workspace, x_copy, False)
 
 
-def gemm_wgmma_silu_mul(x, w, out_bits, config: TileConfig | None = None, workspace=None, x_copy=None) -> None:
+def gemm_wgmma_silu_mul(
+    x, w, out_bits, config: TileConfig | None = None, workspace=None, x_copy=None, split: int | None = None
+) -> None:
     """out_bits = bf16(silu(x @ gate.T) * (x @ up.T)) for w = [gate; up]: SwiGLU in the product's epilogue.
 
     x (M, K) f32 (or only its shape, with ``x_copy`` as in ``gemm_wgmma``), w (2F, K) bf16 (or its
@@ -498,14 +579,15 @@ def gemm_wgmma_silu_mul(x, w, out_bits, config: TileConfig | None = None, worksp
     w slice is two TMA boxes: ``block_n / 2`` gate rows and the same up rows), and its epilogue
     writes bf16(silu(g) * u) with ``activation.swiglu``: the bits that ``silu_and_mul``'s bf16 copy
     of the f32 product would hold, while the (M, 2F) f32 product is never written nor read back (at
-    2,048 tokens of Llama 3.2 1B, 268 MB less traffic a layer). Never split over K.
+    2,048 tokens of Llama 3.2 1B, 268 MB less traffic a layer). Split over K like ``gemm_wgmma`` (``split``:
+    forced, for tests): the block that sums a tile's parts applies SwiGLU.
     """
     num_rows = w.shape[0]
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out_bits, out_cols=num_rows // 2, out_dtype=np.uint16)
     if not _silu_mul_fits(w):
         raise KernelError(f"gemm_wgmma_silu_mul: w ({num_rows} x {k_dim}) needs 2F and K multiples of 16 and 8, 16-byte aligned")
     pairs = _cached_views("pairs", out_bits, tuple(out_bits.shape), lambda: (out_bits.view(np.uint32),))[0]  # (M, F / 2)
-    _run(x, w, pairs, False, config, 1, workspace, x_copy, True)
+    _run(x, w, pairs, False, config, split, workspace, x_copy, True)
 
 
 def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool) -> None:
@@ -521,11 +603,12 @@ def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool
         return
     w_bits = weight_bits(w)
     partials = None if workspace is None else workspace.partials
+    counters = None if workspace is None else workspace.tile_counters
     if k_dim % CHUNK_VALUES or not vector_aligned(w_bits):  # (gemm_wgmma_silu_mul has refused these)
         gemm_tc(x, w, out, accumulate, workspace=partials)  # no TMA copies of such rows; no Llama shape comes here
         return
     if written is not None:
-        _product(x_copy, written, w_bits, out, accumulate, config, split, partials, silu_mul)
+        _product(x_copy, written, w_bits, out, accumulate, config, split, partials, counters, silu_mul)
         return
     x_workspace = x_copy_buffer(workspace)
     rows = min(num_tokens, x_capacity(x_workspace, k_dim))
@@ -534,7 +617,7 @@ def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool
         x_bits, pairs = _x_views(x_workspace, part.shape[0], k_dim)
         blocks = min(-(-pairs.size // CONVERT_THREADS), 8 * num_sms())
         launch(_x_to_bf16_kernel, blocks, CONVERT_THREADS, part, pairs)
-        _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, partials, silu_mul)
+        _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, partials, counters, silu_mul)
 
 
 def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None, buffer=None):
@@ -575,12 +658,15 @@ def x_copy_buffer(workspace):
     return _default_x_workspace() if workspace is None else workspace.x_bf16
 
 
-def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partials, silu_mul: bool) -> None:
+def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partials, counters, silu_mul: bool) -> None:
     """The wgmma product of x's bf16 copy (a view from the start of the buffer ``x_workspace``) and w
-    (uint16 bits), split or not; with ``silu_mul`` (never split) SwiGLU in the epilogue."""
+    (uint16 bits), split or not, by ``pick_plan`` unless the caller forces a tiling or split; with
+    ``silu_mul`` SwiGLU in the epilogue."""
     num_tokens, k_dim = x_bits.shape
     num_rows = w_bits.shape[0]
-    config = config or pick_tile_config(num_tokens, num_rows, num_sms())
+    if config is None:
+        config, picked = pick_plan(num_tokens, num_rows, k_dim, num_sms())
+        split = split or picked
     grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)  # (silu_mul: F / (block_n / 2))
     split = split or pick_k_split(config, grid_n * grid_m, k_dim, num_sms())
     num_tiles = -(-k_dim // BLOCK_K)
@@ -592,18 +678,18 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partia
     x_map = _tensor_map(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
     w_map = _tensor_map(w_bits, num_rows, config.block_n // 2 if silu_mul else config.block_n)
     kernel_ = gemm_wgmma_kernel_for(config, silu_mul)
-    flag = 1 if accumulate else 0
-    shared = config.shared_bytes
-    if splits == 1:
-        args = (x_map, w_map, x_bits, w_bits, out, flag, tiles_per_split, m_fastest)
-        launch(kernel_, grid, config.threads, *args, shared_bytes=shared)
-        return
-    if partials is None:  # a call without the model's workspace: parts of its own (not cached)
-        parts = cuda.device_array((splits * num_tokens, num_rows), np.float32)
-    elif splits * num_tokens * num_rows > partials.shape[0]:
-        raise KernelError(f"gemm_wgmma: a {splits}-way K split of a {num_tokens}x{num_rows} product exceeds the workspace")
+    if splits == 1:  # neither is read: the workspace's own (nothing allocated while a graph is captured)
+        parts, counters = (_unused_parts() if partials is None else partials), _tile_counters(counters)
     else:
-        parts = _partials(partials, splits, num_tokens, num_rows)
-    args = (x_map, w_map, x_bits, w_bits, parts, 0, tiles_per_split, m_fastest)
-    launch(kernel_, grid, config.threads, *args, shared_bytes=shared)
-    launch(_sum_splits_kernel, (-(-num_rows // SUM_THREADS), min(num_tokens, 1024)), SUM_THREADS, parts, out, flag)
+        size = splits * grid_n * grid_m * config.block_m * config.block_n  # every block's accumulators
+        if grid_n * grid_m > TILE_COUNTERS:
+            raise KernelError(f"gemm_wgmma: a K split of {grid_n * grid_m} output tiles exceeds the {TILE_COUNTERS} counters")
+        if partials is None:  # a call without the model's workspace: parts of its own (not cached)
+            parts = cuda.device_array(size, np.float32)
+        elif size > partials.shape[0]:
+            raise KernelError(f"gemm_wgmma: a {splits}-way K split of {grid_n * grid_m} tiles exceeds the workspace")
+        else:
+            parts = partials
+        counters = _tile_counters(counters)
+    args = (x_map, w_map, x_bits, w_bits, out, parts, counters, 1 if accumulate else 0, tiles_per_split, m_fastest)
+    launch(kernel_, grid, config.threads, *args, shared_bytes=config.shared_bytes)

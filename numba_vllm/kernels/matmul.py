@@ -77,6 +77,9 @@ class GemmWorkspace:
     # act_bf16) from whose start its bf16 copy waits for the next product alone: `linear` clears it
     # at every call, after taking it when that product's x is the array
     handed: tuple | None = None
+    # (gemm_wgmma.TILE_COUNTERS,) int32, zeros: the count of each output tile's parts written in a
+    # K-split product, left at zero by each; None: the process's default ones
+    tile_counters: object = None
 
 
 def gemm_auto(x, w, out, accumulate: bool = False, workspace: GemmWorkspace | None = None) -> None:

@@ -47,6 +47,7 @@ from numba_vllm.kernels.decode_attention_tc import decode_attention_tc
 from numba_vllm.kernels.embedding import embedding
 from numba_vllm.kernels.gather import gather_rows
 from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspace_floats
+from numba_vllm.kernels.gemm_wgmma import TILE_COUNTERS
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
 from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
 from numba_vllm.kernels.rmsnorm import rms_norm
@@ -149,8 +150,10 @@ class DeviceModel:
         specs = buffer_specs(c, max_num_tokens, max_num_seqs, num_sms())
         self.buffers = {name: cuda.device_array(shape, dtype) for name, (shape, dtype) in specs.items()}
         self.sampler_workspace = PartWinners(self.buffers["sample_values"], self.buffers["sample_indices"])
+        self.buffers["gemm_tile_counters"].copy_to_device(np.zeros(TILE_COUNTERS, np.int32))
         self.gemm_workspace = matmul.GemmWorkspace(
-            self.buffers["gemm_partials"], self.buffers["gemm_x_bf16"], self.buffers["gemm_act_bf16"]
+            self.buffers["gemm_partials"], self.buffers["gemm_x_bf16"], self.buffers["gemm_act_bf16"],
+            tile_counters=self.buffers["gemm_tile_counters"],
         )
         # Padding rows read stale rows of `attn` and write (and padding decode rows read) slot 0 of the
         # null page: start both at zero, so that what padding computes is always finite.
@@ -340,6 +343,8 @@ def buffer_specs(c: ModelConfig, max_num_tokens: int, max_num_seqs: int, num_sms
         "gemm_x_bf16": ((t * max(c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim),), np.uint16),
         # (SwiGLU's bf16 output when the gate/up product computes it in its epilogue: the down product's x)
         "gemm_act_bf16": ((t * c.intermediate_size,), np.uint16),
+        # (gemm_wgmma's K splits: per output tile, its parts written so far; zero between products)
+        "gemm_tile_counters": ((TILE_COUNTERS,), np.int32),
         "attention_partials": ((attention_workspace_floats(c.num_attention_heads, c.num_key_value_heads, c.head_dim),), f32),
         "sample_values": ((SAMPLE_WORKSPACE_SLOTS,), f32),
         "sample_indices": ((SAMPLE_WORKSPACE_SLOTS,), np.int32),
