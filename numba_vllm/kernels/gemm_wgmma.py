@@ -401,22 +401,6 @@ def _x_to_bf16_kernel(x, x_pairs):
 
 
 @functools.cache
-def _unused_parts():
-    """What an unsplit product passes for ``parts`` (never read): one f32."""
-    return cuda.device_array(1, np.float32)
-
-
-@functools.cache
-def _default_tile_counters():
-    return cuda.to_device(np.zeros(TILE_COUNTERS, np.int32))
-
-
-def _tile_counters(counters):
-    """The workspace's split-K counters, or the process's default ones for a call without them."""
-    return _default_tile_counters() if counters is None else counters
-
-
-@functools.cache
 def _default_x_workspace():
     """The bf16 copy of x for calls that bring no workspace (tests, benchmarks): allocated once, so
     its tensor maps are made once too. The model passes its own (`model.llama.buffer_specs`)."""
@@ -678,18 +662,15 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partia
     x_map = _tensor_map(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
     w_map = _tensor_map(w_bits, num_rows, config.block_n // 2 if silu_mul else config.block_n)
     kernel_ = gemm_wgmma_kernel_for(config, silu_mul)
-    if splits == 1:  # neither is read: the workspace's own (nothing allocated while a graph is captured)
-        parts, counters = (_unused_parts() if partials is None else partials), _tile_counters(counters)
+    size = splits * grid_n * grid_m * config.block_m * config.block_n if splits > 1 else 1  # every block's accumulators
+    if splits > 1 and grid_n * grid_m > TILE_COUNTERS:
+        raise KernelError(f"gemm_wgmma: a K split of {grid_n * grid_m} output tiles exceeds the {TILE_COUNTERS} counters")
+    if partials is None or counters is None:  # a call without the model's workspace: scratch of its own
+        parts = cuda.device_array(size, np.float32)  # (unsplit: never read)
+        counters = cuda.to_device(np.zeros(grid_n * grid_m if splits > 1 else 1, np.int32))
+    elif size > partials.shape[0]:
+        raise KernelError(f"gemm_wgmma: a {splits}-way K split of {grid_n * grid_m} tiles exceeds the workspace")
     else:
-        size = splits * grid_n * grid_m * config.block_m * config.block_n  # every block's accumulators
-        if grid_n * grid_m > TILE_COUNTERS:
-            raise KernelError(f"gemm_wgmma: a K split of {grid_n * grid_m} output tiles exceeds the {TILE_COUNTERS} counters")
-        if partials is None:  # a call without the model's workspace: parts of its own (not cached)
-            parts = cuda.device_array(size, np.float32)
-        elif size > partials.shape[0]:
-            raise KernelError(f"gemm_wgmma: a {splits}-way K split of {grid_n * grid_m} tiles exceeds the workspace")
-        else:
-            parts = partials
-        counters = _tile_counters(counters)
+        parts = partials
     args = (x_map, w_map, x_bits, w_bits, out, parts, counters, 1 if accumulate else 0, tiles_per_split, m_fastest)
     launch(kernel_, grid, config.threads, *args, shared_bytes=config.shared_bytes)

@@ -78,7 +78,7 @@ class GemmWorkspace:
     # at every call, after taking it when that product's x is the array
     handed: tuple | None = None
     # (gemm_wgmma.TILE_COUNTERS,) int32, zeros: the count of each output tile's parts written in a
-    # K-split product, left at zero by each; None: the process's default ones
+    # K-split product, left at zero by each; None: each product allocates its own (and its parts)
     tile_counters: object = None
 
 
