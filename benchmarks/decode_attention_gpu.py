@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -44,7 +43,7 @@ from numba import cuda
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout's numba_vllm and tests
 
 from numba_vllm.bench.attention_cases import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, _gathered_torch, _random_cache  # noqa: E402
-from numba_vllm.bench.kernels import L2Flusher, torch_or_none  # noqa: E402
+from numba_vllm.bench.kernels import L2Flusher, kernel_times_behind_sleep, torch_or_none  # noqa: E402
 from numba_vllm.kernels import decode_attention_fast as fast  # noqa: E402
 from numba_vllm.kernels import decode_attention_tc as tc  # noqa: E402
 from numba_vllm.kernels.decode_attention import decode_attention  # noqa: E402
@@ -126,25 +125,9 @@ def check_all(attention, seed: int) -> list[str]:
     return lines
 
 
-@cuda.jit
-def _sleep_kernel(microseconds):
-    for _ in range(microseconds):
-        cuda.nanosleep(1000)
-
-
 def time_events(fn, flush, iters: int) -> float:
     """Median GPU time (us) of ``fn`` after an L2 flush, the host's launches hidden behind a sleep."""
-    start, stop = cuda.event(), cuda.event()
-    times = []
-    for _ in range(iters + 3):
-        flush()
-        _sleep_kernel[1, 1](200)
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cuda.event_elapsed_time(start, stop) * 1e3)  # us
-    return statistics.median(times[3:])
+    return kernel_times_behind_sleep(fn, flush, iters) * 1e6
 
 
 def time_shape(batch: int, context: int, names, torch, flush, iters: int) -> dict:

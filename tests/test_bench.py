@@ -2,6 +2,7 @@
 Llama (through click's CliRunner, JSON checked), and one-line errors for bad options, a missing GPU
 and a missing transformers."""
 
+import argparse
 import json
 import os
 import subprocess
@@ -319,3 +320,32 @@ def test_kernel_timeline_counts_busy_time_once_and_the_gaps_between():
     assert timeline.short_name(profiled) == "gemm_wgmma_kernel"
     assert timeline.short_name("numba_vllm::kernels::rope::rope_kernel[abi:v3][abi:cw51]") == "rope_kernel"
     assert timeline.short_name("Memcpy HtoD (Pinned -> Device)") == "Memcpy HtoD (Pinned -> Device)"
+
+
+def _gemm_plans():
+    import importlib.util
+
+    path = Path(__file__).parents[1] / "benchmarks" / "gemm_plans.py"
+    spec = importlib.util.spec_from_file_location("gemm_plans", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gemm_plans_tries_only_splits_that_keep_their_parts_and_fit():
+    """benchmarks/gemm_plans.py's sweep: a split keeps 4 slices of K a part, twice the SMs' blocks at
+    most, its parts within the workspace; extra tilings parse as CONSUMERSxBLOCK_NxSTAGES, one that
+    overflows shared memory is refused."""
+    from numba_vllm.kernels import gemm_wgmma as gw
+
+    plans = _gemm_plans()
+    tried = set(plans.candidates(64, 2048, 2048, [gw.TINY, gw.LARGE], [1, 2, 4, 8, 16], 132, 10**9))
+    assert tried == {(gw.TINY, 1), (gw.TINY, 2), (gw.TINY, 4), (gw.TINY, 8), (gw.LARGE, 1), (gw.LARGE, 2),
+                     (gw.LARGE, 4), (gw.LARGE, 8)}  # 32 slices of K: no 16-way split  # fmt: skip
+    assert (gw.TINY, 8) not in set(plans.candidates(512, 2048, 2048, [gw.TINY], [8], 132, 10**9))  # 256 x 8 blocks
+    assert set(plans.candidates(64, 2048, 2048, [gw.TINY], [1, 2], 132, 2 * 32 * 4096 - 1)) == {(gw.TINY, 1)}
+    assert plans.parse_tiling("1x64x12") == gw.TileConfig(consumers=1, block_n=64, stages=12)
+    assert plans.name_of(gw.SMALL_DEEP) == "SMALL_DEEP" and plans.name_of(plans.parse_tiling("1x64x12")) == "1x64x12"
+    for bad in ("1x64", "1x60x4", "2x256x6", "axbxc"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            plans.parse_tiling(bad)

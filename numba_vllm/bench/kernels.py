@@ -114,6 +114,44 @@ def kernel_times_events(fn, flush, iters: int) -> float:
     return statistics.median(times)
 
 
+_SLEEP = None
+
+
+def _sleep_kernel():
+    """A one-thread kernel that sleeps ``microseconds`` (``nanosleep``), compiled on first use."""
+    global _SLEEP
+    if _SLEEP is None:
+        from numba import cuda
+
+        @cuda.jit
+        def _sleep_kernel(microseconds):
+            for _ in range(microseconds):
+                cuda.nanosleep(1000)
+
+        _SLEEP = _sleep_kernel
+    return _SLEEP
+
+
+def kernel_times_behind_sleep(fn, flush, iters: int, sleep_us: int = 200) -> float:
+    """Median GPU time (s) of ``fn`` (numba or torch launches on the default stream): an L2 flush, a
+    kernel that sleeps ``sleep_us``, then CUDA events around ``fn``. The host enqueues ``fn`` while
+    the GPU sleeps, so the events time the GPU's work, the gaps between ``fn``'s own kernels
+    included, and not the host's launch cost. Three untimed rounds first."""
+    from numba import cuda
+
+    start, stop = cuda.event(), cuda.event()
+    times = []
+    for _ in range(iters + 3):
+        flush()
+        _sleep_kernel()[1, 1](sleep_us)
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        times.append(cuda.event_elapsed_time(start, stop) * 1e-3)
+    return statistics.median(times[3:])
+
+
 def torch_time(torch, fn, flush, iters: int) -> float:
     """Median time (s) of a torch op with CUDA events (torch launches are ~5 us; ops here are longer)."""
     times = []

@@ -70,9 +70,10 @@ on 2026-12-01, without the conversion of x, which the model needs only before th
     M x 2048 x 8192     TINY/4, TINY/2, TINY, SMALL/2   19.7, 23.2, 29.9, 40.3    15.8, 19.2, 21.2, 31.9  19.3, 26.2, 30.7, 49.6
     M x 128256 x 2048   SMALL, LARGE x 3                161, 192, 290, 504        145, 146, 191, 368      171, 194, 289, 511
 
-The plan came from a sweep of every tiling (the five of ``TILE_CONFIGS`` and a 128 x 128 one) and split (1-8) at
-M = 32 .. 2048 on these weights (docs/benchmarks.md): it picks the fastest within 2% everywhere. The
-conversion of x, where it runs, comes on top: 2-3 us at K = 2048 and M <= 256, 18 us at M = 4096.
+The plan came from a sweep of every tiling (the five of ``TILE_CONFIGS`` and a 128 x 128 one)
+and split (1-8) at M = 32 .. 2048 on these weights (``benchmarks/gemm_plans.py``,
+docs/benchmarks.md): it picks the fastest within 2% everywhere. The conversion of x, where it runs,
+comes on top: 2-3 us at K = 2048 and M <= 256, 18 us at M = 4096.
 gemm_tc took 2-4x longer on every one of these shapes. What bounds this kernel, from the same runs
 and ptxas (CUDA 13.5): LARGE uses 168 registers (its cap: 384 threads, one block an SM), no spills,
 194 KB of shared memory; each block loads its own x and w boxes (no cluster multicast: 48 KB per K
@@ -81,11 +82,13 @@ memory, does not overlap the next tile's loads), and the output is f32 (twice cu
 bytes). On decode shapes, one block's pipeline is the bound: a 64 x 2048 x K product on 32 TINY
 blocks (CUDA events behind a sleeping kernel, same H200) takes 6.7 us at K = 64 (an empty launch:
 2.8; cuBLAS 5.1) and 0.19 us more per 64 of K (cuBLAS 0.15), 0.16 with the weight already in L2,
-so the memory is not what limits it: each K step is 4 wgmma chained on the same accumulators, a
-dependency the next step waits for. A K split fills more SMs but pays a serial chain of its own
-(parts written, fence, atomic count, the last block's loads: ~3 us), so on K = 2048 it does not
-win. Prefetching the tensor maps or dropping their acquire fence changed nothing (< 0.5 us). The
-next steps: two accumulator sets alternating by K step in small tiles (two chains in flight), a
+so the memory's bandwidth is not what limits it: one block's pipeline is, its chain of wgmma (each
+K step's 4 accumulate on the same registers, and the next step's wait on them) and its bytes in
+flight (4 stages of TINY instead of 8: 16.0 against 12.9 us). A K split fills more SMs but pays a
+serial chain of its own (parts written, fence, atomic count, the last block's loads: ~3 us), so on
+K = 2048 it does not win. Prefetching the tensor maps or dropping their acquire fence changed
+nothing (< 0.5 us). The next steps: deeper pipelines where a grid has one block per SM (12 stages
+of TINY fit), two accumulator sets alternating by K step in small tiles (two chains in flight), a
 persistent grid with the epilogue overlapped, 2-block clusters multicasting the shared operand,
 the attention writing its output as bf16 too, and ``setmaxnreg`` to give the consumers the
 producer's registers.

@@ -1,0 +1,157 @@
+"""The Hopper GEMM's plans on a GPU: every tiling and K split of ``gemm_wgmma`` timed on Llama 3.2 1B's
+weights, beside cuBLAS and the plan ``pick_plan`` chooses. How its rules were found, and how to check
+them after a kernel change or on another Hopper GPU. Needs an H100 or H200 (sm_90a).
+
+    python benchmarks/gemm_plans.py                                   # M = 32 .. 512, splits 1-8 (~2 min)
+    python benchmarks/gemm_plans.py --tokens 1024 2048 --splits 1 2   # prefill chunks
+    python benchmarks/gemm_plans.py --extra 1x64x12 1x128x9           # more tilings: consumers x block_n x stages
+    python benchmarks/gemm_plans.py --silu --json plans.json          # + the gate/up product with SwiGLU
+
+Each product runs as the model runs it: x's bf16 copy already in the workspace (``x_copy``), split
+parts and counters in a workspace. Timing: an L2 flush, a sleeping kernel, then CUDA events around
+the call (``bench.kernels.kernel_times_behind_sleep``), median of ``--iters``; torch (cuBLAS bf16
+``matmul`` on bf16 x) the same way. A tiling and split is tried where each part keeps at least 4
+slices of 64 of K and the grid fits twice the SMs' blocks. Before timing a shape, the picked plan's
+output is checked against float64 NumPy on the bf16 inputs (a few rows, the tests' bound). One line per shape: cuBLAS, the picked
+plan, the fastest one, then every time (``--all``: each on its own line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from numba_vllm.kernels import gemm_wgmma as gw  # noqa: E402
+
+WEIGHTS = [(2048, 2048), (2048, 8192), (8192, 2048), (128256, 2048), (16384, 2048)]  # (N, K): q/o, down, gate, head, gate/up
+NAMES = {gw.LARGE: "LARGE", gw.SMALL: "SMALL", gw.SMALL_DEEP: "SMALL_DEEP", gw.TINY: "TINY", gw.TINY_SHALLOW: "TINY_SHALLOW"}
+MIN_PART_SLICES = 4  # a split's parts keep at least this many BLOCK_K slices
+CHECKED_ROWS = 8  # rows of the picked plan's output checked against float64 NumPy
+ERROR_BOUND = 1e-5  # |out - want| <= ERROR_BOUND * (|x| @ |w|.T), as the tests hold it (fp32 sums of exact products)
+
+
+def parse_tiling(spec: str) -> gw.TileConfig:
+    """'1x64x12' -> TileConfig(consumers=1, block_n=64, stages=12); it must fit an SM's shared memory."""
+    try:
+        consumers, block_n, stages = (int(v) for v in spec.lower().split("x"))
+        config = gw.TileConfig(consumers=consumers, block_n=block_n, stages=stages)
+    except (ValueError, TypeError) as e:
+        raise argparse.ArgumentTypeError(f"{spec!r}: want CONSUMERSxBLOCK_NxSTAGES, e.g. 1x64x12") from e
+    if consumers < 1 or block_n % 16 or not 16 <= block_n <= 256 or stages < 2 or config.shared_bytes > 227 * 1024:
+        raise argparse.ArgumentTypeError(f"{spec}: block_n a multiple of 16 up to 256, 2+ stages, within 227 KB of shared memory")
+    return config
+
+
+def name_of(config: gw.TileConfig) -> str:
+    return NAMES.get(config, f"{config.consumers}x{config.block_n}x{config.stages}")
+
+
+def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floats: int):
+    """The (tiling, split) pairs worth timing at (M, N, K): parts of at least MIN_PART_SLICES slices,
+    at most twice the blocks the SMs hold at once, split parts within ``parts_floats``."""
+    slices = -(-k // gw.BLOCK_K)
+    for config, split in itertools.product(tilings, splits):
+        tiles = -(-n // config.block_n) * -(-m // config.block_m)
+        if split > 1 and (slices // split < MIN_PART_SLICES or tiles * split > 2 * num_sms * gw.blocks_per_sm(config)
+                          or split * tiles * config.block_m * config.block_n > parts_floats
+                          or tiles > gw.TILE_COUNTERS):  # fmt: skip
+            continue
+        yield config, split
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 128, 256, 512], help="rows of x (M)")
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    parser.add_argument("--extra", type=parse_tiling, nargs="*", default=[], help="more tilings, CONSUMERSxBLOCK_NxSTAGES")
+    parser.add_argument("--silu", action="store_true", help="also the gate/up products with SwiGLU in the epilogue")
+    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--all", action="store_true", help="print every tiling and split's time")
+    parser.add_argument("--json", help="write every time here")
+    args = parser.parse_args()
+
+    from numba import cuda
+
+    from numba_vllm.bench.kernels import L2Flusher, kernel_times_behind_sleep, require_gpu, torch_or_none
+    from numba_vllm.kernels._launch import num_sms
+    from numba_vllm.kernels.gemm_tc import split_workspace_floats
+    from numba_vllm.kernels.matmul import GemmWorkspace
+    from numba_vllm.loading.bf16 import BF16, upload_bf16
+
+    require_gpu()
+    torch = torch_or_none()
+    flush = L2Flusher()
+    sms = num_sms()
+    partials = cuda.device_array(split_workspace_floats(sms), np.float32)
+    counters = cuda.to_device(np.zeros(gw.TILE_COUNTERS, np.int32))
+    tilings = list(gw.TILE_CONFIGS) + list(args.extra)
+    rng = np.random.default_rng(0)
+    rows = []
+    for (n, k), m in itertools.product(WEIGHTS, args.tokens):
+        w_host = (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(BF16)
+        w = upload_bf16(w_host)
+        x_host = rng.standard_normal((m, k), dtype=np.float32).astype(BF16)
+        x_copy = cuda.to_device(np.ascontiguousarray(x_host).view(np.uint16).reshape(-1))  # (M * K,) bf16 bits
+        workspace = GemmWorkspace(partials=partials, x_bf16=x_copy, tile_counters=counters)
+        x_shape = cuda.device_array((m, k), np.float32)  # read for its shape only (x_copy)
+        out = cuda.device_array((m, n), np.float32)
+        plan = gw.pick_plan(m, n, k, sms)
+
+        def product(config, split, out=out, w=w, workspace=workspace, x_shape=x_shape, x_copy=x_copy):
+            gw.gemm_wgmma(x_shape, w, out, config=config, split=split, workspace=workspace, x_copy=x_copy)
+
+        product(*plan)
+        checked = np.arange(0, m, max(1, m // CHECKED_ROWS))  # a few rows, float64
+        x64, w64 = x_host[checked].astype(np.float64), w_host.astype(np.float64)
+        err = np.abs(out.copy_to_host()[checked] - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-30)
+        row = {"m": m, "n": n, "k": k, "plan": f"{name_of(plan[0])}/{plan[1]}", "relative_error": float(err.max()), "us": {}}
+        if torch is not None:
+            tx = torch.from_numpy(x_host.view(np.int16)).to("cuda").view(torch.bfloat16)
+            tw = torch.from_numpy(w_host.view(np.int16)).to("cuda").view(torch.bfloat16)
+            tout = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
+            row["torch_us"] = kernel_times_behind_sleep(lambda: torch.matmul(tx, tw.T, out=tout), flush, args.iters) * 1e6  # noqa: B023
+        for config, split in candidates(m, n, k, tilings, args.splits, sms, partials.shape[0]):
+            seconds = kernel_times_behind_sleep(lambda: product(config, split), flush, args.iters)  # noqa: B023
+            row["us"][f"{name_of(config)}/{split}"] = seconds * 1e6
+        if args.silu and n == 2 * 8192:
+            act = cuda.device_array((m, n // 2), np.uint16)
+            for config, split in candidates(m, n, k, tilings, [s for s in args.splits if s <= 4], sms, partials.shape[0]):
+                def silu(config=config, split=split, act=act, w=w, workspace=workspace, x_shape=x_shape, x_copy=x_copy):
+                    gw.gemm_wgmma_silu_mul(x_shape, w, act, config=config, workspace=workspace, x_copy=x_copy, split=split)
+
+                row["us"][f"silu:{name_of(config)}/{split}"] = kernel_times_behind_sleep(silu, flush, args.iters) * 1e6
+        rows.append(row)
+        report(row, args.all)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+
+
+def report(row: dict, every: bool) -> None:
+    """One line: the shape, cuBLAS, the picked plan and the fastest (each with its ratio to cuBLAS)."""
+    plain = {key: t for key, t in row["us"].items() if not key.startswith("silu:")}
+    fastest = min(plain, key=plain.get)
+    torch_us = row.get("torch_us")
+
+    def ratio(t):
+        return "" if torch_us is None else f" ({t / torch_us:.2f}x)"
+
+    picked = plain.get(row["plan"], float("nan"))
+    line = f"M={row['m']:5d} N={row['n']:6d} K={row['k']:5d}  torch {torch_us or float('nan'):7.1f} us"
+    line += f"  picked {row['plan']:<15s} {picked:7.1f}{ratio(picked)}"
+    line += f"  fastest {fastest:<15s} {plain[fastest]:7.1f}{ratio(plain[fastest])}"
+    line += "  checked" if row["relative_error"] <= ERROR_BOUND else f"  WRONG (relative error {row['relative_error']:.1e})"
+    print(line, flush=True)
+    if every:
+        for key, t in sorted(row["us"].items(), key=lambda kv: kv[1]):
+            print(f"    {key:<22s} {t:8.1f} us{ratio(t)}")
+
+
+if __name__ == "__main__":
+    main()
