@@ -301,18 +301,19 @@ def test_serve_benchmark_shared_prefix_target_smoke_on_numpy(long_config_dir, tm
     assert "CPU cores used over the run: front end" in r.stdout
 
 
-def _kernel_timeline():
+def _benchmark_script(name: str):
+    """benchmarks/NAME.py as a module (the scripts are not a package)."""
     import importlib.util
 
-    path = Path(__file__).parents[1] / "benchmarks" / "kernel_timeline.py"
-    spec = importlib.util.spec_from_file_location("kernel_timeline", path)
+    path = Path(__file__).parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def test_kernel_timeline_counts_busy_time_once_and_the_gaps_between():
-    timeline = _kernel_timeline()
+    timeline = _benchmark_script("kernel_timeline")
     events = [{"ts": 10, "dur": 5}, {"ts": 0, "dur": 4}, {"ts": 12, "dur": 8}, {"ts": 30, "dur": 1}]  # us, out of order
     busy, span, gaps = timeline.busy_and_gaps(events)
     assert (busy, span, gaps) == (4 + 10 + 1, 31, [6, 10])  # [0, 4), [10, 20) (two overlapping), [30, 31)
@@ -322,23 +323,13 @@ def test_kernel_timeline_counts_busy_time_once_and_the_gaps_between():
     assert timeline.short_name("Memcpy HtoD (Pinned -> Device)") == "Memcpy HtoD (Pinned -> Device)"
 
 
-def _gemm_plans():
-    import importlib.util
-
-    path = Path(__file__).parents[1] / "benchmarks" / "gemm_plans.py"
-    spec = importlib.util.spec_from_file_location("gemm_plans", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_gemm_plans_tries_only_splits_that_keep_their_parts_and_fit():
     """benchmarks/gemm_plans.py's sweep: a split keeps 4 slices of K a part, twice the SMs' blocks at
     most, its parts within the workspace; extra tilings parse as CONSUMERSxBLOCK_NxSTAGES, one that
     overflows shared memory is refused."""
     from numba_vllm.kernels import gemm_wgmma as gw
 
-    plans = _gemm_plans()
+    plans = _benchmark_script("gemm_plans")
     tried = set(plans.candidates(64, 2048, 2048, [gw.TINY, gw.LARGE], [1, 2, 4, 8, 16], 132, 10**9))
     assert tried == {(gw.TINY, 1), (gw.TINY, 2), (gw.TINY, 4), (gw.TINY, 8), (gw.LARGE, 1), (gw.LARGE, 2),
                      (gw.LARGE, 4), (gw.LARGE, 8)}  # 32 slices of K: no 16-way split  # fmt: skip
