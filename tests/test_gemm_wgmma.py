@@ -549,6 +549,19 @@ def test_gemm_wgmma_gpu_split_k(config, split):
 
 
 @pytest.mark.gpu
+def test_gemm_wgmma_gpu_split_k_is_deterministic():
+    """Whichever block of a tile arrives last, it adds the parts in order of z: ten runs of an 8-way
+    split on the GPU (blocks finishing in any order) give the same bits."""
+    x, w, _ = random_case(np.random.default_rng(4), 256, 2048, 8192, False)
+    d_x, d_w, d_out = cuda.to_device(x), upload_bf16(w), cuda.device_array((256, 2048), np.float32)
+    runs = []
+    for _ in range(10):
+        gw.gemm_wgmma(d_x, d_w, d_out, config=gw.TINY, split=8)
+        runs.append(d_out.copy_to_host())
+    assert all(np.array_equal(run, runs[0]) for run in runs[1:])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("config", gw.TILE_CONFIGS, ids=TILING_IDS)
 def test_gemm_wgmma_silu_mul_gpu_split_k(config):
     x, w, _ = random_case(np.random.default_rng(3), 77, 2 * 1000, 2048, False)
