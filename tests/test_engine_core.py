@@ -217,15 +217,19 @@ assert "numba.cuda" not in sys.modules and "numba" not in sys.modules, sorted(m 
 # ---- streams and aborts ---------------------------------------------------------------------------
 def test_many_concurrent_streams_interleave(tiny, tiny_dir):
     """Eight streams (as many as the batch slots) run side by side: each one's first token comes
-    before any one's last, and each gives the tokens it gives alone."""
+    before any one's last, and each gives the tokens it gives alone. The threads send together (a
+    barrier) and each stream is long (600 tokens), so a thread that a loaded machine starts late
+    still finds the others running."""
     prompts = [[3 + i, 40 + i, 90 - i] for i in range(8)]
-    want = [c.token_ids for c in _greedy(tiny_dir, prompts, 200)]
+    want = [c.token_ids for c in _greedy(tiny_dir, prompts, 600)]
     arrivals: list[list[float]] = [[] for _ in prompts]
     got: list[list[int]] = [[] for _ in prompts]
+    ready = threading.Barrier(len(prompts))
 
     def one(i):
-        body = {"prompt": prompts[i], "max_tokens": 200, "temperature": 0, "ignore_eos": True, "stream": True,
+        body = {"prompt": prompts[i], "max_tokens": 600, "temperature": 0, "ignore_eos": True, "stream": True,
                 "return_token_ids": True}  # fmt: skip
+        ready.wait(60)
         with httpx.stream("POST", tiny.url + "/v1/completions", json=body, timeout=60) as r:
             for line in r.iter_lines():
                 if line.startswith("data: {"):
