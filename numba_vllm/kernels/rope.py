@@ -36,17 +36,15 @@ Why this shape: the first version took a block of 32 warps per token, one head p
 token's cos/sin table in shared memory behind a ``syncthreads``. At 52 registers a thread, one such
 block filled an SM's registers: one token at a time per SM, one head's 256 bytes in flight per warp.
 On an H200 a 2,048-token prefill step's launch took 70 us (10% of the step) for ~45 MB, 15 us at the
-memory's bandwidth. This version's blocks of 8 warps, at 122 registers a thread (ptxas, sm_90),
+memory's bandwidth. This version's blocks of 8 warps, at 126 registers a thread (ptxas, sm_90),
 fit two to an SM, and each warp has 6 heads' loads in flight: 24 KB in flight per SM against 8 KB.
 Each warp computes the cos/sin of its own channels (a few dozen instructions, overlapped with its
 loads), so there is no shared memory and no block barrier. On an H200 (the pointwise benchmark's
 case, Llama 3.2 1B's heads, L2 flushed, CUDA events behind a sleeping kernel): 61.2 us for 4,096
 tokens against 144.8 us for the first version in the same run (1.5 TB/s), 6.3 against 8.1 us for
-one token. Arrays are
-passed flat, with 32-bit index arithmetic (the launcher refuses a step of 2**31 q/k/v elements);
-the caches, which pass 2**31 elements when they fill a GPU, as rows of slots (a 64-bit row, a 32-bit
-place in it).
-HD may be at most ``2 * ROPE_MAX_HALF_DIM``.
+one token. The activations are passed flat, with 32-bit index arithmetic (the launcher refuses a
+step of 2**31 q/k/v elements); the caches, which pass 2**31 elements when they fill a GPU, as rows
+of slots (a 64-bit row, a 32-bit place in it). HD may be at most ``2 * ROPE_MAX_HALF_DIM``.
 
 The bf16 stores: the caches arrive as their uint16 bits (as attention reads them). A lane rounds its
 pair (x1, x2) to bf16 with one ``pack_bf16x2`` (``cvt.rn.bf16x2.f32``, round to nearest even) and
@@ -207,7 +205,6 @@ def rope_and_cache_write(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cac
     if qkv.size >= 2**31:
         raise KernelError(f"rope: a step of 2**31 q/k/v elements or more ({qkv.size}) needs 64-bit indices")
     slots, row = k_cache.shape[0] * PAGE_SIZE, num_kv_heads * head_dim
-    flat = (qkv.reshape(qkv.size), q.reshape(q.size), k_cache.view(np.uint16).reshape(slots, row),
-            v_cache.view(np.uint16).reshape(slots, row))  # fmt: skip
-    launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), flat[0], positions, inv_freq, kv_indices, flat[1], flat[2],
-           flat[3], np.int32(num_heads), np.int32(num_kv_heads))  # fmt: skip
+    k_rows, v_rows = (cache.view(np.uint16).reshape(slots, row) for cache in (k_cache, v_cache))
+    launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), qkv.reshape(qkv.size), positions, inv_freq, kv_indices,
+           q.reshape(q.size), k_rows, v_rows, np.int32(num_heads), np.int32(num_kv_heads))  # fmt: skip
