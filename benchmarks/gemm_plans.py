@@ -80,51 +80,39 @@ def main() -> None:
     from numba import cuda
 
     from numba_vllm.bench.kernels import L2Flusher, kernel_times_behind_sleep, require_gpu, torch_or_none
+    from numba_vllm.bench.matmul_cases import torch_linear, wgmma_operands
     from numba_vllm.kernels._launch import num_sms
-    from numba_vllm.kernels.gemm_tc import split_workspace_floats
-    from numba_vllm.kernels.matmul import GemmWorkspace
-    from numba_vllm.loading.bf16 import BF16, upload_bf16
+    from numba_vllm.loading.bf16 import to_bf16
 
     require_gpu()
     torch = torch_or_none()
     flush = L2Flusher()
     sms = num_sms()
-    partials = cuda.device_array(split_workspace_floats(sms), np.float32)
-    counters = cuda.to_device(np.zeros(gw.TILE_COUNTERS, np.int32))
     tilings = list(gw.TILE_CONFIGS) + list(args.extra)
-    rng = np.random.default_rng(0)
     rows = []
     for (n, k), m in itertools.product(WEIGHTS, args.tokens):
-        w_host = (rng.standard_normal((n, k), dtype=np.float32) * 0.02).astype(BF16)
-        w = upload_bf16(w_host)
-        x_host = rng.standard_normal((m, k), dtype=np.float32).astype(BF16)
-        x_copy = cuda.to_device(np.ascontiguousarray(x_host).view(np.uint16).reshape(-1))  # (M * K,) bf16 bits
-        workspace = GemmWorkspace(partials=partials, x_bf16=x_copy, tile_counters=counters)
-        x_shape = cuda.device_array((m, k), np.float32)  # read for its shape only (x_copy)
-        out = cuda.device_array((m, n), np.float32)
+        ops, workspace, x_copy = wgmma_operands(m, n, k, seed=n + k + m)
+        parts_floats = workspace.partials.shape[0]
         plan = gw.pick_plan(m, n, k, sms)
 
-        def product(config, split, out=out, w=w, workspace=workspace, x_shape=x_shape, x_copy=x_copy):
-            gw.gemm_wgmma(x_shape, w, out, config=config, split=split, workspace=workspace, x_copy=x_copy)
+        def product(config, split, ops=ops, workspace=workspace, x_copy=x_copy):
+            gw.gemm_wgmma(ops.x, ops.w, ops.out, config=config, split=split, workspace=workspace, x_copy=x_copy)
 
         product(*plan)
         checked = np.arange(0, m, max(1, m // CHECKED_ROWS))  # a few rows, float64
-        x64, w64 = x_host[checked].astype(np.float64), w_host.astype(np.float64)
-        err = np.abs(out.copy_to_host()[checked] - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-30)
+        x64, w64 = to_bf16(ops.x_host[checked]).astype(np.float64), ops.w_host.astype(np.float64)
+        err = np.abs(ops.out.copy_to_host()[checked] - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-30)
         row = {"m": m, "n": n, "k": k, "plan": f"{name_of(plan[0])}/{plan[1]}", "relative_error": float(err.max()), "us": {}}
         if torch is not None:
-            tx = torch.from_numpy(x_host.view(np.int16)).to("cuda").view(torch.bfloat16)
-            tw = torch.from_numpy(w_host.view(np.int16)).to("cuda").view(torch.bfloat16)
-            tout = torch.empty((m, n), device="cuda", dtype=torch.bfloat16)
-            row["torch_us"] = kernel_times_behind_sleep(lambda: torch.matmul(tx, tw.T, out=tout), flush, args.iters) * 1e6  # noqa: B023
-        for config, split in candidates(m, n, k, tilings, args.splits, sms, partials.shape[0]):
+            row["torch_us"] = kernel_times_behind_sleep(torch_linear(torch, ops, torch.bfloat16), flush, args.iters) * 1e6
+        for config, split in candidates(m, n, k, tilings, args.splits, sms, parts_floats):
             seconds = kernel_times_behind_sleep(lambda: product(config, split), flush, args.iters)  # noqa: B023
             row["us"][f"{name_of(config)}/{split}"] = seconds * 1e6
         if args.silu and n == 2 * 8192:
             act = cuda.device_array((m, n // 2), np.uint16)
-            for config, split in candidates(m, n, k, tilings, [s for s in args.splits if s <= 4], sms, partials.shape[0]):
-                def silu(config=config, split=split, act=act, w=w, workspace=workspace, x_shape=x_shape, x_copy=x_copy):
-                    gw.gemm_wgmma_silu_mul(x_shape, w, act, config=config, workspace=workspace, x_copy=x_copy, split=split)
+            for config, split in candidates(m, n, k, tilings, [s for s in args.splits if s <= 4], sms, parts_floats):
+                def silu(config=config, split=split, act=act, ops=ops, workspace=workspace, x_copy=x_copy):
+                    gw.gemm_wgmma_silu_mul(ops.x, ops.w, act, config=config, workspace=workspace, x_copy=x_copy, split=split)
 
                 row["us"][f"silu:{name_of(config)}/{split}"] = kernel_times_behind_sleep(silu, flush, args.iters) * 1e6
         rows.append(row)

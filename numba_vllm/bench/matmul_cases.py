@@ -28,7 +28,7 @@ from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemm_wgmma import gemm_wgmma
 from numba_vllm.kernels.gemv import MAX_TOKENS as GEMV_MAX_ROWS
 from numba_vllm.kernels.gemv import gemv
-from numba_vllm.loading.bf16 import BF16, upload_bf16
+from numba_vllm.loading.bf16 import BF16, bf16_bits, to_bf16, upload_bf16
 
 WEIGHT_SHAPES = [(2048, 2048), (2048, 8192), (8192, 2048), (128256, 2048)]  # (N, K)
 GEMV_BATCHES = [1, 8, 32]
@@ -54,7 +54,7 @@ class _Operands:
         self.out = cuda.to_device(np.zeros((m, n), np.float32))  # (M, N) f32
 
 
-def _torch_linear(torch, ops: _Operands, dtype):
+def torch_linear(torch, ops: _Operands, dtype):
     """A zero-arg callable computing the same product in torch with `dtype` operands."""
     x = torch.from_numpy(ops.x_host).to("cuda", dtype)
     w = torch.from_numpy(ops.w_host.view(np.int16)).to("cuda").view(torch.bfloat16).to(dtype)
@@ -70,17 +70,18 @@ def _case(name: str, launcher, m: int, n: int, k: int, torch, torch_dtype, seed:
         "run": lambda: launcher(ops.x, ops.w, ops.out),
         "bytes": n * k * 2 + m * k * 4 + m * n * 4,
         "flops": 2 * m * n * k,
-        "torch": None if torch is None else _torch_linear(torch, ops, torch_dtype),
+        "torch": None if torch is None else torch_linear(torch, ops, torch_dtype),
     }
 
 
 _WGMMA_PARTS: list = []  # one split-K workspace for every gemm_wgmma case (made at the first)
 
 
-def _wgmma_case(name: str, m: int, n: int, k: int, torch, torch_dtype, seed: int) -> dict:
-    """gemm_wgmma as the model runs it: x's bf16 copy already written (by the norm or SwiGLU before
-    the product, ``x_copy``), the split-K parts and counters in a workspace. The conversion pass that
-    only the o product still needs is its own case (``x_to_bf16``)."""
+def wgmma_operands(m: int, n: int, k: int, seed: int):
+    """(ops, workspace, x_copy): a product set up as the model runs gemm_wgmma, x's bf16 copy already
+    written (by the norm or SwiGLU before the product: ``x_copy``, (M * K,) uint16), split-K parts
+    and counters in ``workspace`` (shared by every call here). Call ``gemm_wgmma(ops.x, ops.w, ops.out,
+    workspace=workspace, x_copy=x_copy)``: ops.x is read for its shape only."""
     from numba_vllm.kernels._launch import num_sms
     from numba_vllm.kernels.gemm_tc import split_workspace_floats
     from numba_vllm.kernels.gemm_wgmma import TILE_COUNTERS
@@ -90,15 +91,21 @@ def _wgmma_case(name: str, m: int, n: int, k: int, torch, torch_dtype, seed: int
         _WGMMA_PARTS.extend((cuda.device_array(split_workspace_floats(num_sms()), np.float32),
                              cuda.to_device(np.zeros(TILE_COUNTERS, np.int32))))  # fmt: skip
     ops = _Operands(m, n, k, seed)
-    x_copy = cuda.to_device(np.ascontiguousarray(ops.x_host.astype(BF16)).view(np.uint16).reshape(-1))  # (M * K,) bf16 bits
-    workspace = GemmWorkspace(partials=_WGMMA_PARTS[0], x_bf16=x_copy, tile_counters=_WGMMA_PARTS[1])
+    x_copy = cuda.to_device(bf16_bits(to_bf16(ops.x_host)).reshape(-1))
+    return ops, GemmWorkspace(partials=_WGMMA_PARTS[0], x_bf16=x_copy, tile_counters=_WGMMA_PARTS[1]), x_copy
+
+
+def _wgmma_case(name: str, m: int, n: int, k: int, torch, torch_dtype, seed: int) -> dict:
+    """gemm_wgmma as the model runs it (``wgmma_operands``). The conversion pass that only the o
+    product still needs is its own case (``x_to_bf16``)."""
+    ops, workspace, x_copy = wgmma_operands(m, n, k, seed)
     return {
         "name": name,
         "shape": f"M={m} N={n} K={k}",
         "run": lambda: gemm_wgmma(ops.x, ops.w, ops.out, workspace=workspace, x_copy=x_copy),
         "bytes": n * k * 2 + m * k * 2 + m * n * 4,  # x read as bf16
         "flops": 2 * m * n * k,
-        "torch": None if torch is None else _torch_linear(torch, ops, torch_dtype),
+        "torch": None if torch is None else torch_linear(torch, ops, torch_dtype),
     }
 
 
