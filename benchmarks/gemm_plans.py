@@ -49,6 +49,17 @@ def parse_tiling(spec: str) -> gw.TileConfig:
     return config
 
 
+def positive(text: str) -> int:
+    """An argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: want an integer of at least 1")
+    return value
+
+
 def name_of(config: gw.TileConfig) -> str:
     return NAMES.get(config, f"{config.consumers}x{config.block_n}x{config.stages}")
 
@@ -68,11 +79,11 @@ def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floa
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[32, 64, 128, 256, 512], help="rows of x (M)")
-    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 8])
+    parser.add_argument("--tokens", type=positive, nargs="+", default=[32, 64, 128, 256, 512], help="rows of x (M)")
+    parser.add_argument("--splits", type=positive, nargs="+", default=[1, 2, 3, 4, 8])
     parser.add_argument("--extra", type=parse_tiling, nargs="*", default=[], help="more tilings, CONSUMERSxBLOCK_NxSTAGES")
     parser.add_argument("--silu", action="store_true", help="also the gate/up products with SwiGLU in the epilogue")
-    parser.add_argument("--iters", type=int, default=15)
+    parser.add_argument("--iters", type=positive, default=15)
     parser.add_argument("--all", action="store_true", help="print every tiling and split's time")
     parser.add_argument("--json", help="write every time here")
     args = parser.parse_args()
@@ -142,4 +153,9 @@ def report(row: dict, every: bool) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from numba_vllm.bench.common import BenchError
+
+    try:
+        main()
+    except BenchError as e:  # no usable GPU: one line, not a traceback
+        sys.exit(f"gemm_plans: {e}")

@@ -340,3 +340,7 @@ def test_gemm_plans_tries_only_splits_that_keep_their_parts_and_fit():
     for bad in ("1x64", "1x60x4", "2x256x6", "axbxc"):
         with pytest.raises(argparse.ArgumentTypeError):
             plans.parse_tiling(bad)
+    assert plans.positive("3") == 3
+    for bad in ("0", "-2", "x"):  # --tokens, --splits, --iters
+        with pytest.raises(argparse.ArgumentTypeError):
+            plans.positive(bad)
