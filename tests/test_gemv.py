@@ -24,9 +24,11 @@ from numba_vllm.kernels.vector_load import (
     SHARED_ALIGN,
     bf16_bits_to_f32,
     bf16x2_to_f32,
+    load_f32x2,
     load_f32x4,
     load_shared_f32x4,
     load_u32x4,
+    store_f32x2,
 )
 from numba_vllm.loading.bf16 import BF16, upload_bf16
 from tests.helpers.products import run_product
@@ -160,6 +162,8 @@ def vector_load_kernel(words16, words32, xf, out_u32, out_f32):
         out_f32[2, 2 * j + 1] = hi
     for j in range(8):
         out_f32[3, j] = bf16_bits_to_f32(words16[0, j])
+    e0, e1 = load_f32x2(xf, (1, 2))
+    store_f32x2(out_f32, (4, 6), e0 + float32(1.0), e1 + float32(1.0))
 
 
 def test_vector_load_helpers():
@@ -178,6 +182,8 @@ def test_vector_load_helpers():
     np.testing.assert_array_equal(got_f32[1, :4], xf[1, 4:])
     np.testing.assert_array_equal(got_f32[2], w[1, 8:].astype(np.float32))  # exact conversion
     np.testing.assert_array_equal(got_f32[3], w[0, :8].astype(np.float32))
+    np.testing.assert_array_equal(got_f32[4, 6:], xf[1, 2:4] + np.float32(1.0))  # an 8-byte pair, read and written
+    assert np.isnan(got_f32[4, :6]).all()  # nothing else
 
 
 # ---- GPU: Llama 3.2 1B shapes --------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""16-byte loads from global memory, and bf16 bits to float32, for bandwidth-bound kernels.
+"""16-byte loads from global memory, 8-byte stores, and bf16 bits to float32, for bandwidth-bound kernels.
 
 Why: Numba turns ``a[i]`` into one load of one element. A warp reading bf16 weights two bytes per
 lane moves 64 bytes per instruction, and such a kernel stays far below the memory bandwidth
@@ -19,6 +19,12 @@ Rules for callers:
   GPU is little-endian). bf16 weights are read through their uint16 view, 8 at a time.
 - ``load_f32x4(a, index)``: ``a`` is a float32 array; returns ``a[index .. index + 3]`` (the last
   axis) as 4 float32.
+
+8-byte pairs: ``store_f32x2(a, index, v0, v1)`` writes ``a[index]`` and the element after it (last
+axis) of a float32 array as one ``st.global.v2.f32``, and ``load_f32x2(a, index)`` reads them as one
+``ld.global.v2.f32`` (a coherent load: for arrays the kernel also writes); the address must be 8-byte
+aligned. A tensor-core epilogue reads and writes each thread's two adjacent accumulator columns this
+way (half the instructions, and no negative-index wraparound arithmetic per element).
 
 L2 prefetch: ``prefetch_l2(a, index)`` asks for the cache line holding ``a[index]`` to be brought into
 L2 (``prefetch.global.L2``) and returns at once: no register waits for it. A kernel that will load an
@@ -79,6 +85,21 @@ if simulator_enabled():
 
     load_shared_f32x4 = load_f32x4
 
+    def load_f32x2(array, index):
+        """``array[index], array[index + 1]`` (along the last axis) as 2 float32 (simulator version)."""
+        if array.dtype != np.float32:
+            raise TypeError(f"load_f32x2: expected a float32 array, got {array.dtype}")
+        *lead, col = _index_tuple(index)
+        return np.float32(array[(*lead, col)]), np.float32(array[(*lead, col + 1)])
+
+    def store_f32x2(array, index, v0, v1):
+        """``array[index], array[index + 1] = v0, v1`` (along the last axis; simulator version)."""
+        if array.dtype != np.float32:
+            raise TypeError(f"store_f32x2: expected a float32 array, got {array.dtype}")
+        *lead, col = _index_tuple(index)
+        array[(*lead, col)] = v0
+        array[(*lead, col + 1)] = v1
+
     def prefetch_l2(array, index):
         """Nothing (simulator version of the L2 prefetch hint)."""
 
@@ -93,7 +114,8 @@ else:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    _SHARED_ADDRSPACE = 3  # NVPTX address space of shared memory
+    _GLOBAL_ADDRSPACE = 1  # NVPTX address spaces of global and shared memory
+    _SHARED_ADDRSPACE = 3
 
     def _check_array_and_index(name, array, index, dtypes):
         if not isinstance(array, types.Array) or array.dtype not in dtypes:
@@ -169,6 +191,40 @@ else:
             vector = builder.load(builder.bitcast(shared_ptr, ir.PointerType(vector_type, _SHARED_ADDRSPACE)), align=16)
             values = [builder.extract_element(vector, ir.Constant(ir.IntType(32), j)) for j in range(4)]
             return context.make_tuple(builder, sig.return_type, values)
+
+        return sig, codegen
+
+    def _global_f32x2_pointer(context, builder, array_type, array, index_type, index):
+        """``array[index]``'s address as a pointer to a 2 x float32 vector in the global address space."""
+        ptr = _element_pointer(context, builder, array_type, array, index_type, index)
+        global_ptr = builder.addrspacecast(ptr, ir.PointerType(ir.FloatType(), _GLOBAL_ADDRSPACE))
+        return builder.bitcast(global_ptr, ir.PointerType(ir.VectorType(ir.FloatType(), 2), _GLOBAL_ADDRSPACE))
+
+    @intrinsic
+    def load_f32x2(typingctx, array, index):
+        """``array[index], array[index + 1]`` of a global float32 array, as one ``ld.global.v2.f32``."""
+        _check_array_and_index("load_f32x2", array, index, (types.float32,))
+        sig = types.UniTuple(types.float32, 2)(array, index)
+
+        def codegen(context, builder, sig, args):
+            vector = builder.load(_global_f32x2_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=8)
+            values = [builder.extract_element(vector, ir.Constant(ir.IntType(32), j)) for j in range(2)]
+            return context.make_tuple(builder, sig.return_type, values)
+
+        return sig, codegen
+
+    @intrinsic
+    def store_f32x2(typingctx, array, index, v0, v1):
+        """``array[index], array[index + 1] = v0, v1`` of a global float32 array, as one ``st.global.v2.f32``."""
+        _check_array_and_index("store_f32x2", array, index, (types.float32,))
+        sig = types.void(array, index, types.float32, types.float32)
+
+        def codegen(context, builder, sig, args):
+            vector = ir.Constant(ir.VectorType(ir.FloatType(), 2), ir.Undefined)
+            for j, value in enumerate(args[2:]):
+                vector = builder.insert_element(vector, value, ir.Constant(ir.IntType(32), j))
+            builder.store(vector, _global_f32x2_pointer(context, builder, sig.args[0], args[0], sig.args[1], args[1]), align=8)
+            return context.get_dummy_value()
 
         return sig, codegen
 
