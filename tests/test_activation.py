@@ -1,8 +1,9 @@
 """SiLU-and-multiply (numba_vllm.kernels.activation) against reference.silu_and_mul.
 
-Tolerance (float32): expf is within 2 ulps on a GPU, then an add, a division and a multiply each
-round once; silu(g) * u has no cancellation, so the error is relative per element: rtol 2e-6
-(about 16 ulps), no absolute slack. Inputs include |g| near and past expf's overflow (88.7).
+Tolerance (float32): expf is within 2 ulps on a GPU, the approximate reciprocal within 1, and an
+add and two multiplies each round once; silu(g) * u has no cancellation, so the error is relative
+per element: rtol 2e-6 (about 16 ulps), no absolute slack. Inputs include |g| near and past expf's
+overflow (88.7), where the reciprocal of 1 + exp(-g) is a subnormal (kept, not flushed to zero).
 Simulator shapes: few rows, F not a multiple of 32 or of the block; gpu-marked: Llama 3.2 1B
 (F = 8192) at 1, 64 and 4096 rows. The bf16 copy (gemm_wgmma's x workspace) must be the float32
 output rounded to nearest even, bit for bit (NumPy's rounding, and gemm_wgmma's conversion pass).

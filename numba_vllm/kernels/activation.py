@@ -30,8 +30,13 @@ runs another kernel, read it). When nothing but the down product reads ``out``, 
 these kernels altogether on Hopper: the gate/up product applies ``swiglu`` in its epilogue
 (``gemm_wgmma.gemm_wgmma_silu_mul``).
 
-Numerics: precise ``expf`` (no fastmath; the kernel is memory-bound, approximate math buys
-nothing). For g < -88, exp(-g) overflows to inf and silu(g) = g / inf = -0, the correct limit.
+Numerics: precise ``expf``, then the reciprocal of 1 + exp(-g) by the hardware's ``rcp.approx`` (1
+ulp) instead of an IEEE division: a few ulp of f32 in all, far below the bf16 rounding the model
+applies next. Not for speed here (the kernel is memory-bound) but for the gate/up product's
+epilogue, which applies the same ``swiglu`` to 64 pairs of registers a thread: an IEEE division's
+code is large enough that the compiler no longer unrolls that loop, and the accumulators would go
+to local memory. For g < -88, exp(-g) overflows to inf, its reciprocal is 0, and silu(g) = -0, the
+correct limit.
 """
 
 import math
@@ -39,6 +44,7 @@ import math
 from numba import cuda, float32
 
 from numba_vllm.kernels._launch import KernelError, check_array, launch
+from numba_vllm.kernels.approx_math import rcp_approx
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import f32_to_bf16_bits
 
@@ -50,9 +56,10 @@ ACTIVATION_MAX_ROW_BLOCKS = 65535  # blocks across rows (gridDim.y limit); more 
 
 @device_function
 def swiglu(gate, up):
-    """SwiGLU of one element in f32: silu(gate) * up = gate / (1 + exp(-gate)) * up (these kernels'
-    and the gate/up product's epilogue in ``gemm_wgmma``: the same formula, so the same bits)."""
-    return gate / (float32(1.0) + math.exp(-gate)) * up
+    """SwiGLU of one element in f32: silu(gate) * up = gate * (1 / (1 + exp(-gate))) * up, the
+    reciprocal approximate (1 ulp; module docstring). These kernels' and the gate/up product's
+    epilogue in ``gemm_wgmma``: the same formula, so the same bits."""
+    return gate * rcp_approx(float32(1.0) + math.exp(-gate)) * up
 
 
 @device_function

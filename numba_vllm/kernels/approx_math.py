@@ -1,4 +1,5 @@
-"""``exp2_approx``: 2^x in one hardware instruction (``ex2.approx.ftz.f32``), for softmax kernels.
+"""``exp2_approx``: 2^x in one hardware instruction (``ex2.approx.ftz.f32``), for softmax kernels, and
+``rcp_approx``: 1 / x (``rcp.approx.f32``, within 1 ulp), for SwiGLU (``activation.swiglu``).
 
 Why: ``math.exp`` compiles to libdevice's accurate ``expf`` (range reduction, about eight
 instructions), ``math.exp2`` without fastmath to ``ex2.approx`` plus denormal fix-ups. A softmax
@@ -21,6 +22,11 @@ if simulator_enabled():
         """2^x in float32 (simulator version)."""
         return np.float32(np.exp2(np.float32(x)))
 
+    def rcp_approx(x):
+        """1 / x in float32 (simulator version)."""
+        with np.errstate(divide="ignore"):
+            return np.float32(np.float32(1.0) / np.float32(x))
+
 else:
     from llvmlite import ir
     from numba import types
@@ -36,6 +42,20 @@ else:
 
         def codegen(context, builder, sig, args):
             asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+            return builder.call(asm, args)
+
+        return sig, codegen
+
+    @intrinsic
+    def rcp_approx(typingctx, x):
+        """1 / x of a float32 (``rcp.approx.f32``; without ``.ftz``: a reciprocal below 2^-126 stays a
+        subnormal instead of 0, so silu(-88) = -88 / exp(88) keeps its value)."""
+        if x != types.float32:
+            raise TypingError(f"rcp_approx: expected float32, got {x}")
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, sig, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), "rcp.approx.f32 $0, $1;", "=f,f")
             return builder.call(asm, args)
 
         return sig, codegen
