@@ -36,9 +36,21 @@ Data flow:
   up to ``stages`` K steps ahead of the tensor cores. A consumer waits until a stage is full, issues
   its 4 wgmma (k = 16 each) and commits them; once the wgmma of the previous step have completed
   (``wgmma.wait_group 1``: the current step's stay in flight) it releases the previous step's stage.
-- Epilogue: the consumers write their accumulators to shared memory (the pipeline buffers, rows
-  padded by 8 words so the quads of a warp hit distinct banks) and copy the tile out with
-  row-contiguous 16-byte reads: consecutive threads write consecutive columns of ``out``.
+- Persistent grid: at most as many blocks as fit on the GPU at once; block b takes output tiles b,
+  b + gridDim.x, ... The producer and the consumers count K steps over all of the block's tiles
+  (stage = step % stages, parity from step // stages), so the producer loads the next tile's first
+  stages while the consumers finish the current tile and store it: the tile's epilogue and the
+  next tile's pipeline fill overlap, and no block pays a launch and an empty pipeline per tile.
+- Epilogue straight from the registers: thread (warp w, g, q) holds columns 8j + 2q, 8j + 2q + 1 of
+  rows 16w + g and 16w + g + 8 (``wgmma.py``), and writes each pair as one 8-byte store: a warp's
+  store covers 8 rows x 32 bytes, whole sectors. With ``accumulate`` every load of out comes first,
+  then every store (a store between two loads would hold the second back by one memory latency:
+  the compiler cannot tell that they do not alias). With SwiGLU, the gate column c and the up
+  column block_n / 2 + c sit in the same thread, so it writes bf16(silu(g) * u) pairs (one uint32)
+  with no exchange. Every index into the accumulators must be a constant once the loops unroll
+  (else the array goes to local memory): the epilogue's loops are kept small enough for the
+  compiler to unroll them (``swiglu`` uses an approximate reciprocal for this; the tests assemble
+  every tiling and fail on a stack frame).
 
 Grids and splits (``pick_plan``): the tile size is the largest of LARGE (128 x 256), SMALL (64 x 128)
 and TINY (64 x 64) whose grid reaches three quarters of the SMs (128-row tiles only for more than
@@ -53,45 +65,49 @@ included. ``blockIdx.x`` walks the M tiles when there are few of them (the block
 share each w tile: a 128256-row head is read from memory once, not once per M tile), else the N
 tiles (w of a layer fits in L2, x streams once).
 
-Requirements: K % 8 == 0 and w 16-byte aligned (TMA row strides and addresses); otherwise
-``gemm_wgmma`` hands the product to ``gemm_tc``. Every Llama-family shape meets them. The x
-workspace is shared by every call: products run one after another on one stream.
+Requirements: K % 8 == 0 and w 16-byte aligned (TMA row strides and addresses), and N even with
+out 8-byte aligned (the epilogue stores column pairs); otherwise ``gemm_wgmma`` hands the product
+to ``gemm_tc``. Every Llama-family shape meets them. The x workspace is shared by every call:
+products run one after another on one stream.
 
 Measured on an H200 (2026-12-02, ``numba-vllm bench kernels --only gemm_wgmma``: CUPTI kernel time,
 L2 flushed before each call; the product as the model runs it, x's bf16 copy already written by the
 kernel before; torch is cuBLAS bf16 ``matmul`` on bf16 x, in the same run; "before": the same rows
-on 2026-12-01, without the conversion of x, which the model needs only before the o product):
+that morning, one tile per block and the epilogue through shared memory):
 
     M x N x K           plan, M = 64, 128, 256, 512     product (us)              torch (us)              before (us)
-    4096 x 8192 x 2048  LARGE                           279 (493 TFLOP/s)         178                     275
-    M x 2048 x 2048     TINY x 3, SMALL_DEEP            10.1, 10.2, 10.5, 16.3    6.1, 6.4, 6.8, 8.9      10.5, 10.6, 11.1, 16.6
-    M x 8192 x 2048     TINY, SMALL_DEEP, SMALL, LARGE  15.5, 19.6, 25.8, 38.8    13.5, 13.8, 16.2, 25.6  16.3, 22.1, 28.0, 39.6
-    M x 16384 x 2048    SMALL_DEEP, SMALL, LARGE x 2    27.0, 30.6, 42.4, 73.7    23.3, 24.2, 27.9, 46.4  29.0, 32.5, 42.7, 72.6
-    M x 2048 x 8192     TINY/4, TINY/2, TINY, SMALL/2   19.7, 23.2, 29.9, 40.3    15.8, 19.2, 21.2, 31.9  19.3, 26.2, 30.7, 49.6
-    M x 128256 x 2048   SMALL, LARGE x 3                161, 192, 290, 504        145, 146, 191, 368      171, 194, 289, 511
+    4096 x 8192 x 2048  LARGE                           220 (625 TFLOP/s)         180                     279 (493 TFLOP/s)
+    M x 2048 x 2048     TINY x 3, SMALL_DEEP            9.6, 9.6, 9.9, 14.4       6.2, 6.4, 6.8, 8.9      10.1, 10.2, 10.5, 16.3
+    M x 8192 x 2048     TINY, SMALL_DEEP, SMALL, LARGE  14.2, 17.6, 21.2, 29.3    13.6, 13.7, 16.3, 25.4  15.5, 19.6, 25.8, 38.8
+    M x 16384 x 2048    SMALL_DEEP, SMALL, LARGE x 2    24.9, 26.2, 32.5, 53.8    23.7, 24.5, 28.2, 46.3  27.0, 30.6, 42.4, 73.7
+    M x 2048 x 8192     TINY/4, TINY/2, TINY, SMALL/2   18.2, 22.3, 30.4, 37.2    15.9, 18.9, 21.2, 32.3  19.7, 23.2, 29.9, 40.3
+    M x 128256 x 2048   SMALL, LARGE x 3                146, 162, 224, 401        151, 150, 198, 376      161, 192, 290, 504
 
 The plan came from a sweep of every tiling (the five of ``TILE_CONFIGS`` and a 128 x 128 one)
 and split (1-8) at M = 32 .. 2048 on these weights (``benchmarks/gemm_plans.py``,
-docs/benchmarks.md): it picks the fastest within 2% everywhere. The conversion of x, where it runs,
-comes on top: 2-3 us at K = 2048 and M <= 256, 18 us at M = 4096.
+docs/benchmarks.md): it picks the fastest within 2% everywhere; rerun with the persistent grid at
+M = 32 .. 512, it still does among ``TILE_CONFIGS`` (tilings outside them, below, were at most 7%
+faster on a few shapes). The
+conversion of x, where it runs, comes on top: 2-3 us at K = 2048 and M <= 256, 18 us at M = 4096.
 gemm_tc took 2-4x longer on every one of these shapes. What bounds this kernel, from the same runs
 and ptxas (CUDA 13.5): LARGE uses 168 registers (its cap: 384 threads, one block an SM), no spills,
 194 KB of shared memory; each block loads its own x and w boxes (no cluster multicast: 48 KB per K
-step for 4 MFLOP), the grid is not persistent (the epilogue of a tile, 128 KB of f32 through shared
-memory, does not overlap the next tile's loads), and the output is f32 (twice cuBLAS's bf16
-bytes). On decode shapes, one block's pipeline is the bound: a 64 x 2048 x K product on 32 TINY
-blocks (CUDA events behind a sleeping kernel, same H200) takes 6.7 us at K = 64 (an empty launch:
-2.8; cuBLAS 5.1) and 0.19 us more per 64 of K (cuBLAS 0.15), 0.16 with the weight already in L2,
-so the memory's bandwidth is not what limits it: one block's pipeline is, its chain of wgmma (each
-K step's 4 accumulate on the same registers, and the next step's wait on them) and its bytes in
-flight (4 stages of TINY instead of 8: 16.0 against 12.9 us). A K split fills more SMs but pays a
-serial chain of its own (parts written, fence, atomic count, the last block's loads: ~3 us), so on
-K = 2048 it does not win. Prefetching the tensor maps or dropping their acquire fence changed
-nothing (< 0.5 us). The next steps: deeper pipelines where a grid has one block per SM (12 stages
-of TINY fit), two accumulator sets alternating by K step in small tiles (two chains in flight), a
-persistent grid with the epilogue overlapped, 2-block clusters multicasting the shared operand,
-the attention writing its output as bf16 too, and ``setmaxnreg`` to give the consumers the
-producer's registers.
+step for 4 MFLOP), and the output is f32 (twice cuBLAS's bf16 bytes). On decode shapes, one
+block's pipeline is the bound: a 64 x 2048 x K product on 32 TINY blocks (CUDA events behind a
+sleeping kernel, same H200) takes 6.7 us at K = 64 (an empty launch: 2.8; cuBLAS 5.1) and 0.19 us
+more per 64 of K (cuBLAS 0.15), 0.16 with the weight already in L2, so the memory's bandwidth is
+not what limits it. Tried on the 2048 x 2048 weight at M = 64 .. 256 (``gemm_plans.py --extra``,
+events behind a sleep): 12 stages of TINY instead of 8 (no faster), 64 x 32 tiles (twice the blocks:
+at most 7% faster), and two accumulator sets a thread, the odd k16 slices of every step in the
+second (two wgmma chains in flight: within 2%). So neither the chain of wgmma nor the bytes in
+flight past 8 stages bound it; what is left is each step's round trip (the consumer's release, the
+producer's wait and TMA issue, the copy's latency) and the fixed cost before the first step. A K
+split fills more SMs but pays a serial chain of its own (parts written, fence, atomic count, the
+last block's loads: ~3 us), so on K = 2048 it does not win. Prefetching the tensor maps or dropping
+their acquire fence changed nothing (< 0.5 us). The next steps: a K split reduced inside a cluster
+of 2-4 blocks through distributed shared memory (no round trip through global memory), launches
+that overlap the previous kernel's tail (programmatic dependent launch), 2-block clusters
+multicasting the shared operand, and ``setmaxnreg`` to give the consumers the producer's registers.
 """
 
 import functools
@@ -106,7 +122,7 @@ from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import pack_bf16x2
-from numba_vllm.kernels.vector_load import load_shared_f32x4, vector_aligned
+from numba_vllm.kernels.vector_load import load_f32x2, store_f32x2, vector_aligned
 from numba_vllm.kernels.wgmma import (
     ATOM_BYTES,
     DESC_K_STEP,
@@ -123,7 +139,6 @@ from numba_vllm.kernels.wgmma import (
     named_barrier,
     shared_address,
     smem_descriptor,
-    store_accumulators,
     tensormap_acquire,
     tma_load_2d,
     wgmma_bf16,
@@ -135,7 +150,6 @@ from numba_vllm.sim.warp import simulator_enabled
 
 BLOCK_K = TILE_K  # 64 values of K per pipeline stage (one 128-byte swizzled row)
 CHUNK_VALUES = 8  # K must be a multiple of this (16-byte TMA row strides)
-OUT_PAD_WORDS = 8  # padding of an epilogue row: the 8 rows a warp stores cover distinct banks
 BARRIER_BYTES = 8  # one mbarrier
 FLAG_BYTES = 8  # after the mbarriers: the word that tells a split's blocks which of them sums the parts
 CONSUMERS_BARRIER = 1  # named barrier of the consumer warpgroups (0 is syncthreads)
@@ -167,8 +181,8 @@ class TileConfig:
         return (self.block_m + self.block_n) * SWIZZLE_ROW_BYTES
 
     @property
-    def barrier_offset(self) -> int:  # the mbarriers follow the stages (or the epilogue's tile, if larger)
-        return max(self.stages * self.stage_bytes, self.block_m * (self.block_n + OUT_PAD_WORDS) * 4)
+    def barrier_offset(self) -> int:  # the mbarriers follow the stages
+        return self.stages * self.stage_bytes
 
     @property
     def shared_bytes(self) -> int:  # + the full and empty mbarriers, the last-part flag, alignment slack
@@ -213,52 +227,51 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
     x_bytes = block_m * SWIZZLE_ROW_BYTES  # the x slice of a stage; the w slice follows it
     barrier_offset = config.barrier_offset
     consumer_threads = consumers * WARPGROUP_THREADS
-    out_row_words = block_n + OUT_PAD_WORDS
-    out_chunks = block_m * block_n // 4  # 16-byte pieces of the output tile
     half_n = block_n // 2  # with silu_mul: the tile's gate columns, then as many up columns
     half_bytes = half_n * SWIZZLE_ROW_BYTES
-    act_chunks = block_m * half_n // 4  # with silu_mul: 4-value pieces of the (M, F) output tile
     mma = wgmma_bf16(block_n)
     fence_acc = wgmma_fence(block_n)
     wait_but_one = wgmma_wait(block_n, 1)
     wait_all = wgmma_wait(block_n, 0)
-    store_acc = store_accumulators(block_n, out_row_words)
     load_x = tma_load_2d(block_m)
     load_w = tma_load_2d(half_n if silu_mul else block_n)
 
     @kernel(launch_bounds=(threads, blocks_per_sm(config)))
-    def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, tiles_per_split, m_fastest):
+    def gemm_wgmma_kernel(
+        x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, tiles_per_split, m_fastest
+    ):
         # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes block_m x 64 and block_n x 64,
         # with silu_mul block_n / 2 x 64)
         # x_bits (M, K) uint16: bf16 bits; w_bits (N, K) uint16; K % 8 == 0
         # out (M, N) f32; with silu_mul (M, F / 2) uint32: (M, F) bf16 in pairs, N = 2F, F % 4 == 0
-        # K split over blockIdx.z (gridDim.z parts): parts (>= splits * grid_m * grid_n * block_m * block_n,)
+        # Output tiles: block b of gridDim.x takes tiles b, b + gridDim.x, ... (persistent: a grid of at
+        # most the blocks that fit at once walks every tile); tile t is (t % grid_m, t // grid_m) when
+        # m_fastest, else (t // grid_n, t % grid_n) (M tile, N tile).
+        # K split over blockIdx.z (gridDim.z parts): parts (>= splits * tiles * block_m * block_n,)
         # f32, each block's accumulators as the threads hold them (part z of output tile t from
-        # (z * tiles + t) * block_m * block_n); counters (>= grid_m * grid_n,) int32, zero: per output
-        # tile, how many of its parts are written (the last block sums them and sets it back to zero).
+        # (z * tiles + t) * block_m * block_n); counters (>= tiles,) int32, zero: per output tile, how
+        # many of its parts are written (the last block sums them and sets it back to zero).
         # Unsplit: neither is read.
         # accumulate: 1 out +=, 0 out =; tiles_per_split: BLOCK_K slices per part of K
-        # m_fastest: 1 when blockIdx.x walks the M tiles (and blockIdx.y the N tiles), 0 the reverse
         smem = cuda.shared.array(0, uint32)  # stages x (x slice, w slice), from a 1024-byte boundary; mbarriers
-        smem_f32 = cuda.shared.array(0, float32)  # the same memory, for the epilogue
         num_tokens = x_bits.shape[0]
         num_rows = w_bits.shape[0]
         k_dim = x_bits.shape[1]
+        grid_m = (num_tokens + block_m - 1) // block_m
+        grid_n = (num_rows + block_n - 1) // block_n  # (silu_mul: F / (block_n / 2) as well)
+        out_tiles = grid_m * grid_n
         tid = cuda.threadIdx.x
         group = tid // WARPGROUP_THREADS
-        m_tile = cuda.blockIdx.x if m_fastest else cuda.blockIdx.y
-        n_tile = cuda.blockIdx.y if m_fastest else cuda.blockIdx.x
-        m0 = m_tile * block_m
-        n0 = n_tile * block_n
-        first_tile = cuda.blockIdx.z * tiles_per_split
-        num_tiles = min(tiles_per_split, (k_dim + BLOCK_K - 1) // BLOCK_K - first_tile)
-        k_first = first_tile * BLOCK_K
+        first_slice = cuda.blockIdx.z * tiles_per_split
+        num_slices = min(tiles_per_split, (k_dim + BLOCK_K - 1) // BLOCK_K - first_slice)  # K steps per tile
+        k_first = first_slice * BLOCK_K
 
         base = shared_address(smem, 0)
         pad = (ATOM_BYTES - (base & (ATOM_BYTES - 1))) & (ATOM_BYTES - 1)  # bytes up to an aligned address
-        tiles = base + pad  # shared address of stage 0
-        full = tiles + barrier_offset  # full[s] at full + 8 s: the stage's copies have landed
+        stage0 = base + pad  # shared address of stage 0
+        full = stage0 + barrier_offset  # full[s] at full + 8 s: the stage's copies have landed
         empty = full + stages * BARRIER_BYTES  # empty[s]: every consumer is done with the stage
+        flag = (pad + barrier_offset + 2 * stages * BARRIER_BYTES) // 4  # word: is this block a tile's last part
         if tid == 0:
             for s in range(stages):
                 mbarrier_init(full + s * BARRIER_BYTES, 1)
@@ -266,124 +279,126 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
             fence_mbarrier_init()
         cuda.syncthreads()
 
+        # K steps are counted over all of the block's tiles (stage = step % stages, its use number
+        # step // stages sets the parity), so the producer fills the next tile's first stages while the
+        # consumers finish the current one and store it.
         if group == consumers:  # the producer warpgroup: one thread issues the copies
             if tid % WARPGROUP_THREADS == 0:
                 tensormap_acquire(x_map)
                 tensormap_acquire(w_map)
-                for tile in range(num_tiles):
-                    s = tile % stages
-                    if tile >= stages:  # wait for the consumers' release of the stage's previous use
-                        mbarrier_wait(empty + s * BARRIER_BYTES, (tile // stages + 1) & 1)
-                    barrier = full + s * BARRIER_BYTES
-                    mbarrier_arrive_expect_tx(barrier, stage_bytes)
-                    stage = tiles + s * stage_bytes
-                    k = k_first + tile * BLOCK_K
-                    load_x(smem, stage, x_map, x_bits, k, m0, barrier)
-                    if silu_mul:  # gate rows, then the same rows of up (N / 2 further down w)
-                        load_w(smem, stage + x_bytes, w_map, w_bits, k, n_tile * half_n, barrier)
-                        load_w(smem, stage + x_bytes + half_bytes, w_map, w_bits, k, num_rows // 2 + n_tile * half_n, barrier)
-                    else:
-                        load_w(smem, stage + x_bytes, w_map, w_bits, k, n0, barrier)
+                step = 0
+                for t in range(cuda.blockIdx.x, out_tiles, cuda.gridDim.x):
+                    m_tile, n_tile = _tile_of(t, grid_m, grid_n, m_fastest)
+                    for kt in range(num_slices):
+                        s = step % stages
+                        if step >= stages:  # wait for the consumers' release of the stage's previous use
+                            mbarrier_wait(empty + s * BARRIER_BYTES, (step // stages + 1) & 1)
+                        barrier = full + s * BARRIER_BYTES
+                        mbarrier_arrive_expect_tx(barrier, stage_bytes)
+                        stage = stage0 + s * stage_bytes
+                        k = k_first + kt * BLOCK_K
+                        load_x(smem, stage, x_map, x_bits, k, m_tile * block_m, barrier)
+                        if silu_mul:  # gate rows, then the same rows of up (N / 2 further down w)
+                            load_w(smem, stage + x_bytes, w_map, w_bits, k, n_tile * half_n, barrier)
+                            load_w(smem, stage + x_bytes + half_bytes, w_map, w_bits, k, num_rows // 2 + n_tile * half_n,
+                                   barrier)  # fmt: skip
+                        else:
+                            load_w(smem, stage + x_bytes, w_map, w_bits, k, n_tile * block_n, barrier)
+                        step += 1
             return
 
         acc = cuda.local.array(acc_count, float32)  # this thread's part of the warpgroup's 64 x block_n
-        for i in range(acc_count):
-            acc[i] = float32(0.0)
-        tile = 0
-        while True:  # at least one step (num_tiles >= 1): no path reaches wait_all without a wgmma, which
-            # ptxas would count as other code writing the accumulators in a pipeline stage (and serialise)
-            s = tile % stages
-            mbarrier_wait(full + s * BARRIER_BYTES, (tile // stages) & 1)
-            stage = tiles + s * stage_bytes
-            desc_a = smem_descriptor(stage + group * WGMMA_M * SWIZZLE_ROW_BYTES)
-            desc_b = smem_descriptor(stage + x_bytes)
-            fence_acc(acc)
-            for kk in range(BLOCK_K // WGMMA_K):
-                mma(acc, smem, desc_a + kk * DESC_K_STEP, desc_b + kk * DESC_K_STEP)
-            wgmma_commit()
-            wait_but_one(acc)  # the previous step's wgmma have completed: release its stage
-            if tile > 0 and tid % WARPGROUP_THREADS == 0:
-                mbarrier_arrive(empty + ((tile - 1) % stages) * BARRIER_BYTES)
-            tile += 1
-            if tile >= num_tiles:
-                break
-        wait_all(acc)
-
-        first_word = pad >> 2
-        splits = cuda.gridDim.z
-        if splits > 1:  # K split: every part goes to `parts`; the tile's last part to arrive sums them
-            grid_n = cuda.gridDim.y if m_fastest else cuda.gridDim.x
-            tile_id = m_tile * grid_n + n_tile
-            tile_parts = cuda.gridDim.x * cuda.gridDim.y  # output tiles
-            part = (cuda.blockIdx.z * tile_parts + tile_id) * acc_count * consumer_threads + tid
-            for i in range(acc_count):  # accumulator i of every thread, one after another: coalesced
-                parts[part + i * consumer_threads] = acc[i]
-            cuda.threadfence()  # this thread's part is visible to the whole GPU before the count says so
-            named_barrier(CONSUMERS_BARRIER, consumer_threads)
-            flag = first_word + (barrier_offset + 2 * stages * BARRIER_BYTES) // 4
-            if tid == 0:
-                last = cuda.atomic.add(counters, tile_id, 1) == splits - 1
-                smem[flag] = uint32(1) if last else uint32(0)
-                if last:
-                    counters[tile_id] = 0  # every part has arrived: ready for the next launch
-            named_barrier(CONSUMERS_BARRIER, consumer_threads)
-            if smem[flag] == 0:
-                return
-            cuda.threadfence()  # the other parts, as their blocks wrote them
+        leader = tid % WARPGROUP_THREADS == 0
+        step = 0
+        for t in range(cuda.blockIdx.x, out_tiles, cuda.gridDim.x):
+            m_tile, n_tile = _tile_of(t, grid_m, grid_n, m_fastest)
             for i in range(acc_count):
                 acc[i] = float32(0.0)
-            for z in range(splits):  # in order of z, whichever block is last: deterministic
-                part = (z * tile_parts + tile_id) * acc_count * consumer_threads + tid
-                for i in range(acc_count):  # loads independent of each other: in flight together
-                    acc[i] += parts[part + i * consumer_threads]
+            kt = 0
+            while True:  # at least one step (num_slices >= 1): no path reaches wait_all without a wgmma, which
+                # ptxas would count as other code writing the accumulators in a pipeline stage (and serialise)
+                s = step % stages
+                mbarrier_wait(full + s * BARRIER_BYTES, (step // stages) & 1)
+                stage = stage0 + s * stage_bytes
+                desc_a = smem_descriptor(stage + group * WGMMA_M * SWIZZLE_ROW_BYTES)
+                desc_b = smem_descriptor(stage + x_bytes)
+                fence_acc(acc)
+                for kk in range(BLOCK_K // WGMMA_K):
+                    mma(acc, smem, desc_a + kk * DESC_K_STEP, desc_b + kk * DESC_K_STEP)
+                wgmma_commit()
+                wait_but_one(acc)  # the previous step's wgmma have completed: release its stage
+                if kt > 0 and leader:
+                    mbarrier_arrive(empty + ((step - 1) % stages) * BARRIER_BYTES)
+                step += 1
+                kt += 1
+                if kt >= num_slices:
+                    break
+            wait_all(acc)
+            if leader:  # the tile's last stage
+                mbarrier_arrive(empty + ((step - 1) % stages) * BARRIER_BYTES)
 
-        # Epilogue: accumulators -> shared memory (row-padded tile) -> out, 16 bytes per thread per row piece.
-        named_barrier(CONSUMERS_BARRIER, consumer_threads)  # every consumer is done reading the stages
-        lane = tid % 32
-        warp_row = group * WGMMA_M + (tid % WARPGROUP_THREADS) // 32 * 16 + (lane >> 2)
-        store_acc(acc, smem, first_word + warp_row * out_row_words + 2 * (lane & 3))
-        named_barrier(CONSUMERS_BARRIER, consumer_threads)
-        if silu_mul:  # 4 gate values and their 4 up values -> 4 bf16 of (M, F), as two uint32
-            for c in range(tid, act_chunks, consumer_threads):
-                r = c // (half_n // 4)
-                col = c % (half_n // 4) * 4
-                m = m0 + r
-                n = n_tile * half_n + col
-                if m < num_tokens and n < num_rows // 2:
-                    g0, g1, g2, g3 = load_shared_f32x4(smem_f32, first_word + r * out_row_words + col)
-                    u0, u1, u2, u3 = load_shared_f32x4(smem_f32, first_word + r * out_row_words + half_n + col)
-                    out[m, n // 2] = pack_bf16x2(swiglu(g0, u0), swiglu(g1, u1))
-                    out[m, n // 2 + 1] = pack_bf16x2(swiglu(g2, u2), swiglu(g3, u3))
-            return
-        for c in range(tid, out_chunks, consumer_threads):
-            r = c // (block_n // 4)
-            col = c % (block_n // 4) * 4
-            m = m0 + r
-            n = n0 + col
-            if m < num_tokens:
-                v0, v1, v2, v3 = load_shared_f32x4(smem_f32, first_word + r * out_row_words + col)
-                _store4(out, m, n, num_rows, v0, v1, v2, v3, accumulate)
+            splits = cuda.gridDim.z
+            if splits > 1:  # K split: every part goes to `parts`; the tile's last part to arrive sums them
+                part = (cuda.blockIdx.z * out_tiles + t) * acc_count * consumer_threads + tid
+                for i in range(acc_count):  # accumulator i of every thread, one after another: coalesced
+                    parts[part + i * consumer_threads] = acc[i]
+                cuda.threadfence()  # this thread's part is visible to the whole GPU before the count says so
+                named_barrier(CONSUMERS_BARRIER, consumer_threads)
+                if tid == 0:
+                    last = cuda.atomic.add(counters, t, 1) == splits - 1
+                    smem[flag] = uint32(1) if last else uint32(0)
+                    if last:
+                        counters[t] = 0  # every part has arrived: ready for the next launch
+                named_barrier(CONSUMERS_BARRIER, consumer_threads)
+                if smem[flag] == 0:
+                    continue
+                cuda.threadfence()  # the other parts, as their blocks wrote them
+                for i in range(acc_count):
+                    acc[i] = float32(0.0)
+                for z in range(splits):  # in order of z, whichever block is last: deterministic
+                    part = (z * out_tiles + t) * acc_count * consumer_threads + tid
+                    for i in range(acc_count):  # loads independent of each other: in flight together
+                        acc[i] += parts[part + i * consumer_threads]
+
+            # Epilogue, straight from the registers: acc[4j + 2h + e] is D[16w + 8h + g, 8j + 2q + e] of
+            # the warpgroup's 64 rows (wgmma.py); a warp's store of one (j, h) covers 8 rows of 32 bytes
+            # (whole sectors), and the producer is already filling the next tile's stages.
+            lane = tid % 32
+            m = m_tile * block_m + group * WGMMA_M + (tid % WARPGROUP_THREADS) // 32 * 16 + (lane >> 2)
+            if silu_mul:  # gate column c and up column half_n + c sit in the same thread, half_n / 2 apart
+                n = n_tile * half_n + 2 * (lane & 3)  # column of (M, F); its pair is word n / 2 of the row
+                for j in range(half_n // 8):
+                    for h in range(2):
+                        if m + 8 * h < num_tokens and n + 8 * j < num_rows // 2:
+                            i = 4 * j + 2 * h
+                            g0, g1, u0, u1 = acc[i], acc[i + 1], acc[i + half_n // 2], acc[i + 1 + half_n // 2]
+                            out[m + 8 * h, n // 2 + 4 * j] = pack_bf16x2(swiglu(g0, u0), swiglu(g1, u1))
+            else:  # two adjacent columns per 8-byte store (N is even and out's rows 8-byte aligned: _pairs_aligned)
+                n = n_tile * block_n + 2 * (lane & 3)
+                if accumulate:  # every load first, then every store: the loads are in flight together (a
+                    # store between them, which may alias for all the compiler knows, would order each
+                    # load after the previous store, one memory latency per pair)
+                    for j in range(block_n // 8):
+                        for h in range(2):
+                            if m + 8 * h < num_tokens and n + 8 * j < num_rows:
+                                o0, o1 = load_f32x2(out, (m + 8 * h, n + 8 * j))
+                                acc[4 * j + 2 * h] += o0
+                                acc[4 * j + 2 * h + 1] += o1
+                for j in range(block_n // 8):
+                    for h in range(2):
+                        if m + 8 * h < num_tokens and n + 8 * j < num_rows:
+                            store_f32x2(out, (m + 8 * h, n + 8 * j), acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1])
 
     return gemm_wgmma_kernel
 
 
 @device_function
-def _store1(out, row, n, num_rows, value, accumulate):
-    """out[row, n] (+)= value, when column n exists."""
-    if n < num_rows:
-        if accumulate:
-            out[row, n] += value
-        else:
-            out[row, n] = value
-
-
-@device_function
-def _store4(out, row, n, num_rows, v0, v1, v2, v3, accumulate):
-    """out[row, n .. n + 3] (+)= v0 .. v3, the columns past ``num_rows`` left alone."""
-    _store1(out, row, n, num_rows, v0, accumulate)
-    _store1(out, row, n + 1, num_rows, v1, accumulate)
-    _store1(out, row, n + 2, num_rows, v2, accumulate)
-    _store1(out, row, n + 3, num_rows, v3, accumulate)
+def _tile_of(t, grid_m, grid_n, m_fastest):
+    """(M tile, N tile) of output tile ``t``: consecutive tiles walk the M tiles when ``m_fastest``
+    (the blocks that run together share each w tile), else the N tiles."""
+    if m_fastest:
+        return t % grid_m, t // grid_m
+    return t // grid_n, t % grid_n
 
 
 @kernel
@@ -591,7 +606,10 @@ def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool
     w_bits = weight_bits(w)
     partials = None if workspace is None else workspace.partials
     counters = None if workspace is None else workspace.tile_counters
-    if k_dim % CHUNK_VALUES or not vector_aligned(w_bits):  # (gemm_wgmma_silu_mul has refused these)
+    pairs = silu_mul or _pairs_aligned(out)  # (the SwiGLU output is whole uint32 words)
+    if written is not None and not pairs:
+        raise KernelError(f"gemm_wgmma: out ({num_tokens} x {out.shape[1]}) must be 8-byte aligned rows when x is its bf16 copy")
+    if k_dim % CHUNK_VALUES or not vector_aligned(w_bits) or not pairs:  # (gemm_wgmma_silu_mul has refused these)
         gemm_tc(x, w, out, accumulate, workspace=partials)  # no TMA copies of such rows; no Llama shape comes here
         return
     if written is not None:
@@ -612,13 +630,13 @@ def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None, buffer=No
     (M, K) uint16 view of ``buffer`` (default: the x workspace, ``workspace.x_bf16``, or the default
     one without a workspace) that the TMA copies from, rows of K values one after another from its
     start, no padding. None when the product would not read x from there in one piece: K not a
-    multiple of ``CHUNK_VALUES`` or ``w`` (the product's (N, K) weight, when known) unaligned
-    (gemm_tc runs it, on the f32 x), or M x K past the buffer (row chunks, each converted from the
+    multiple of ``CHUNK_VALUES`` or ``w`` (the product's (N, K) weight, when known) unaligned or of
+    an odd N (gemm_tc runs it, on the f32 x), or M x K past the buffer (row chunks, each converted from the
     f32 x). Every Llama shape within the model's workspace gets a view."""
     x_workspace = x_copy_buffer(workspace) if buffer is None else buffer
     if k_dim == 0 or k_dim % CHUNK_VALUES or num_tokens > x_capacity(x_workspace, k_dim):
         return None
-    if w is not None and (w.shape[1] != k_dim or not vector_aligned(w)):  # (w's address: no uint16 view to make)
+    if w is not None and (w.shape[1] != k_dim or w.shape[0] % 2 or not vector_aligned(w)):  # (w's address: no view to make)
         return None
     return _x_views(x_workspace, num_tokens, k_dim)[0]
 
@@ -656,24 +674,33 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partia
         split = split or picked
     grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)  # (silu_mul: F / (block_n / 2))
     split = split or pick_k_split(config, grid_n * grid_m, k_dim, num_sms())
-    num_tiles = -(-k_dim // BLOCK_K)
-    tiles_per_split = -(-num_tiles // split)
-    splits = -(-num_tiles // tiles_per_split)  # no empty part
+    num_slices = -(-k_dim // BLOCK_K)
+    tiles_per_split = -(-num_slices // split)
+    splits = -(-num_slices // tiles_per_split)  # no empty part
     m_fastest = 1 if grid_m <= 16 else 0
-    grid = (grid_m, grid_n, splits) if m_fastest else (grid_n, grid_m, splits)
+    tiles = grid_n * grid_m
+    blocks = min(tiles, max(1, blocks_per_sm(config) * num_sms() // splits))  # persistent: at most one wave
     capacity = x_capacity(x_workspace, k_dim)
     x_map = _tensor_map(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
     w_map = _tensor_map(w_bits, num_rows, config.block_n // 2 if silu_mul else config.block_n)
     kernel_ = gemm_wgmma_kernel_for(config, silu_mul)
-    size = splits * grid_n * grid_m * config.block_m * config.block_n if splits > 1 else 1  # every block's accumulators
-    if splits > 1 and grid_n * grid_m > TILE_COUNTERS:
-        raise KernelError(f"gemm_wgmma: a K split of {grid_n * grid_m} output tiles exceeds the {TILE_COUNTERS} counters")
+    size = splits * tiles * config.block_m * config.block_n if splits > 1 else 1  # every block's accumulators
+    if splits > 1 and tiles > TILE_COUNTERS:
+        raise KernelError(f"gemm_wgmma: a K split of {tiles} output tiles exceeds the {TILE_COUNTERS} counters")
     if partials is None or counters is None:  # a call without the model's workspace: scratch of its own
         parts = cuda.device_array(size, np.float32)  # (unsplit: never read)
-        counters = cuda.to_device(np.zeros(grid_n * grid_m if splits > 1 else 1, np.int32))
+        counters = cuda.to_device(np.zeros(tiles if splits > 1 else 1, np.int32))
     elif size > partials.shape[0]:
-        raise KernelError(f"gemm_wgmma: a {splits}-way K split of {grid_n * grid_m} tiles exceeds the workspace")
+        raise KernelError(f"gemm_wgmma: a {splits}-way K split of {tiles} tiles exceeds the workspace")
     else:
         parts = partials
     args = (x_map, w_map, x_bits, w_bits, out, parts, counters, 1 if accumulate else 0, tiles_per_split, m_fastest)
-    launch(kernel_, grid, config.threads, *args, shared_bytes=config.shared_bytes)
+    launch(kernel_, (blocks, 1, splits), config.threads, *args, shared_bytes=config.shared_bytes)
+
+
+def _pairs_aligned(out) -> bool:
+    """Whether every even column of the (M, N) f32 ``out`` starts 8 bytes aligned: even N, contiguous
+    rows, an aligned start (the epilogue then stores two columns at once)."""
+    interface = getattr(out, "__cuda_array_interface__", None) or out.__array_interface__
+    strides = interface.get("strides") or (out.shape[1] * 4, 4)
+    return out.shape[1] % 2 == 0 and strides[1] == 4 and strides[0] % 8 == 0 and interface["data"][0] % 8 == 0

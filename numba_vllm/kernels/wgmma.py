@@ -18,11 +18,6 @@ with it, as inline PTX from ``@intrinsic`` functions, like ``mma.py``:
   committed groups of this warpgroup's wgmma are in flight); both take ``acc`` as operands that they
   "modify", so the compiler orders every other access to the accumulators around them.
   ``wgmma_commit()``: ``wgmma.commit_group``, closes the group of wgmma issued since the last one.
-- ``store_accumulators(n, row_words)``: the intrinsic ``store(acc, smem, index)`` writing the
-  thread's accumulators into a row-major f32 tile in shared memory (``smem`` uint32, rows of
-  ``row_words`` words; ``index`` is where the thread's first value, D[16w + g, 2q], goes), as
-  8-byte stores: for an epilogue that leaves through shared memory (the indices are constants, so
-  ``acc`` stays in registers, which a loop over it in the kernel would not guarantee).
 - ``smem_descriptor(address)``: the descriptor of a K-major operand tile at a shared address, laid
   out with the 128-byte swizzle (below). Advance it by ``DESC_K_STEP`` per 16 values of k.
 - ``shared_address(array, index)``: the 32-bit shared-window address of ``array[index]``.
@@ -222,17 +217,6 @@ if simulator_enabled():
     def fence_proxy_async():
         """fence.proxy.async.shared::cta (simulator: one memory, no proxies)."""
 
-    @functools.cache
-    def store_accumulators(n, row_words):
-        """``store(acc, smem, index)``: acc[4j + 2h + e] -> smem[index + 8h row_words + 8j + e] as f32 (simulator)."""
-
-        def store(acc, smem, index):
-            tile = smem.view(np.float32)
-            for i in range(n // 2):
-                tile[index + 8 * ((i >> 1) & 1) * row_words + 8 * (i >> 2) + (i & 1)] = acc[i]
-
-        return store
-
     def shared_address(array, index):
         """Byte offset of ``array[index]`` in the array (simulator: offset 0 stands for an aligned address)."""
         return np.uint32(np.ravel_multi_index(index if isinstance(index, tuple) else (index,), array.shape) * array.itemsize)
@@ -334,8 +318,8 @@ else:
     from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
-    from numba_vllm.kernels.mma import _SHARED_ADDRSPACE, _shared_address
-    from numba_vllm.kernels.vector_load import _check_array_and_index, _element_pointer
+    from numba_vllm.kernels.mma import _shared_address
+    from numba_vllm.kernels.vector_load import _check_array_and_index
 
     _I32 = ir.IntType(32)
     _I64 = ir.IntType(64)
@@ -449,36 +433,6 @@ else:
             return sig, codegen
 
         return wait
-
-    @functools.cache
-    def store_accumulators(n, row_words):
-        """The intrinsic ``store(acc, smem, index)``: acc[4j + 2h + e] -> smem[index + 8h row_words + 8j + e]
-        (as f32 bits), one ``st.shared.v2.f32`` per (j, h)."""
-
-        @intrinsic
-        def store(typingctx, acc, smem, index):
-            _check_acc("store_accumulators", acc)
-            _check_array_and_index("store_accumulators", smem, index, (types.uint32,))
-            sig = types.void(acc, smem, index)
-
-            def codegen(context, builder, sig, args):
-                pointers = _acc_pointers(context, builder, sig.args[0], args[0], n // 2)
-                first = _element_pointer(context, builder, sig.args[1], args[1], sig.args[2], args[2])
-                first = builder.addrspacecast(first, ir.PointerType(_I32, _SHARED_ADDRSPACE))
-                first = builder.bitcast(first, ir.PointerType(_F32, _SHARED_ADDRSPACE))
-                pair_type = ir.VectorType(_F32, 2)
-                for i in range(0, n // 2, 2):  # i = 4j + 2h
-                    offset = 8 * ((i >> 1) & 1) * row_words + 8 * (i >> 2)
-                    pair = ir.Constant(pair_type, ir.Undefined)
-                    for e in range(2):
-                        pair = builder.insert_element(pair, builder.load(pointers[i + e]), ir.Constant(_I32, e))
-                    target = cgutils.gep_inbounds(builder, first, offset)
-                    builder.store(pair, builder.bitcast(target, ir.PointerType(pair_type, _SHARED_ADDRSPACE)), align=8)
-                return context.get_dummy_value()
-
-            return sig, codegen
-
-        return store
 
     @intrinsic
     def wgmma_commit(typingctx):
