@@ -171,6 +171,16 @@ def gemm_tc_kernel_for(config: TileConfig):
         num_rows = out.shape[1]
         g = lane >> 2
         t = lane & 3
+        if accumulate:  # every load of the band first, then every store: a store between two loads
+            # (which may alias, for all the compiler knows) would hold the next load back a memory latency
+            for h in range(2):
+                m = m_base + i * MMA_M + h * 8 + g
+                if m < num_tokens:
+                    for j in range(frags_n):
+                        n = n_base + j * MMA_N + 2 * t
+                        for e in range(2):
+                            if n + e < num_rows:
+                                acc[i, j, 2 * h + e] += out[row_offset + m, n + e]
         for h in range(2):
             m = m_base + i * MMA_M + h * 8 + g
             if m < num_tokens:
@@ -178,10 +188,7 @@ def gemm_tc_kernel_for(config: TileConfig):
                     n = n_base + j * MMA_N + 2 * t
                     for e in range(2):
                         if n + e < num_rows:
-                            if accumulate:
-                                out[row_offset + m, n + e] += acc[i, j, 2 * h + e]
-                            else:
-                                out[row_offset + m, n + e] = acc[i, j, 2 * h + e]
+                            out[row_offset + m, n + e] = acc[i, j, 2 * h + e]
 
     @device_function
     def _load_x(x, x_next, m0, stage_row, stage_chunk, k0, vectors_ok):
