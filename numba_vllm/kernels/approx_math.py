@@ -33,29 +33,24 @@ else:
     from numba.core.errors import TypingError
     from numba.cuda.extending import intrinsic
 
-    @intrinsic
-    def exp2_approx(typingctx, x):
-        """2^x of a float32 (one ``ex2.approx.ftz.f32``)."""
-        if x != types.float32:
-            raise TypingError(f"exp2_approx: expected float32, got {x}")
-        sig = types.float32(types.float32)
+    def _f32_instruction(name, instruction):
+        """An intrinsic ``name(x)``: the float32 result of the one-operand PTX ``instruction`` on x."""
 
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), "ex2.approx.ftz.f32 $0, $1;", "=f,f")
-            return builder.call(asm, args)
+        @intrinsic
+        def op(typingctx, x):
+            if x != types.float32:
+                raise TypingError(f"{name}: expected float32, got {x}")
+            sig = types.float32(types.float32)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), f"{instruction} $0, $1;", "=f,f")
+                return builder.call(asm, args)
 
-    @intrinsic
-    def rcp_approx(typingctx, x):
-        """1 / x of a float32 (``rcp.approx.f32``; without ``.ftz``: a reciprocal below 2^-126 stays a
-        subnormal instead of 0, so silu(-88) = -88 / exp(88) keeps its value)."""
-        if x != types.float32:
-            raise TypingError(f"rcp_approx: expected float32, got {x}")
-        sig = types.float32(types.float32)
+            return sig, codegen
 
-        def codegen(context, builder, sig, args):
-            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), "rcp.approx.f32 $0, $1;", "=f,f")
-            return builder.call(asm, args)
+        return op
 
-        return sig, codegen
+    exp2_approx = _f32_instruction("exp2_approx", "ex2.approx.ftz.f32")  # 2^x
+    # 1 / x; without .ftz a reciprocal below 2^-126 stays a subnormal instead of 0, so
+    # silu(-88) = -88 / exp(88) keeps its value
+    rcp_approx = _f32_instruction("rcp_approx", "rcp.approx.f32")

@@ -171,24 +171,21 @@ def gemm_tc_kernel_for(config: TileConfig):
         num_rows = out.shape[1]
         g = lane >> 2
         t = lane & 3
-        if accumulate:  # every load of the band first, then every store: a store between two loads
-            # (which may alias, for all the compiler knows) would hold the next load back a memory latency
-            for h in range(2):
-                m = m_base + i * MMA_M + h * 8 + g
-                if m < num_tokens:
-                    for j in range(frags_n):
-                        n = n_base + j * MMA_N + 2 * t
-                        for e in range(2):
-                            if n + e < num_rows:
-                                acc[i, j, 2 * h + e] += out[row_offset + m, n + e]
-        for h in range(2):
-            m = m_base + i * MMA_M + h * 8 + g
-            if m < num_tokens:
-                for j in range(frags_n):
-                    n = n_base + j * MMA_N + 2 * t
-                    for e in range(2):
-                        if n + e < num_rows:
-                            out[row_offset + m, n + e] = acc[i, j, 2 * h + e]
+        for store in range(2):  # pass 0 (accumulate only) adds what out holds, pass 1 stores: every load
+            # first, since a store between two loads (which may alias, for all the compiler knows) would
+            # hold the next load back by a memory latency
+            if store or accumulate:
+                for h in range(2):
+                    m = m_base + i * MMA_M + h * 8 + g
+                    if m < num_tokens:
+                        for j in range(frags_n):
+                            n = n_base + j * MMA_N + 2 * t
+                            for e in range(2):
+                                if n + e < num_rows:
+                                    if store:
+                                        out[row_offset + m, n + e] = acc[i, j, 2 * h + e]
+                                    else:
+                                        acc[i, j, 2 * h + e] += out[row_offset + m, n + e]
 
     @device_function
     def _load_x(x, x_next, m0, stage_row, stage_chunk, k0, vectors_ok):
