@@ -50,7 +50,7 @@ Data flow:
   with no exchange. Every index into the accumulators must be a constant once the loops unroll
   (else the array goes to local memory): the epilogue's loops are kept small enough for the
   compiler to unroll them (``swiglu`` uses an approximate reciprocal for this; the tests assemble
-  every tiling and fail on a stack frame).
+  every tiling and fail on local memory).
 
 Grids and splits (``pick_plan``): the tile size is the largest of LARGE (128 x 256), SMALL (64 x 128)
 and TINY (64 x 64) whose grid reaches three quarters of the SMs (128-row tiles only for more than
@@ -61,9 +61,9 @@ never leave the kernel: every block writes its accumulators to a workspace, as i
 them (coalesced), and counts itself on its output tile's counter (an atomic add after a
 ``threadfence``); the block that arrives last sums every part in order of z (the same additions
 whichever block it is: deterministic), sets the counter back to zero, and runs the epilogue, SwiGLU
-included. ``blockIdx.x`` walks the M tiles when there are few of them (the blocks that run together
-share each w tile: a 128256-row head is read from memory once, not once per M tile), else the N
-tiles (w of a layer fits in L2, x streams once).
+included. Consecutive tile numbers walk the M tiles when there are few of them (the blocks that
+run together share each w tile: a 128256-row head is read from memory once, not once per M tile),
+else the N tiles (w of a layer fits in L2, x streams once).
 
 Requirements: K % 8 == 0 and w 16-byte aligned (TMA row strides and addresses), and N even with
 out 8-byte aligned (the epilogue stores column pairs); otherwise ``gemm_wgmma`` hands the product
