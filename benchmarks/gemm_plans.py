@@ -6,6 +6,7 @@ them after a kernel change or on another Hopper GPU. Needs an H100 or H200 (sm_9
     python benchmarks/gemm_plans.py --tokens 1024 2048 --splits 1 2   # prefill chunks
     python benchmarks/gemm_plans.py --extra 1x64x12 1x128x9           # more tilings: consumers x block_n x stages
     python benchmarks/gemm_plans.py --silu --json plans.json          # + the gate/up product with SwiGLU
+    python benchmarks/gemm_plans.py --accumulate                      # out += x @ w.T (o, down: the residual)
 
 Each product runs as the model runs it: x's bf16 copy already in the workspace (``x_copy``), split
 parts and counters in a workspace. Timing: an L2 flush, a sleeping kernel, then CUDA events around
@@ -83,6 +84,7 @@ def main() -> None:
     parser.add_argument("--splits", type=positive, nargs="+", default=[1, 2, 3, 4, 8])
     parser.add_argument("--extra", type=parse_tiling, nargs="*", default=[], help="more tilings, CONSUMERSxBLOCK_NxSTAGES")
     parser.add_argument("--silu", action="store_true", help="also the gate/up products with SwiGLU in the epilogue")
+    parser.add_argument("--accumulate", action="store_true", help="out += x @ w.T (the o and down products), torch too")
     parser.add_argument("--iters", type=positive, default=15)
     parser.add_argument("--all", action="store_true", help="print every tiling and split's time")
     parser.add_argument("--json", help="write every time here")
@@ -107,15 +109,18 @@ def main() -> None:
         plan = gw.pick_plan(m, n, k, sms)
 
         def product(config, split, ops=ops, workspace=workspace, x_copy=x_copy):
-            gw.gemm_wgmma(ops.x, ops.w, ops.out, config=config, split=split, workspace=workspace, x_copy=x_copy)
+            gw.gemm_wgmma(ops.x, ops.w, ops.out, args.accumulate, config=config, split=split, workspace=workspace,
+                          x_copy=x_copy)  # fmt: skip
 
+        ops.out.copy_to_device(np.zeros((m, n), np.float32))  # (accumulate: 0 + the product)
         product(*plan)
         checked = np.arange(0, m, max(1, m // CHECKED_ROWS))  # a few rows, float64
         x64, w64 = to_bf16(ops.x_host[checked]).astype(np.float64), ops.w_host.astype(np.float64)
         err = np.abs(ops.out.copy_to_host()[checked] - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-30)
         row = {"m": m, "n": n, "k": k, "plan": f"{name_of(plan[0])}/{plan[1]}", "relative_error": float(err.max()), "us": {}}
         if torch is not None:
-            row["torch_us"] = kernel_times_behind_sleep(torch_linear(torch, ops, torch.bfloat16), flush, args.iters) * 1e6
+            torch_product = torch_linear(torch, ops, torch.bfloat16, args.accumulate)
+            row["torch_us"] = kernel_times_behind_sleep(torch_product, flush, args.iters) * 1e6
         for config, split in candidates(m, n, k, tilings, args.splits, sms, parts_floats):
             seconds = kernel_times_behind_sleep(lambda: product(config, split), flush, args.iters)  # noqa: B023
             row["us"][f"{name_of(config)}/{split}"] = seconds * 1e6

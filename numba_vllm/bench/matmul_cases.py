@@ -54,11 +54,14 @@ class _Operands:
         self.out = cuda.to_device(np.zeros((m, n), np.float32))  # (M, N) f32
 
 
-def torch_linear(torch, ops: _Operands, dtype):
-    """A zero-arg callable computing the same product in torch with `dtype` operands."""
+def torch_linear(torch, ops: _Operands, dtype, accumulate: bool = False):
+    """A zero-arg callable computing the same product in torch with `dtype` operands (``accumulate``:
+    out += x @ w.T, cuBLAS reading out in its epilogue, as the residual products do)."""
     x = torch.from_numpy(ops.x_host).to("cuda", dtype)
     w = torch.from_numpy(ops.w_host.view(np.int16)).to("cuda").view(torch.bfloat16).to(dtype)
-    out = torch.empty((x.shape[0], w.shape[0]), device="cuda", dtype=dtype)
+    out = torch.zeros((x.shape[0], w.shape[0]), device="cuda", dtype=dtype)
+    if accumulate:
+        return lambda: out.addmm_(x, w.T)
     return lambda: torch.matmul(x, w.T, out=out)
 
 
