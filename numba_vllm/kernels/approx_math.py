@@ -12,6 +12,8 @@ the compiler assume no infinities, and softmax kernels compare with ``-inf`` (an
 nothing). Under the simulator it is NumPy's ``exp2`` in float32.
 """
 
+import math
+
 import numpy as np
 
 from numba_vllm.sim.warp import simulator_enabled
@@ -23,9 +25,10 @@ if simulator_enabled():
         return np.float32(np.exp2(np.float32(x)))
 
     def rcp_approx(x):
-        """1 / x in float32 (simulator version)."""
-        with np.errstate(divide="ignore"):
-            return np.float32(np.float32(1.0) / np.float32(x))
+        """1 / x in float32 (simulator version; a plain Python division, then rounded: an
+        ``np.errstate`` block for the zero case would cost several times the division)."""
+        x = float(x)
+        return np.float32(1.0 / x) if x != 0.0 else np.float32(math.copysign(math.inf, x))
 
 else:
     from llvmlite import ir
