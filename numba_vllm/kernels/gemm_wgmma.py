@@ -237,9 +237,7 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
     load_w = tma_load_2d(half_n if silu_mul else block_n)
 
     @kernel(launch_bounds=(threads, blocks_per_sm(config)))
-    def gemm_wgmma_kernel(
-        x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, tiles_per_split, m_fastest
-    ):
+    def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, tiles_per_split, m_fastest):
         # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes block_m x 64 and block_n x 64,
         # with silu_mul block_n / 2 x 64)
         # x_bits (M, K) uint16: bf16 bits; w_bits (N, K) uint16; K % 8 == 0
