@@ -85,7 +85,7 @@ def test_simulator_matches_transformers(case):
     _check(out, prompt, log_softmax, atol=0.05, gap=0.1)
 
 
-@pytest.mark.slow  # the model in the simulator, through the emulated graph paths: 60-190 s alone on 2 cores
+@pytest.mark.slow  # the model in the simulator, through the emulated graph paths: ~190 s alone on a slow 2-core machine
 @pytest.mark.timeout(900)  # (a whole-model simulation, as test_engine's: the default 300 s was reached under load)
 def test_simulator_prompt_logprobs_of_chunks_behind_other_rows_in_graph_steps(case):
     """Prompt chunks that do not lead their step (another prompt's rows first, then a decoding row)
