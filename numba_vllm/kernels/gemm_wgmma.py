@@ -150,6 +150,7 @@ from numba_vllm.sim.warp import simulator_enabled
 
 BLOCK_K = TILE_K  # 64 values of K per pipeline stage (one 128-byte swizzled row)
 CHUNK_VALUES = 8  # K must be a multiple of this (16-byte TMA row strides)
+PAIR_BYTES = 8  # the epilogue's stores: two f32 columns at once
 BARRIER_BYTES = 8  # one mbarrier
 FLAG_BYTES = 8  # after the mbarriers: the word that tells a split's blocks which of them sums the parts
 CONSUMERS_BARRIER = 1  # named barrier of the consumer warpgroups (0 is syncthreads)
@@ -371,7 +372,7 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
                             i = 4 * j + 2 * h
                             g0, g1, u0, u1 = acc[i], acc[i + 1], acc[i + half_n // 2], acc[i + 1 + half_n // 2]
                             out[m + 8 * h, n // 2 + 4 * j] = pack_bf16x2(swiglu(g0, u0), swiglu(g1, u1))
-            else:  # two adjacent columns per 8-byte store (N is even and out's rows 8-byte aligned: _pairs_aligned)
+            else:  # two adjacent columns per 8-byte store (N is even and out 8-byte aligned: _run sees to it)
                 n = n_tile * block_n + 2 * (lane & 3)
                 if accumulate:  # every load first, then every store: the loads are in flight together (a
                     # store between them, which may alias for all the compiler knows, would order each
@@ -604,7 +605,9 @@ def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool
     w_bits = weight_bits(w)
     partials = None if workspace is None else workspace.partials
     counters = None if workspace is None else workspace.tile_counters
-    pairs = silu_mul or _pairs_aligned(out)  # (the SwiGLU output is whole uint32 words)
+    # the epilogue's column pairs: even N, out 8-byte aligned (and C-contiguous, checked), so every
+    # row's pairs are too; the SwiGLU output is whole uint32 words
+    pairs = silu_mul or (out.shape[1] % 2 == 0 and vector_aligned(out, PAIR_BYTES))
     if written is not None and not pairs:
         raise KernelError(f"gemm_wgmma: out ({num_tokens} x {out.shape[1]}) must be 8-byte aligned rows when x is its bf16 copy")
     if k_dim % CHUNK_VALUES or not vector_aligned(w_bits) or not pairs:  # (gemm_wgmma_silu_mul has refused these)
@@ -694,11 +697,3 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partia
         parts = partials
     args = (x_map, w_map, x_bits, w_bits, out, parts, counters, 1 if accumulate else 0, tiles_per_split, m_fastest)
     launch(kernel_, (blocks, 1, splits), config.threads, *args, shared_bytes=config.shared_bytes)
-
-
-def _pairs_aligned(out) -> bool:
-    """Whether every even column of the (M, N) f32 ``out`` starts 8 bytes aligned: even N, contiguous
-    rows, an aligned start (the epilogue then stores two columns at once)."""
-    interface = getattr(out, "__cuda_array_interface__", None) or out.__array_interface__
-    strides = interface.get("strides") or (out.shape[1] * 4, 4)
-    return out.shape[1] % 2 == 0 and strides[1] == 4 and strides[0] % 8 == 0 and interface["data"][0] % 8 == 0

@@ -1,4 +1,4 @@
-"""16-byte loads from global memory, 8-byte stores, and bf16 bits to float32, for bandwidth-bound kernels.
+"""16-byte loads and 8-byte pairs in global memory, and bf16 bits to float32, for bandwidth-bound kernels.
 
 Why: Numba turns ``a[i]`` into one load of one element. A warp reading bf16 weights two bytes per
 lane moves 64 bytes per instruction, and such a kernel stays far below the memory bandwidth
@@ -76,21 +76,22 @@ if simulator_enabled():
             )
         raise TypeError(f"load_u32x4: expected a uint32 or uint16 array, got {array.dtype}")
 
+    def _f32_run(name, array, index, count):
+        """``array[index .. index + count - 1]`` (along the last axis) as float32 (simulator loads)."""
+        if array.dtype != np.float32:
+            raise TypeError(f"{name}: expected a float32 array, got {array.dtype}")
+        *lead, col = _index_tuple(index)
+        return tuple(np.float32(array[(*lead, col + j)]) for j in range(count))
+
     def load_f32x4(array, index):
         """``array[index .. index + 3]`` (along the last axis) as 4 float32 (simulator version)."""
-        if array.dtype != np.float32:
-            raise TypeError(f"load_f32x4: expected a float32 array, got {array.dtype}")
-        *lead, col = _index_tuple(index)
-        return tuple(np.float32(array[(*lead, col + j)]) for j in range(4))
+        return _f32_run("load_f32x4", array, index, 4)
 
     load_shared_f32x4 = load_f32x4
 
     def load_f32x2(array, index):
         """``array[index], array[index + 1]`` (along the last axis) as 2 float32 (simulator version)."""
-        if array.dtype != np.float32:
-            raise TypeError(f"load_f32x2: expected a float32 array, got {array.dtype}")
-        *lead, col = _index_tuple(index)
-        return np.float32(array[(*lead, col)]), np.float32(array[(*lead, col + 1)])
+        return _f32_run("load_f32x2", array, index, 2)
 
     def store_f32x2(array, index, v0, v1):
         """``array[index], array[index + 1] = v0, v1`` (along the last axis; simulator version)."""
@@ -264,10 +265,11 @@ else:
         return sig, codegen
 
 
-def vector_aligned(a) -> bool:
-    """Host side: True when a device (or simulator) array's data starts on a 16-byte boundary."""
+def vector_aligned(a, alignment: int = VECTOR_BYTES) -> bool:
+    """Host side: True when a device (or simulator) array's data starts on an ``alignment``-byte
+    boundary (16 for the vector loads, 8 for the f32 pairs)."""
     interface = getattr(a, "__cuda_array_interface__", None) or a.__array_interface__
-    return interface["data"][0] % VECTOR_BYTES == 0
+    return interface["data"][0] % alignment == 0
 
 
 @device_function
