@@ -66,15 +66,16 @@ def prepare(key, kernel, args) -> None:
     _prepared[key] = _UNSUPPORTED if None in packers or host_arrays else (core_kernel, packers)
 
 
-def launch_prepared(prepared, grid, block, shared_bytes: int, stream, args) -> None:
-    """Flatten `args` with the prepared packers and launch through cuda.core."""
+def launch_prepared(prepared, grid, block, shared_bytes: int, stream, args, cluster=None) -> None:
+    """Flatten `args` with the prepared packers and launch through cuda.core (``cluster``: blocks
+    per thread-block cluster, a 3-tuple dividing ``grid``, which counts blocks)."""
     from cuda.core import launch
 
     core_kernel, packers = prepared
     flat: list = []
     for pack, a in zip(packers, args, strict=True):
         pack(a, flat)
-    launch(_core_stream(stream), _config(grid, block, shared_bytes), core_kernel, *flat)
+    launch(_core_stream(stream), _config(grid, block, shared_bytes, cluster), core_kernel, *flat)
 
 
 def _packer(ty, types):
@@ -100,13 +101,18 @@ def _pack_array(a, flat: list) -> None:
     flat.extend(a.strides)
 
 
-def _config(grid, block, shared_bytes: int):
-    key = (grid, block, shared_bytes)
+def _config(grid, block, shared_bytes: int, cluster=None):
+    key = (grid, block, shared_bytes, cluster)
     config = _configs.get(key)
     if config is None:
         from cuda.core import LaunchConfig
 
-        config = _configs[key] = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+        if cluster is None:
+            config = LaunchConfig(grid=grid, block=block, shmem_size=shared_bytes)
+        else:  # cuda.core counts a clustered grid in clusters
+            clusters = tuple(g // c for g, c in zip(grid, cluster, strict=True))
+            config = LaunchConfig(grid=clusters, cluster=cluster, block=block, shmem_size=shared_bytes)
+        _configs[key] = config
     return config
 
 

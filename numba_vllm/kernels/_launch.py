@@ -16,6 +16,10 @@ Dynamic shared memory past 48 KB a block needs an opt-in per kernel, which numba
 for: the first launch of a layout asking for more compiles the kernel first and raises its
 ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` to the size asked for (the later launches of
 that layout must ask for no more, which holds for kernels whose size is fixed by their tiling).
+
+Thread-block clusters (``cluster=(x, y, z)``, ``kernels/cluster.py``) need the driver's extended
+launch, which numba's launch does not make: such a kernel is compiled for its arguments first and
+always launched through cuda.core. The simulator runs clusters of ``(1, 1, gridDim.z)`` blocks.
 """
 
 from __future__ import annotations
@@ -28,9 +32,10 @@ import numpy as np
 
 from numba_vllm.errors import KernelError
 from numba_vllm.kernels import _fast_launch as fast_launch
+from numba_vllm.sim.blocks import simulated_clusters
 from numba_vllm.sim.warp import simulator_enabled
 
-__all__ = ["KernelError", "check_array", "launch", "launching_on", "num_sms"]
+__all__ = ["KernelError", "check_array", "launch", "launching_on", "max_active_clusters", "num_sms"]
 
 _stream = contextvars.ContextVar("launch_stream", default=0)  # 0: the default stream
 STATIC_SHARED_BYTES = 48 * 1024  # shared memory a block may take without opting in
@@ -46,15 +51,33 @@ def launching_on(stream):
         _stream.reset(token)
 
 
-def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
-    """Run `kernel[grid, block, stream, shared_bytes](*args)`; a failure names the kernel."""
+def launch(kernel, grid, block, *args, shared_bytes: int = 0, cluster=None) -> None:
+    """Run `kernel[grid, block, stream, shared_bytes](*args)`; a failure names the kernel.
+
+    ``cluster``: blocks per thread-block cluster, (x, y, z) dividing the grid's (in blocks)."""
     stream = _stream.get()
     try:
-        if _fast_path():
+        if cluster is not None and not _fast_path():
+            grid_z, cluster = _dim3(grid)[2], _dim3(cluster)
+            if cluster != (1, 1, grid_z):
+                raise ValueError(f"the simulator runs clusters of (1, 1, gridDim.z) blocks, not {cluster}")
+            with simulated_clusters(grid_z):
+                kernel[grid, block, stream, shared_bytes](*args)
+        elif _fast_path():
             key = fast_launch.layout_key(kernel, args)
             prepared = fast_launch.lookup(key)
+            if prepared is None and cluster is not None:  # compile without launching: numba cannot launch clusters
+                if shared_bytes > STATIC_SHARED_BYTES:
+                    _allow_dynamic_shared(kernel, args, shared_bytes)
+                else:
+                    kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+                fast_launch.prepare(key, kernel, args)
+                prepared = fast_launch.lookup(key)
+                if prepared is None:
+                    raise ValueError("a cluster launch needs arguments that cuda.core can pass (device arrays, scalars)")
             if prepared is not None:
-                fast_launch.launch_prepared(prepared, _dim3(grid), _dim3(block), shared_bytes, stream, args)
+                cluster = None if cluster is None else _dim3(cluster)
+                fast_launch.launch_prepared(prepared, _dim3(grid), _dim3(block), shared_bytes, stream, args, cluster)
                 return
             if shared_bytes > STATIC_SHARED_BYTES:
                 _allow_dynamic_shared(kernel, args, shared_bytes)
@@ -65,6 +88,29 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0) -> None:
     except Exception as e:  # a CUDA driver, compile or simulator error: say which kernel
         name = getattr(getattr(kernel, "py_func", None), "__name__", None) or getattr(kernel, "__name__", repr(kernel))
         raise KernelError(f"{name} (grid {grid}, block {block}): {type(e).__name__}: {e}") from e
+
+
+def max_active_clusters(kernel, args, block: int, shared_bytes: int, cluster) -> int:
+    """How many clusters of `kernel` (compiled for `args`) run at once on the GPU: a cluster's blocks
+    must share one GPC, so this can be fewer than the SMs' room divided by the cluster's size (the
+    simulator: the SMs it reports)."""
+    if not _fast_path():
+        return num_sms()
+    key = (fast_launch.layout_key(kernel, args), block, shared_bytes, _dim3(cluster))
+    count = _active_clusters.get(key)
+    if count is None:
+        from cuda.core import Device, LaunchConfig
+
+        if shared_bytes > STATIC_SHARED_BYTES:
+            _allow_dynamic_shared(kernel, args, shared_bytes)
+        overload = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+        config = LaunchConfig(grid=(1, 1, 1), cluster=_dim3(cluster), block=_dim3(block), shmem_size=shared_bytes)
+        core_kernel = overload._codelibrary.get_cufunc().kernel
+        count = _active_clusters[key] = core_kernel.occupancy.max_active_clusters(config, stream=Device().default_stream)
+    return count
+
+
+_active_clusters: dict = {}  # (layout, block, shared bytes, cluster) -> clusters at once
 
 
 def _allow_dynamic_shared(kernel, args, shared_bytes: int) -> None:

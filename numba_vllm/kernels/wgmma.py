@@ -243,8 +243,9 @@ if simulator_enabled():
 
     _BARRIER_LOCK = threading.Lock()
 
-    def _mbarrier(address):
-        block = threading.current_thread().block
+    def _mbarrier(address, block=None):
+        """The mbarrier at shared ``address`` of ``block`` (default: the calling thread's)."""
+        block = block or threading.current_thread().block
         with _BARRIER_LOCK:
             barriers = block.__dict__.setdefault("mbarriers", {})
             if int(address) not in barriers:
@@ -260,9 +261,9 @@ if simulator_enabled():
     def fence_mbarrier_init():
         """fence.mbarrier_init (simulator: nothing to order)."""
 
-    def mbarrier_arrive(address):
-        """mbarrier.arrive (simulator)."""
-        barrier = _mbarrier(address)
+    def mbarrier_arrive(address, block=None):
+        """mbarrier.arrive (simulator); ``block``: another block's mbarrier (``cluster.py``'s remote arrival)."""
+        barrier = _mbarrier(address, block)
         with _BARRIER_LOCK:
             barrier.update(1, 0)
 
@@ -275,8 +276,10 @@ if simulator_enabled():
     def mbarrier_wait(address, parity):
         """Poll until the phase of parity ``parity`` of the mbarrier has completed (simulator)."""
         barrier = _mbarrier(address)
+        block = threading.current_thread().block
         deadline = time.monotonic() + hang_timeout_s
         while barrier.phase % 2 == parity:  # that phase is still the one in progress
+            block.raise_if_cluster_failed()  # (an arrival from a failed block of the cluster never comes)
             if time.monotonic() > deadline:
                 raise SimulatorDeadlockError(
                     f"waited more than {hang_timeout_s:g} s on the mbarrier at shared address {int(address)} "

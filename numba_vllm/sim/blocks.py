@@ -43,8 +43,18 @@ start-up works the same way: each worker starts the next thread before running i
 When a thread raises, the block aborts: every waiting thread is woken to unwind, and the launch
 re-raises the first error, prefixed with the thread's ``tid``/``ctaid`` as the stock simulator
 does.
+
+Clusters (``kernels/cluster.py``). Inside ``simulated_clusters(size)`` (what ``_launch.launch`` does
+for a launch with clusters of ``(1, 1, size)`` blocks, ``gridDim.z == size``), the blocks of a
+cluster, which the simulator hands over one after another (z varies fastest), are held back until
+the last has come and then run at once, each with its own shared memory (the stock simulator has
+one per launch, which is enough when blocks run one at a time): ``cluster_blocks()`` lists them by
+rank, ``dynamic_shared()`` is a block's dynamic shared memory, and ``cluster_barrier()`` is a
+rendezvous of every live thread of the cluster. A block whose partner failed stops waiting for it
+(``raise_if_cluster_failed``).
 """
 
+import contextlib
 import os
 import queue
 import threading
@@ -223,6 +233,32 @@ class Block:
         self.open_rounds = {}  # round key -> round still collecting arrivals
         self.error = None  # (exception, traceback) of the first failure
         self.workers = []  # (num_threads,) worker playing each linear thread id
+        self.cluster = None  # the _Cluster this block runs in (a cluster launch), else None
+        self.shared = None  # with a cluster: this block's own FakeCUDAShared
+
+    def cluster_blocks(self):
+        """The blocks of this block's cluster by rank (a launch without clusters: this one alone)."""
+        return [self] if self.cluster is None else self.cluster.blocks
+
+    def dynamic_shared(self):
+        """This block's dynamic shared memory, (bytes,) int8."""
+        if self.shared is not None:
+            return self.shared._dynshared
+        from numba.cuda.simulator import kernel
+
+        return kernel._kernel_context.shared._dynshared
+
+    def cluster_barrier(self):
+        """``barrier.cluster`` arrive + wait: until every live thread of the cluster has arrived."""
+        if self.cluster is None:
+            self.syncthreads(threading.current_thread(), False)
+        else:
+            self.cluster.barrier()
+
+    def raise_if_cluster_failed(self):
+        """In a wait on another block: unwind when any block of the cluster has failed."""
+        if any(block.error is not None for block in self.cluster_blocks()):
+            raise _Aborted()
 
     def start_thread(self, thread_id):
         """Start one thread; each thread starts the next before running (see ``_Worker.run``)."""
@@ -493,6 +529,68 @@ class _WorkerPool:
 _POOL = _WorkerPool()
 
 
+class _Cluster:
+    """The blocks of one cluster, run at once, and their ``barrier.cluster`` rendezvous."""
+
+    def __init__(self, blocks):
+        self.blocks = blocks  # by rank
+        self.lock = threading.Lock()
+        self.arrived = 0
+        self.generation = 0  # completed rendezvous
+
+    def barrier(self):
+        with self.lock:
+            generation = self.generation
+            self.arrived += 1
+            self._complete_if_all_arrived()
+        deadline = time.monotonic() + hang_timeout_s
+        while True:
+            with self.lock:
+                self._complete_if_all_arrived()  # (threads that exited meanwhile no longer count)
+                if self.generation != generation:
+                    return
+            self.blocks[0].raise_if_cluster_failed()
+            if time.monotonic() > deadline:
+                raise SimulatorDeadlockError(
+                    f"waited more than {hang_timeout_s:g} s in barrier.cluster: {self.arrived} of "
+                    f"{sum(block.num_live for block in self.blocks)} live threads of the cluster arrived"
+                )
+            time.sleep(1e-4)
+
+    def _complete_if_all_arrived(self):
+        if self.arrived and self.arrived >= sum(block.num_live for block in self.blocks):
+            self.arrived = 0
+            self.generation += 1
+
+
+class _BlockShared:
+    """The launch's ``cuda.shared`` during a cluster launch: each block's arrays are its own."""
+
+    def __init__(self, launch_shared):
+        self._size = launch_shared._dynshared_size
+
+    def array(self, shape, dtype, alignment=None):
+        block = threading.current_thread().block
+        return block.shared.array(shape, dtype, alignment)
+
+
+_cluster_size = 1  # blocks per cluster of the launch in progress (``simulated_clusters``)
+_held_blocks = []  # blocks of the current cluster handed over so far
+
+
+@contextlib.contextmanager
+def simulated_clusters(size):
+    """Run the launch inside as clusters of ``size`` consecutive blocks (``gridDim.z == size``)."""
+    global _cluster_size
+    _cluster_size = int(size)
+    _held_blocks.clear()
+    try:
+        yield
+    finally:
+        _cluster_size = 1
+        _held_blocks.clear()
+
+
 class PooledBlockManager:
     """Drop-in replacement for the simulator's ``BlockManager`` (same constructor and ``run``)."""
 
@@ -503,9 +601,36 @@ class PooledBlockManager:
 
     def run(self, grid_point, *args):
         block = Block(self._f, args, tuple(grid_point), tuple(self._block_dim), self._debug)
+        if _cluster_size == 1:
+            _run_blocks([block])
+            return
+        _held_blocks.append(block)
+        if len(_held_blocks) < _cluster_size:
+            return  # the rest of the cluster comes next
+        from numba.cuda.simulator import kernel
+        from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+        launch_module = kernel._kernel_context
+        if not isinstance(launch_module._shared, _BlockShared):
+            launch_module._shared = _BlockShared(launch_module._shared)
+        blocks = list(_held_blocks)
+        _held_blocks.clear()
+        cluster = _Cluster(blocks)
+        for b in blocks:
+            b.cluster = cluster
+            b.shared = FakeCUDAShared(launch_module._shared._size)
+        _run_blocks(blocks)
+
+
+def _run_blocks(blocks):
+    """Run ``blocks`` at once; re-raise the first error, by rank."""
+    for block in blocks:
         block.workers = _POOL.take(block.num_threads)
+    for block in blocks:
         block.start_thread(0)
+    for block in blocks:
         block.wait_finished()
+    for block in blocks:
         if block.error is not None:
             exc, tb = block.error
             raise exc.with_traceback(tb)
