@@ -7,6 +7,7 @@ them after a kernel change or on another Hopper GPU. Needs an H100 or H200 (sm_9
     python benchmarks/gemm_plans.py --extra 1x64x12 1x128x9           # more tilings: consumers x block_n x stages
     python benchmarks/gemm_plans.py --silu --json plans.json          # + the gate/up product with SwiGLU
     python benchmarks/gemm_plans.py --accumulate                      # out += x @ w.T (o, down: the residual)
+    python benchmarks/gemm_plans.py --clusters                        # + splits summed in a cluster ("/c2", "/c4")
 
 Each product runs as the model runs it: x's bf16 copy already in the workspace (``x_copy``), split
 parts and counters in a workspace. Timing: an L2 flush, a sleeping kernel, then CUDA events around
@@ -50,6 +51,17 @@ def parse_tiling(spec: str) -> gw.TileConfig:
     return config
 
 
+def parse_weight(spec: str) -> tuple[int, int]:
+    """'2048x8192' -> (2048, 8192): a weight's rows N and columns K."""
+    try:
+        n, k = (int(v) for v in spec.lower().split("x"))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{spec!r}: want NxK, e.g. 2048x8192") from e
+    if n < 2 or k < 8 or n % 2 or k % 8:
+        raise argparse.ArgumentTypeError(f"{spec}: N even and K a multiple of 8 (the Hopper GEMM's shapes)")
+    return n, k
+
+
 def positive(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     try:
@@ -65,26 +77,40 @@ def name_of(config: gw.TileConfig) -> str:
     return NAMES.get(config, f"{config.consumers}x{config.block_n}x{config.stages}")
 
 
-def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floats: int):
-    """The (tiling, split) pairs worth timing at (M, N, K): parts of at least MIN_PART_SLICES slices,
-    at most twice the blocks the SMs hold at once, split parts within ``parts_floats``."""
+def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floats: int, clusters: bool):
+    """The (tiling, split, in_cluster) worth timing at (M, N, K): parts of at least MIN_PART_SLICES
+    slices, at most twice the blocks the SMs hold at once, split parts within ``parts_floats``; with
+    ``clusters`` also every split of ``gw.CLUSTER_SPLITS`` summed in a cluster (tilings whose parts
+    fit beside their stages)."""
     slices = -(-k // gw.BLOCK_K)
     for config, split in itertools.product(tilings, splits):
         tiles = -(-n // config.block_n) * -(-m // config.block_m)
-        if split > 1 and (slices // split < MIN_PART_SLICES or tiles * split > 2 * num_sms * gw.blocks_per_sm(config)
+        if split > 1 and slices // split < MIN_PART_SLICES:
+            continue
+        if clusters and split in gw.CLUSTER_SPLITS[1:] and config.shared_bytes_for(split) <= gw.SHARED_BYTES_PER_SM - 1024:
+            yield config, split, True
+        if split > 1 and (tiles * split > 2 * num_sms * gw.blocks_per_sm(config)
                           or split * tiles * config.block_m * config.block_n > parts_floats
                           or tiles > gw.TILE_COUNTERS):  # fmt: skip
             continue
-        yield config, split
+        yield config, split, False
+
+
+def plan_name(config: gw.TileConfig, split: int, in_cluster: bool) -> str:
+    """'TINY/4' (a split through global memory), 'TINY/c4' (summed in a cluster of 4)."""
+    return f"{name_of(config)}/{'c' if in_cluster else ''}{split}"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=positive, nargs="+", default=[32, 64, 128, 256, 512], help="rows of x (M)")
+    parser.add_argument("--weights", type=parse_weight, nargs="+", default=WEIGHTS,
+                        help="weights NxK (default: Llama 3.2 1B's five)")  # fmt: skip
     parser.add_argument("--splits", type=positive, nargs="+", default=[1, 2, 3, 4, 8])
     parser.add_argument("--extra", type=parse_tiling, nargs="*", default=[], help="more tilings, CONSUMERSxBLOCK_NxSTAGES")
     parser.add_argument("--silu", action="store_true", help="also the gate/up products with SwiGLU in the epilogue")
     parser.add_argument("--accumulate", action="store_true", help="out += x @ w.T (the o and down products), torch too")
+    parser.add_argument("--clusters", action="store_true", help="also splits summed in a thread-block cluster")
     parser.add_argument("--iters", type=positive, default=15)
     parser.add_argument("--all", action="store_true", help="print every tiling and split's time")
     parser.add_argument("--json", help="write every time here")
@@ -103,30 +129,37 @@ def main() -> None:
     sms = num_sms()
     tilings = list(gw.TILE_CONFIGS) + list(args.extra)
     rows = []
-    for (n, k), m in itertools.product(WEIGHTS, args.tokens):
+    for (n, k), m in itertools.product(args.weights, args.tokens):
         ops, workspace, x_copy = wgmma_operands(m, n, k, seed=n + k + m)
         parts_floats = workspace.partials.shape[0]
         plan = gw.pick_plan(m, n, k, sms)
 
-        def product(config, split, ops=ops, workspace=workspace, x_copy=x_copy):
+        def product(config, split, in_cluster, ops=ops, workspace=workspace, x_copy=x_copy):
             gw.gemm_wgmma(ops.x, ops.w, ops.out, args.accumulate, config=config, split=split, workspace=workspace,
-                          x_copy=x_copy)  # fmt: skip
+                          x_copy=x_copy, in_cluster=in_cluster)  # fmt: skip
 
-        ops.out.copy_to_device(np.zeros((m, n), np.float32))  # (accumulate: 0 + the product)
-        product(*plan)
         checked = np.arange(0, m, max(1, m // CHECKED_ROWS))  # a few rows, float64
         x64, w64 = to_bf16(ops.x_host[checked]).astype(np.float64), ops.w_host.astype(np.float64)
-        err = np.abs(ops.out.copy_to_host()[checked] - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-30)
-        row = {"m": m, "n": n, "k": k, "plan": f"{name_of(plan[0])}/{plan[1]}", "relative_error": float(err.max()), "us": {}}
+
+        def relative_error(config, split, in_cluster, ops=ops, checked=checked, x64=x64, w64=w64):
+            ops.out.copy_to_device(np.zeros(ops.out.shape, np.float32))  # (accumulate: 0 + the product)
+            product(config, split, in_cluster)
+            err = np.abs(ops.out.copy_to_host()[checked] - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-30)
+            return float(err.max())
+
+        plans = list(candidates(m, n, k, tilings, args.splits, sms, parts_floats, args.clusters))
+        errors = [relative_error(*plan)] + [relative_error(*p) for p in plans if p[2]]  # the plan and every cluster split
+        row = {"m": m, "n": n, "k": k, "plan": plan_name(*plan), "relative_error": max(errors), "us": {}}
         if torch is not None:
             torch_product = torch_linear(torch, ops, torch.bfloat16, args.accumulate)
             row["torch_us"] = kernel_times_behind_sleep(torch_product, flush, args.iters) * 1e6
-        for config, split in candidates(m, n, k, tilings, args.splits, sms, parts_floats):
-            seconds = kernel_times_behind_sleep(lambda: product(config, split), flush, args.iters)  # noqa: B023
-            row["us"][f"{name_of(config)}/{split}"] = seconds * 1e6
+        for config, split, in_cluster in plans:
+            seconds = kernel_times_behind_sleep(lambda: product(config, split, in_cluster), flush, args.iters)  # noqa: B023
+            row["us"][plan_name(config, split, in_cluster)] = seconds * 1e6
         if args.silu and n == 2 * 8192:
             act = cuda.device_array((m, n // 2), np.uint16)
-            for config, split in candidates(m, n, k, tilings, [s for s in args.splits if s <= 4], sms, parts_floats):
+            silu_splits = [s for s in args.splits if s <= 4]
+            for config, split, _ in candidates(m, n, k, tilings, silu_splits, sms, parts_floats, False):
                 def silu(config=config, split=split, act=act, ops=ops, workspace=workspace, x_copy=x_copy):
                     gw.gemm_wgmma_silu_mul(ops.x, ops.w, act, config=config, workspace=workspace, x_copy=x_copy, split=split)
 

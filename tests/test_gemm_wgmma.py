@@ -179,7 +179,7 @@ def test_gemm_wgmma_blocks_walk_several_tiles(monkeypatch):
 
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_gemm_wgmma_split_k_sums_its_parts(accumulate):
-    """K = 264: five 64-wide slices, split 2 ways (3 + 2) and 3 ways (2 + 2 + 1)."""
+    """K = 264: five 64-wide slices, split 2 ways (2 + 3) and 3 ways (1 + 2 + 2)."""
     for split in (2, 3):
         launcher = functools.partial(gw.gemm_wgmma, config=gw.SMALL, split=split)
         run_gemm_wgmma(5, 24, 264, accumulate, seed=split, launcher=launcher)
@@ -196,6 +196,34 @@ def test_the_last_part_of_a_split_sums_them_and_clears_its_counter():
         launcher = functools.partial(gw.gemm_wgmma, config=gw.TINY, split=3, workspace=workspace)
         run_gemm_wgmma(70, 150, 200, seed == 2, seed=seed, launcher=launcher)
         assert not counters.copy_to_host().any()
+
+
+def test_gemm_wgmma_split_over_a_cluster_walks_several_tiles(monkeypatch):
+    """A 2-way K split summed in a cluster's shared memory (the two blocks run at once, each with its
+    own memory): K = 264 (2 + 3 slices), three column tiles walked by one cluster (one SM), so each
+    tile's exchange waits until the other block has read the previous one; each
+    block stores half of every tile's columns, adding what out held."""
+    launches = []
+    monkeypatch.setattr(gw, "launch", lambda kernel_, grid, *a, **kw: (launches.append((grid, kw.get("cluster"))),
+                                                                        launch(kernel_, grid, *a, **kw)))  # fmt: skip
+    monkeypatch.setattr(gw, "num_sms", lambda: 1)  # (as the simulator has; on a GPU too)
+    run_gemm_wgmma(5, 150, 264, True, seed=7, launcher=functools.partial(gw.gemm_wgmma, config=gw.TINY, split=2, in_cluster=True))
+    assert launches[-1] == ((1, 1, 2), (1, 1, 2))  # (after x's conversion)
+
+
+@pytest.mark.slow
+def test_gemm_wgmma_split_over_a_cluster_of_four():
+    """A 4-way split in a cluster (K = 328: 1 + 1 + 2 + 2 slices; each block stores 16 of the 64 columns)
+    on the 64 x 128 tiling too (two ways there)."""
+    for config, split, (m, n, k, accumulate) in ((gw.TINY, 4, (5, 24, 328, False)), (gw.SMALL, 2, (9, 130, 200, True))):
+        launcher = functools.partial(gw.gemm_wgmma, config=config, split=split, in_cluster=True)
+        run_gemm_wgmma(m, n, k, accumulate, seed=split, launcher=launcher)
+
+
+def test_a_cluster_split_is_two_or_four_ways_without_swiglu():
+    x, w = cuda.to_device(np.zeros((4, 256), np.float32)), upload_bf16(np.zeros((16, 256), np.float32))  # 4 slices of K
+    with pytest.raises(KernelError, match="cluster"):
+        gw.gemm_wgmma(x, w, cuda.device_array((4, 16), np.float32), config=gw.TINY, split=3, in_cluster=True)
 
 
 def test_gemm_wgmma_silu_mul_split_k():
@@ -433,15 +461,19 @@ def test_the_largest_tiling_that_reaches_most_sms_is_picked(m, n, sms, want):
 
 @pytest.mark.parametrize(
     "m, n, k, want",
-    [(32, 2048, 2048, (gw.TINY, 1)), (32, 2048, 8192, (gw.TINY, 4)), (128, 2048, 8192, (gw.TINY, 2)),
-     (256, 2048, 8192, (gw.TINY, 1)), (512, 2048, 8192, (gw.SMALL, 2)), (512, 2048, 2048, (gw.SMALL_DEEP, 1)),
-     (128, 8192, 2048, (gw.SMALL_DEEP, 1)), (256, 8192, 2048, (gw.SMALL, 1)), (32, 128256, 2048, (gw.SMALL, 1)),
-     (512, 8192, 2048, (gw.LARGE, 1)), (1024, 2048, 2048, (gw.SMALL, 1)),
-     (320, 2048, 2048, (gw.TINY_SHALLOW, 1))],  # 80 SMALL tiles fall short of 99: 160 TINY ones, more than the SMs
+    [(32, 2048, 2048, (gw.TINY, 2, True)), (128, 2048, 2048, (gw.TINY, 2, True)), (64, 3072, 2048, (gw.TINY, 2, True)),
+     (128, 3072, 2048, (gw.TINY, 1, False)), (256, 2048, 2048, (gw.TINY, 1, False)), (32, 2048, 512, (gw.TINY, 1, False)),
+     (32, 2048, 8192, (gw.TINY, 4, False)), (128, 2048, 8192, (gw.TINY, 2, False)), (256, 2048, 8192, (gw.TINY, 1, False)),
+     (512, 2048, 8192, (gw.SMALL, 2, False)), (512, 2048, 2048, (gw.SMALL_DEEP, 1, False)),
+     (128, 8192, 2048, (gw.SMALL_DEEP, 1, False)), (256, 8192, 2048, (gw.SMALL, 1, False)),
+     (32, 128256, 2048, (gw.SMALL, 1, False)), (512, 8192, 2048, (gw.LARGE, 1, False)), (1024, 2048, 2048, (gw.SMALL, 1, False)),
+     (320, 2048, 2048, (gw.TINY_SHALLOW, 1, False))],  # 80 SMALL tiles fall short of 99: 160 TINY ones, more than the SMs
 )  # fmt: skip
 def test_the_plan_is_the_fastest_measured(m, n, k, want):
-    """Tile, split and pipeline depth as the H200 sweep found fastest (docs/benchmarks.md): a grid of
-    at most one block per SM gets the deeper pipeline, a larger one the shallower."""
+    """Tile, split, pipeline depth and where the parts meet as the H200 sweep found fastest
+    (docs/benchmarks.md): a grid of at most one block per SM gets the deeper pipeline, a larger one
+    the shallower; TINY tiles that leave half the SMs idle, on a K unsplit otherwise (2048 here, not
+    512), split it between the two blocks of a cluster."""
     assert gw.pick_plan(m, n, k, num_sms=132) == want
 
 
@@ -458,7 +490,8 @@ def test_auto_is_gemm_wgmma_on_hopper_only(monkeypatch):
     calls = []
     monkeypatch.setattr(matmul, "gemm_tc", lambda *args, **kwargs: calls.append("gemm_tc"))
     monkeypatch.setattr(matmul, "gemm_wgmma", lambda *args, **kwargs: calls.append("gemm_wgmma"))
-    matmul.gemm_auto(None, None, None)  # the simulator: no sm_90a
+    monkeypatch.setattr(matmul, "_hopper", lambda: False)  # (the simulator, or a GPU before sm_90)
+    matmul.gemm_auto(None, None, None)
     monkeypatch.setattr(matmul, "_hopper", lambda: True)
     matmul.gemm_auto(None, None, None)
     assert calls == ["gemm_tc", "gemm_wgmma"]
@@ -568,6 +601,32 @@ def test_gemm_wgmma_gpu_split_k_is_deterministic():
     runs = []
     for _ in range(10):
         gw.gemm_wgmma(d_x, d_w, d_out, config=gw.TINY, split=8)
+        runs.append(d_out.copy_to_host())
+    assert all(np.array_equal(run, runs[0]) for run in runs[1:])
+
+
+CLUSTER_TILINGS = [c for c in gw.TILE_CONFIGS if c != gw.LARGE]  # (LARGE's parts do not fit beside its stages)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", CLUSTER_TILINGS, ids=TILING_IDS[1:])
+@pytest.mark.parametrize("split", [2, 4])
+@pytest.mark.parametrize("m,n,k,accumulate", [(64, 2048, 2048, True), (300, 2000, 4096, False), (512, 2048, 200, True)])
+def test_gemm_wgmma_gpu_split_over_a_cluster(m, n, k, accumulate, config, split):
+    """K split over a cluster on the GPU: decode-sized products, more tiles than clusters (each
+    cluster walks several: the exchange buffer reused), and K = 200 (4 slices: 1 each at 4 ways)."""
+    launcher = functools.partial(gw.gemm_wgmma, config=config, split=split, in_cluster=True)
+    run_gemm_wgmma(m, n, k, accumulate, seed=m + split, launcher=launcher)
+
+
+@pytest.mark.gpu
+def test_gemm_wgmma_gpu_cluster_split_is_deterministic():
+    """Each block adds the parts in order of rank: ten runs of a 4-way cluster split give the same bits."""
+    x, w, _ = random_case(np.random.default_rng(6), 256, 2048, 2048, False)
+    d_x, d_w, d_out = cuda.to_device(x), upload_bf16(w), cuda.device_array((256, 2048), np.float32)
+    runs = []
+    for _ in range(10):
+        gw.gemm_wgmma(d_x, d_w, d_out, config=gw.TINY_SHALLOW, split=4, in_cluster=True)
         runs.append(d_out.copy_to_host())
     assert all(np.array_equal(run, runs[0]) for run in runs[1:])
 

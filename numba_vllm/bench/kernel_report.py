@@ -82,8 +82,8 @@ GEMV_SIG = "(f32(2), u16(2), f32(2), int64, int64, u16(1), float32)"  # x, w, ou
 LINEAR_SIG = "(f32(2), u16(2), f32(2), int64, int64)"  # x, w, out, accumulate, vectors_ok
 GEMM_TC_SIG = "(f32(2), u16(2), f32(2), int64, int64, int64)"  # ... + K slices per split
 TENSOR_MAP = "types.Array(types.uint64, 1, 'C')"  # a CUtensorMap's 16 words on the device
-GEMM_WGMMA_SIG = f"({TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), f32(2), f32(1), i32(1), int64, int64, int64)"
-GEMM_WGMMA_SILU_SIG = f"({TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), u32(2), f32(1), i32(1), int64, int64, int64)"
+GEMM_WGMMA_SIG = f"({TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), f32(2), f32(1), i32(1), int64, int64)"
+GEMM_WGMMA_SILU_SIG = f"({TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), u32(2), f32(1), i32(1), int64, int64)"
 DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"  # q, k/v caches, tables, lengths, scale, out
 DECODE_FAST_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), float32, int32, f32(3))"  # flat caches; + pages per split
 PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"  # ... cu_seqlens, start_pos ...
@@ -118,13 +118,16 @@ REGISTRY: tuple[KernelVariant, ...] = (
     KernelVariant("gemm_tc", "SMALL 64x64", "gemm_tc:gemm_tc_kernel_for(SMALL)", GEMM_TC_SIG, "SMALL.threads"),
     KernelVariant("sum_splits", "", "gemm_tc:_sum_splits_kernel", "(f32(2), f32(2), int64)", "SUM_THREADS"),
     *(  # Hopper's wgmma GEMM: TMA tensor maps, x and w as bf16 bits, out, split parts and counters, accumulate,
-        # K slices per split, m_fastest;
-        # silu_mul: the gate/up product with SwiGLU in its epilogue, out (M, F / 2) uint32 (bf16 pairs)
+        # m_fastest; silu_mul: the gate/up product with SwiGLU in its epilogue, out (M, F / 2) uint32 (bf16
+        # pairs); cluster N: K split over N blocks of a cluster, the parts summed in their shared memory
         KernelVariant("gemm_wgmma", f"{tile} {cfg}{label}", f"gemm_wgmma:gemm_wgmma_kernel_for({tile}{flag})", sig,
-                      f"{tile}.threads", dynamic_shared=f"{tile}.shared_bytes", arch_specific=True)  # fmt: skip
-        for label, flag, sig in (("", "", GEMM_WGMMA_SIG), (" silu_mul", ", True", GEMM_WGMMA_SILU_SIG))
+                      f"{tile}.threads", dynamic_shared=f"{tile}.shared_bytes_for({cluster})", arch_specific=True)  # fmt: skip
+        for label, flag, sig, cluster in (("", "", GEMM_WGMMA_SIG, 1), (" silu_mul", ", True", GEMM_WGMMA_SILU_SIG, 1),
+                                          (" cluster 2", ", False, 2", GEMM_WGMMA_SIG, 2),
+                                          (" cluster 4", ", False, 4", GEMM_WGMMA_SIG, 4))  # fmt: skip
         for tile, cfg in (("LARGE", "128x256"), ("SMALL", "64x128"), ("SMALL_DEEP", "64x128"), ("TINY", "64x64"),
                           ("TINY_SHALLOW", "64x64"))
+        if cluster == 1 or tile != "LARGE"  # (LARGE's parts would not fit beside its stages)
     ),
     KernelVariant("x_to_bf16", "", "gemm_wgmma:_x_to_bf16_kernel", "(f32(2), u32(2))", "CONVERT_THREADS"),
     KernelVariant("gemm", "", "gemm:gemm_kernel", LINEAR_SIG, "BLOCK_THREADS"),

@@ -56,7 +56,8 @@ Grids and splits (``pick_plan``): the tile size is the largest of LARGE (128 x 2
 and TINY (64 x 64) whose grid reaches three quarters of the SMs (128-row tiles only for more than
 64 rows); K is split only when few tiles meet a long K (parts of at least 2048); then the pipeline
 depth follows the grid: at most one block per SM gets the deeper SMALL_DEEP (6 stages), more
-blocks than SMs the shallower TINY_SHALLOW (4 stages, three blocks an SM). The parts of a split K
+blocks than SMs the shallower TINY_SHALLOW (4 stages, three blocks an SM). Part z of a K split
+takes the slices z * S / parts .. (z + 1) * S / parts of the S slices of K. The parts of a long K
 never leave the kernel: every block writes its accumulators to a workspace, as its threads hold
 them (coalesced), and counts itself on its output tile's counter (an atomic add after a
 ``threadfence``); the block that arrives last sums every part in order of z (the same additions
@@ -64,6 +65,24 @@ whichever block it is: deterministic), sets the counter back to zero, and runs t
 included. Consecutive tile numbers walk the M tiles when there are few of them (the blocks that
 run together share each w tile: a 128256-row head is read from memory once, not once per M tile),
 else the N tiles (w of a layer fits in L2, x streams once).
+
+K split over a cluster (``cluster`` 2 or 4, ``cluster.py``): where TINY tiles would leave half the
+SMs idle on a K that is otherwise not split (M <= 128 on the 2048 x 2048 weight, M <= 64 on the
+3072 x 2048 q/k/v one), ``pick_plan`` launches clusters of two blocks, one per half of K, that
+sum their parts through each other's shared memory. Block r of the cluster owns the columns 8j
+of the tile with j // (block_n / 8 / cluster) == r. After its K loop, each consumer thread writes
+the accumulators of block r's columns into slot (its own rank) of block r's receive buffer (16-byte
+``st.shared::cluster`` stores, the layout its threads hold them in), arrives on block r's
+``parts_in`` mbarrier (release, cluster scope), and waits on its own (acquire): then every part of
+its columns is in its memory, and it adds them in order of rank (deterministic) and runs the
+epilogue on its columns alone. Before the next tile's writes it waits on ``parts_read``, on which
+every block arrives once it has read its slots (not after the last tile: a block may have exited).
+No global memory, fence or atomic on the way: on an H200 a 64 x 2048 x 2048 product went from 9.6
+to 8.2 us (cuBLAS 6.2), 128 rows from 9.6 to 8.5. Four-block clusters and bigger tiles split in a
+cluster were tried on the same shapes and were slower or within 3% (a cluster's blocks must share a
+GPC, so fewer fit at once: the launch caps the persistent grid at the clusters that run together,
+``_launch.max_active_clusters``). LARGE has no room for the receive buffer (block_m x block_n f32);
+SwiGLU's epilogue needs gate and up columns a whole tile apart, so it splits through global memory.
 
 Requirements: K % 8 == 0 and w 16-byte aligned (TMA row strides and addresses), and N even with
 out 8-byte aligned (the epilogue stores column pairs); otherwise ``gemm_wgmma`` hands the product
@@ -77,7 +96,7 @@ that morning, one tile per block and the epilogue through shared memory):
 
     M x N x K           plan, M = 64, 128, 256, 512     product (us)              torch (us)              before (us)
     4096 x 8192 x 2048  LARGE                           220 (625 TFLOP/s)         180                     279 (493 TFLOP/s)
-    M x 2048 x 2048     TINY x 3, SMALL_DEEP            9.6, 9.6, 9.9, 14.4       6.2, 6.4, 6.8, 8.9      10.1, 10.2, 10.5, 16.3
+    M x 2048 x 2048     TINY/c2 x 2, TINY, SMALL_DEEP   8.2, 8.5, 10.1, 14.8      6.2, 6.4, 6.8, 9.0      10.1, 10.2, 10.5, 16.3
     M x 8192 x 2048     TINY, SMALL_DEEP, SMALL, LARGE  14.2, 17.6, 21.2, 29.3    13.6, 13.7, 16.3, 25.4  15.5, 19.6, 25.8, 38.8
     M x 16384 x 2048    SMALL_DEEP, SMALL, LARGE x 2    24.9, 26.2, 32.5, 53.8    23.7, 24.5, 28.2, 46.3  27.0, 30.6, 42.4, 73.7
     M x 2048 x 8192     TINY/4, TINY/2, TINY, SMALL/2   18.2, 22.3, 30.4, 37.2    15.9, 18.9, 21.2, 32.3  19.7, 23.2, 29.9, 40.3
@@ -102,12 +121,15 @@ at most 7% faster), and two accumulator sets a thread, the odd k16 slices of eve
 second (two wgmma chains in flight: within 2%). So neither the chain of wgmma nor the bytes in
 flight past 8 stages bound it; what is left is each step's round trip (the consumer's release, the
 producer's wait and TMA issue, the copy's latency) and the fixed cost before the first step. A K
-split fills more SMs but pays a serial chain of its own (parts written, fence, atomic count, the
-last block's loads: ~3 us), so on K = 2048 it does not win. Prefetching the tensor maps or dropping
-their acquire fence changed nothing (< 0.5 us). The next steps: a K split reduced inside a cluster
-of 2-4 blocks through distributed shared memory (no round trip through global memory), launches
-that overlap the previous kernel's tail (programmatic dependent launch), 2-block clusters
-multicasting the shared operand, and ``setmaxnreg`` to give the consumers the producer's registers.
+split through global memory fills more SMs but pays a serial chain of its own (parts written,
+fence, atomic count, the last block's loads: ~3 us), so on K = 2048 it does not win; summed in a
+cluster (above) it does, where half the SMs would idle. At M = 256 and 512 on the 2048 x 2048
+weight every SM already has a tile, and no tiling or split, in a cluster or not, came within 1.4x
+of cuBLAS (``gemm_plans.py --clusters --extra 2x128x4``: 128 x 128 tiles split 2 ways in a cluster
+6% faster at M = 512, slower at 256). Prefetching the tensor maps or dropping their acquire fence
+changed nothing (< 0.5 us). The next steps: launches that overlap the previous kernel's tail
+(programmatic dependent launch), 2-block clusters multicasting the shared operand, and
+``setmaxnreg`` to give the consumers the producer's registers.
 """
 
 import functools
@@ -116,13 +138,20 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, uint32
 
-from numba_vllm.kernels._launch import KernelError, launch, num_sms
+from numba_vllm.kernels._launch import KernelError, launch, max_active_clusters, num_sms
 from numba_vllm.kernels.activation import swiglu
+from numba_vllm.kernels.cluster import (
+    cluster_address,
+    cluster_sync,
+    mbarrier_arrive_cluster,
+    mbarrier_wait_cluster,
+    store_cluster_f32x4,
+)
 from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import pack_bf16x2
-from numba_vllm.kernels.vector_load import load_f32x2, store_f32x2, vector_aligned
+from numba_vllm.kernels.vector_load import load_f32x2, load_shared_f32x4, store_f32x2, vector_aligned
 from numba_vllm.kernels.wgmma import (
     ATOM_BYTES,
     DESC_K_STEP,
@@ -156,7 +185,9 @@ FLAG_BYTES = 8  # after the mbarriers: the word that tells a split's blocks whic
 CONSUMERS_BARRIER = 1  # named barrier of the consumer warpgroups (0 is syncthreads)
 X_WORKSPACE_VALUES = 32 * 1024 * 1024  # bf16 copy of x of a call without the model's workspace: 64 MB, made once
 MIN_SPLIT_TILES = 32  # split K only into parts of at least this many BLOCK_K slices (2048 of K)
+MIN_CLUSTER_PART_SLICES = 8  # a split over a cluster keeps parts of at least this many slices (512 of K)
 CONVERT_THREADS = 256
+CLUSTER_SPLITS = (1, 2, 4)  # blocks of a cluster that split K between them (1: no cluster)
 TILE_COUNTERS = 4096  # output tiles a K-split product may have (one int32 counter each)
 SHARED_BYTES_PER_SM = 228 * 1024  # H100/H200: shared memory an SM gives its blocks (1 KB each reserved)
 
@@ -189,6 +220,13 @@ class TileConfig:
     def shared_bytes(self) -> int:  # + the full and empty mbarriers, the last-part flag, alignment slack
         return self.barrier_offset + 2 * self.stages * BARRIER_BYTES + FLAG_BYTES + ATOM_BYTES
 
+    def shared_bytes_for(self, cluster: int) -> int:
+        """Dynamic shared memory of a block; a K split over a cluster adds two mbarriers and the
+        block's share of every part (its accumulators' worth: block_m x block_n f32)."""
+        if cluster == 1:
+            return self.shared_bytes
+        return reduce_buffer_offset(self) + self.block_m * self.block_n * 4 + ATOM_BYTES
+
 
 # Prefill and large decode batches: 128 x 256, two consumer warpgroups of 64 x 256 (128 accumulators
 # a thread), 4 stages: 194 KB, one block per SM.
@@ -207,23 +245,39 @@ TILE_SHAPES = (LARGE, SMALL, TINY)  # the tile sizes, largest first, each at the
 FILL_FRACTION = 0.75  # a tile size qualifies when its grid gives a tile to this share of the SMs
 
 
-def blocks_per_sm(config: TileConfig) -> int:
+def blocks_per_sm(config: TileConfig, cluster: int = 1) -> int:
     """How many blocks of `config` fit on one SM by shared memory (what bounds these kernels)."""
-    return max(1, SHARED_BYTES_PER_SM // (config.shared_bytes + 1024))
+    return max(1, SHARED_BYTES_PER_SM // (config.shared_bytes_for(cluster) + 1024))
+
+
+def reduce_buffer_offset(config: TileConfig) -> int:
+    """Where, from stage 0, a cluster's parts are received: after the stages' mbarriers, the flag
+    and the two mbarriers of the exchange, at a 16-byte boundary."""
+    end = config.barrier_offset + 2 * config.stages * BARRIER_BYTES + FLAG_BYTES + 2 * BARRIER_BYTES
+    return -(-end // 16) * 16
 
 
 @functools.cache
-def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
+def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False, cluster: int = 1):
     """Compile-time specialisation of the kernel for one tiling (its sizes are constants in it).
 
     ``silu_mul``: w is [gate; up] (2F, K) and the block's ``block_n`` columns are ``block_n / 2`` gate
     rows and the same up rows (two TMA boxes of ``block_n / 2`` rows fill the stage's w slice, one
     above the other); the epilogue stores bf16(silu(gate) * up), ``block_n / 2`` columns of the (M, F)
-    output, as pairs of bf16 in uint32 words."""
+    output, as pairs of bf16 in uint32 words.
+
+    ``cluster`` > 1: K is split over the ``cluster`` blocks of a thread-block cluster (launched with
+    clusters of (1, 1, cluster), ``gridDim.z == cluster``) and the parts are summed through their
+    shared memory (``TileConfig.shared_bytes_for``), not through ``parts`` and ``counters``."""
     block_m, block_n, stages, threads = config.block_m, config.block_n, config.stages, config.threads
     consumers = config.consumers
     assert block_n % 16 == 0 and block_n <= 256 and stages >= 2
+    assert cluster in CLUSTER_SPLITS and not (silu_mul and cluster > 1), (cluster, silu_mul)
     acc_count = block_n // 2  # accumulators per consumer thread
+    slice_values = acc_count // cluster  # accumulators a thread sends each block of the cluster (4 per 8 columns)
+    slice_groups = slice_values // 4  # 16-byte stores of them
+    slice_blocks = block_n // 8 // cluster  # 8-column blocks (j) of the tile each block of the cluster stores
+    reduce_offset = reduce_buffer_offset(config)  # from stage 0: the cluster's parts (cluster > 1)
     stage_bytes = config.stage_bytes
     x_bytes = block_m * SWIZZLE_ROW_BYTES  # the x slice of a stage; the w slice follows it
     barrier_offset = config.barrier_offset
@@ -237,8 +291,8 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
     load_x = tma_load_2d(block_m)
     load_w = tma_load_2d(half_n if silu_mul else block_n)
 
-    @kernel(launch_bounds=(threads, blocks_per_sm(config)))
-    def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, tiles_per_split, m_fastest):
+    @kernel(launch_bounds=(threads, blocks_per_sm(config, cluster)))
+    def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, m_fastest):
         # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes block_m x 64 and block_n x 64,
         # with silu_mul block_n / 2 x 64)
         # x_bits (M, K) uint16: bf16 bits; w_bits (N, K) uint16; K % 8 == 0
@@ -246,13 +300,15 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
         # Output tiles: block b of gridDim.x takes tiles b, b + gridDim.x, ... (persistent: a grid of at
         # most the blocks that fit at once walks every tile); tile t is (t % grid_m, t // grid_m) when
         # m_fastest, else (t // grid_n, t % grid_n) (M tile, N tile).
-        # K split over blockIdx.z (gridDim.z parts): parts (>= splits * tiles * block_m * block_n,)
-        # f32, each block's accumulators as the threads hold them (part z of output tile t from
-        # (z * tiles + t) * block_m * block_n); counters (>= tiles,) int32, zero: per output tile, how
-        # many of its parts are written (the last block sums them and sets it back to zero).
-        # Unsplit: neither is read.
-        # accumulate: 1 out +=, 0 out =; tiles_per_split: BLOCK_K slices per part of K
+        # K split over blockIdx.z (gridDim.z parts, part z the BLOCK_K slices z * S / parts ..
+        # (z + 1) * S / parts of the S of K, never empty): with cluster > 1 the blocks of a cluster, else
+        # parts (>= splits * tiles * block_m * block_n,) f32, each block's accumulators as the threads
+        # hold them (part z of output tile t from (z * tiles + t) * block_m * block_n); counters
+        # (>= tiles,) int32, zero: per output tile, how many of its parts are written (the last block
+        # sums them and sets it back to zero). Unsplit or in a cluster: neither is read.
+        # accumulate: 1 out +=, 0 out =
         smem = cuda.shared.array(0, uint32)  # stages x (x slice, w slice), from a 1024-byte boundary; mbarriers
+        smem_f32 = cuda.shared.array(0, float32)  # the same memory (the cluster's parts)
         num_tokens = x_bits.shape[0]
         num_rows = w_bits.shape[0]
         k_dim = x_bits.shape[1]
@@ -261,8 +317,11 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
         out_tiles = grid_m * grid_n
         tid = cuda.threadIdx.x
         group = tid // WARPGROUP_THREADS
-        first_slice = cuda.blockIdx.z * tiles_per_split
-        num_slices = min(tiles_per_split, (k_dim + BLOCK_K - 1) // BLOCK_K - first_slice)  # K steps per tile
+        rank = cuda.blockIdx.z  # the part of K (with cluster > 1: the block's rank in its cluster)
+        k_slices = uint32((k_dim + BLOCK_K - 1) // BLOCK_K)
+        k_parts = uint32(cuda.gridDim.z)  # (32-bit divisions: a 64-bit one is a call, whose stack made LARGE spill)
+        first_slice = uint32(rank) * k_slices // k_parts
+        num_slices = (uint32(rank) + 1) * k_slices // k_parts - first_slice  # K steps per tile
         k_first = first_slice * BLOCK_K
 
         base = shared_address(smem, 0)
@@ -271,12 +330,24 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
         full = stage0 + barrier_offset  # full[s] at full + 8 s: the stage's copies have landed
         empty = full + stages * BARRIER_BYTES  # empty[s]: every consumer is done with the stage
         flag = (pad + barrier_offset + 2 * stages * BARRIER_BYTES) // 4  # word: is this block a tile's last part
+        # With cluster > 1: parts_in (every block's slice of this block's columns has arrived) and
+        # parts_read (every block has read what this block sent it), then the parts: slot r (from the
+        # block of rank r) holds slice_groups 16-byte groups per consumer thread, group-major.
+        parts_in = empty + stages * BARRIER_BYTES + FLAG_BYTES
+        parts_read = parts_in + BARRIER_BYTES
+        reduce_base = stage0 + reduce_offset
         if tid == 0:
             for s in range(stages):
                 mbarrier_init(full + s * BARRIER_BYTES, 1)
                 mbarrier_init(empty + s * BARRIER_BYTES, consumers)
+            if cluster > 1:
+                mbarrier_init(parts_in, cluster * consumer_threads)
+                mbarrier_init(parts_read, cluster * consumer_threads)
             fence_mbarrier_init()
-        cuda.syncthreads()
+        if cluster > 1:
+            cluster_sync()  # every block's mbarriers are initialised before any other block arrives on them
+        else:
+            cuda.syncthreads()
 
         # K steps are counted over all of the block's tiles (stage = step % stages, its use number
         # step // stages sets the parity), so the producer fills the next tile's first stages while the
@@ -309,6 +380,7 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
         acc = cuda.local.array(acc_count, float32)  # this thread's part of the warpgroup's 64 x block_n
         leader = tid % WARPGROUP_THREADS == 0
         step = 0
+        done = 0  # tiles this block has finished
         for t in range(cuda.blockIdx.x, out_tiles, cuda.gridDim.x):
             m_tile, n_tile = _tile_of(t, grid_m, grid_n, m_fastest)
             for i in range(acc_count):
@@ -337,7 +409,37 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
                 mbarrier_arrive(empty + ((step - 1) % stages) * BARRIER_BYTES)
 
             splits = cuda.gridDim.z
-            if splits > 1:  # K split: every part goes to `parts`; the tile's last part to arrive sums them
+            if cluster > 1:  # K split over the cluster: block r sums and stores the columns 8j of j // slice_blocks == r
+                last_tile = t + cuda.gridDim.x >= out_tiles
+                if done > 0:  # every block has read what this one sent for the previous tile
+                    mbarrier_wait_cluster(parts_read, (done - 1) & 1)
+                slot = reduce_base + (rank * slice_groups * consumer_threads + tid) * 16
+                for r in range(cluster):  # block r's columns, into slot `rank` of its memory
+                    remote = cluster_address(slot, r)
+                    for v in range(slice_groups):
+                        i = r * slice_values + 4 * v
+                        store_cluster_f32x4(remote + v * consumer_threads * 16, acc[i], acc[i + 1], acc[i + 2], acc[i + 3])
+                for r in range(cluster):
+                    mbarrier_arrive_cluster(cluster_address(parts_in, r))
+                mbarrier_wait_cluster(parts_in, done & 1)
+                words = (pad + reduce_offset) // 4 + tid * 4  # this thread's first word in slot 0
+                for r in range(cluster):  # (unrolled: acc's indices stay constants)
+                    if r == rank:
+                        for i in range(slice_values):
+                            acc[r * slice_values + i] = float32(0.0)
+                        for z in range(cluster):  # in order of rank: the same additions in every run
+                            for v in range(slice_groups):
+                                word = words + (z * slice_groups + v) * consumer_threads * 4
+                                p0, p1, p2, p3 = load_shared_f32x4(smem_f32, word)
+                                i = r * slice_values + 4 * v
+                                acc[i] += p0
+                                acc[i + 1] += p1
+                                acc[i + 2] += p2
+                                acc[i + 3] += p3
+                if not last_tile:  # (after the last, no block may touch another's memory: it may have exited)
+                    for r in range(cluster):
+                        mbarrier_arrive_cluster(cluster_address(parts_read, r))
+            elif splits > 1:  # K split: every part goes to `parts`; the tile's last part to arrive sums them
                 part = (cuda.blockIdx.z * out_tiles + t) * acc_count * consumer_threads + tid
                 for i in range(acc_count):  # accumulator i of every thread, one after another: coalesced
                     parts[part + i * consumer_threads] = acc[i]
@@ -350,6 +452,7 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
                         counters[t] = 0  # every part has arrived: ready for the next launch
                 named_barrier(CONSUMERS_BARRIER, consumer_threads)
                 if smem[flag] == 0:
+                    done += 1
                     continue
                 cuda.threadfence()  # the other parts, as their blocks wrote them
                 for i in range(acc_count):
@@ -379,14 +482,15 @@ def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False):
                     # load after the previous store, one memory latency per pair)
                     for j in range(block_n // 8):
                         for h in range(2):
-                            if m + 8 * h < num_tokens and n + 8 * j < num_rows:
+                            if (cluster == 1 or j // slice_blocks == rank) and m + 8 * h < num_tokens and n + 8 * j < num_rows:
                                 o0, o1 = load_f32x2(out, (m + 8 * h, n + 8 * j))
                                 acc[4 * j + 2 * h] += o0
                                 acc[4 * j + 2 * h + 1] += o1
                 for j in range(block_n // 8):
                     for h in range(2):
-                        if m + 8 * h < num_tokens and n + 8 * j < num_rows:
+                        if (cluster == 1 or j // slice_blocks == rank) and m + 8 * h < num_tokens and n + 8 * j < num_rows:
                             store_f32x2(out, (m + 8 * h, n + 8 * j), acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1])
+            done += 1
 
     return gemm_wgmma_kernel
 
@@ -514,20 +618,23 @@ def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig
     return TILE_SHAPES[-1]
 
 
-def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple[TileConfig, int]:
-    """The tiling and K split of a product: the tile size (``pick_tile_config``), its split
-    (``pick_k_split``), then the stages for the grid that makes: a grid of at most one block per SM
-    gets the deeper pipeline (SMALL_DEEP), one of more blocks than SMs the shallower one that lets
-    blocks share an SM (TINY_SHALLOW). On an H200 this picked, within 2%, the fastest of every
-    tiling and split tried at M = 32 .. 2048 on Llama 3.2 1B's weights (docs/benchmarks.md)."""
+def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple[TileConfig, int, bool]:
+    """The tiling, K split and whether the split's parts meet in a cluster: the tile size
+    (``pick_tile_config``), its split (``pick_k_split``), then the stages for the grid that makes: a
+    grid of at most one block per SM gets the deeper pipeline (SMALL_DEEP), one of more blocks than
+    SMs the shallower one that lets blocks share an SM (TINY_SHALLOW). On an H200 this picked,
+    within 2%, the fastest of every tiling and split tried at M = 32 .. 2048 on Llama 3.2 1B's
+    weights (docs/benchmarks.md)."""
     config = pick_tile_config(num_tokens, num_rows, num_sms)
     tiles = -(-num_rows // config.block_n) * -(-num_tokens // config.block_m)
     split = pick_k_split(config, tiles, k_dim, num_sms)
+    if config == TINY and split == 1 and 2 * tiles <= num_sms and -(-k_dim // BLOCK_K) >= 2 * MIN_CLUSTER_PART_SLICES:
+        return TINY, 2, True  # half the SMs idle: two blocks of a cluster share each tile's K
     if config == SMALL and tiles * split <= num_sms:
-        return SMALL_DEEP, split
+        return SMALL_DEEP, split, False
     if config == TINY and tiles * split > num_sms:
-        return TINY_SHALLOW, split
-    return config, split
+        return TINY_SHALLOW, split, False
+    return config, split, False
 
 
 def pick_k_split(config: TileConfig, num_blocks: int, k_dim: int, num_sms: int) -> int:
@@ -549,12 +656,14 @@ def pick_k_split(config: TileConfig, num_blocks: int, k_dim: int, num_sms: int) 
 
 def gemm_wgmma(
     x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None, workspace=None,
-    x_copy=None,
+    x_copy=None, in_cluster: bool | None = None,
 ) -> None:
     """out = x @ w.T (or out += x @ w.T) with Hopper's wgmma; x is rounded to bf16.
 
-    x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits), out (M, N) f32. ``config`` and
-    ``split`` force a tiling and a K split (tests, benchmarks). ``workspace``: the model's
+    x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits), out (M, N) f32. ``config``,
+    ``split`` and ``in_cluster`` force a tiling, a K split and how its parts are summed: True, in a
+    cluster of ``split`` blocks (2 or 4) through their shared memory; False, through global memory
+    (tests, benchmarks). ``workspace``: the model's
     `matmul.GemmWorkspace` (split-K parts and the bf16 buffers); without one, a split allocates its
     parts and x goes through a default copy buffer.
 
@@ -566,7 +675,7 @@ def gemm_wgmma(
     must not have skipped it).
     """
     check_linear_args(x, w, out)
-    _run(x, w, out, accumulate, config, split, workspace, x_copy, False)
+    _run(x, w, out, accumulate, config, split, in_cluster, workspace, x_copy, False)
 
 
 def gemm_wgmma_silu_mul(
@@ -588,10 +697,10 @@ def gemm_wgmma_silu_mul(
     if not _silu_mul_fits(w):
         raise KernelError(f"gemm_wgmma_silu_mul: w ({num_rows} x {k_dim}) needs 2F and K multiples of 16 and 8, 16-byte aligned")
     pairs = _cached_views("pairs", out_bits, tuple(out_bits.shape), lambda: (out_bits.view(np.uint32),))[0]  # (M, F / 2)
-    _run(x, w, pairs, False, config, split, workspace, x_copy, True)
+    _run(x, w, pairs, False, config, split, False, workspace, x_copy, True)
 
 
-def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool) -> None:
+def _run(x, w, out, accumulate, config, split, in_cluster, workspace, x_copy, silu_mul: bool) -> None:
     """gemm_wgmma's and gemm_wgmma_silu_mul's common path (arguments checked): x's bf16 copy as the
     producer left it in ``x_copy``, else converted into the x workspace, in row chunks when it does
     not fit; then the product (``out``: (M, N) f32, or with ``silu_mul`` the (M, F / 2) uint32 pairs)."""
@@ -614,7 +723,7 @@ def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool
         gemm_tc(x, w, out, accumulate, workspace=partials)  # no TMA copies of such rows; no Llama shape comes here
         return
     if written is not None:
-        _product(x_copy, written, w_bits, out, accumulate, config, split, partials, counters, silu_mul)
+        _product(x_copy, written, w_bits, out, accumulate, config, split, in_cluster, partials, counters, silu_mul)
         return
     x_workspace = x_copy_buffer(workspace)
     rows = min(num_tokens, x_capacity(x_workspace, k_dim))
@@ -623,7 +732,8 @@ def _run(x, w, out, accumulate, config, split, workspace, x_copy, silu_mul: bool
         x_bits, pairs = _x_views(x_workspace, part.shape[0], k_dim)
         blocks = min(-(-pairs.size // CONVERT_THREADS), 8 * num_sms())
         launch(_x_to_bf16_kernel, blocks, CONVERT_THREADS, part, pairs)
-        _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, partials, counters, silu_mul)
+        _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, in_cluster, partials, counters,
+                 silu_mul)  # fmt: skip
 
 
 def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None, buffer=None):
@@ -664,36 +774,44 @@ def x_copy_buffer(workspace):
     return _default_x_workspace() if workspace is None else workspace.x_bf16
 
 
-def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, partials, counters, silu_mul: bool) -> None:
+def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, in_cluster, partials, counters,
+             silu_mul: bool) -> None:  # fmt: skip
     """The wgmma product of x's bf16 copy (a view from the start of the buffer ``x_workspace``) and w
-    (uint16 bits), split or not, by ``pick_plan`` unless the caller forces a tiling or split; with
-    ``silu_mul`` SwiGLU in the epilogue."""
+    (uint16 bits), split or not, over a cluster or through global memory, by ``pick_plan`` unless
+    the caller forces a tiling, split or way of splitting; with ``silu_mul`` SwiGLU in the epilogue."""
     num_tokens, k_dim = x_bits.shape
     num_rows = w_bits.shape[0]
     if config is None:
-        config, picked = pick_plan(num_tokens, num_rows, k_dim, num_sms())
+        config, picked, picked_cluster = pick_plan(num_tokens, num_rows, k_dim, num_sms())
         split = split or picked
+        in_cluster = picked_cluster if in_cluster is None else in_cluster
     grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)  # (silu_mul: F / (block_n / 2))
     split = split or pick_k_split(config, grid_n * grid_m, k_dim, num_sms())
-    num_slices = -(-k_dim // BLOCK_K)
-    tiles_per_split = -(-num_slices // split)
-    splits = -(-num_slices // tiles_per_split)  # no empty part
+    splits = min(split, -(-k_dim // BLOCK_K))  # no empty part
+    if in_cluster and (splits not in CLUSTER_SPLITS or silu_mul):
+        raise KernelError(f"gemm_wgmma: a K split over a cluster is {CLUSTER_SPLITS[1:]} ways, without SwiGLU (asked: {splits})")
+    cluster = splits if in_cluster else 1
     m_fastest = 1 if grid_m <= 16 else 0
     tiles = grid_n * grid_m
-    blocks = min(tiles, max(1, blocks_per_sm(config) * num_sms() // splits))  # persistent: at most one wave
+    blocks = min(tiles, max(1, blocks_per_sm(config, cluster) * num_sms() // splits))  # persistent: at most one wave
     capacity = x_capacity(x_workspace, k_dim)
     x_map = _tensor_map(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
     w_map = _tensor_map(w_bits, num_rows, config.block_n // 2 if silu_mul else config.block_n)
-    kernel_ = gemm_wgmma_kernel_for(config, silu_mul)
-    size = splits * tiles * config.block_m * config.block_n if splits > 1 else 1  # every block's accumulators
-    if splits > 1 and tiles > TILE_COUNTERS:
+    kernel_ = gemm_wgmma_kernel_for(config, silu_mul, cluster)
+    global_parts = splits > 1 and cluster == 1
+    size = splits * tiles * config.block_m * config.block_n if global_parts else 1  # every block's accumulators
+    if global_parts and tiles > TILE_COUNTERS:
         raise KernelError(f"gemm_wgmma: a K split of {tiles} output tiles exceeds the {TILE_COUNTERS} counters")
     if partials is None or counters is None:  # a call without the model's workspace: scratch of its own
         parts = cuda.device_array(size, np.float32)  # (unsplit: never read)
-        counters = cuda.to_device(np.zeros(tiles if splits > 1 else 1, np.int32))
+        counters = cuda.to_device(np.zeros(tiles if global_parts else 1, np.int32))
     elif size > partials.shape[0]:
         raise KernelError(f"gemm_wgmma: a {splits}-way K split of {tiles} tiles exceeds the workspace")
     else:
         parts = partials
-    args = (x_map, w_map, x_bits, w_bits, out, parts, counters, 1 if accumulate else 0, tiles_per_split, m_fastest)
-    launch(kernel_, (blocks, 1, splits), config.threads, *args, shared_bytes=config.shared_bytes)
+    args = (x_map, w_map, x_bits, w_bits, out, parts, counters, 1 if accumulate else 0, m_fastest)
+    shared_bytes = config.shared_bytes_for(cluster)
+    if cluster > 1:  # as many clusters as run at once (one GPC holds a cluster's blocks: can be fewer than blocks / cluster)
+        blocks = min(blocks, max_active_clusters(kernel_, args, config.threads, shared_bytes, (1, 1, cluster)))
+    launch(kernel_, (blocks, 1, splits), config.threads, *args, shared_bytes=shared_bytes,
+           cluster=(1, 1, cluster) if cluster > 1 else None)  # fmt: skip
