@@ -330,11 +330,18 @@ def test_gemm_plans_tries_only_splits_that_keep_their_parts_and_fit():
     from numba_vllm.kernels import gemm_wgmma as gw
 
     plans = _benchmark_script("gemm_plans")
-    tried = set(plans.candidates(64, 2048, 2048, [gw.TINY, gw.LARGE], [1, 2, 4, 8, 16], 132, 10**9))
-    assert tried == {(gw.TINY, 1), (gw.TINY, 2), (gw.TINY, 4), (gw.TINY, 8), (gw.LARGE, 1), (gw.LARGE, 2),
-                     (gw.LARGE, 4), (gw.LARGE, 8)}  # 32 slices of K: no 16-way split  # fmt: skip
-    assert (gw.TINY, 8) not in set(plans.candidates(512, 2048, 2048, [gw.TINY], [8], 132, 10**9))  # 256 x 8 blocks
-    assert set(plans.candidates(64, 2048, 2048, [gw.TINY], [1, 2], 132, 2 * 32 * 4096 - 1)) == {(gw.TINY, 1)}
+    tried = set(plans.candidates(64, 2048, 2048, [gw.TINY, gw.LARGE], [1, 2, 4, 8, 16], 132, 10**9, False))
+    assert tried == {(gw.TINY, s, False) for s in (1, 2, 4, 8)} | {(gw.LARGE, s, False) for s in (1, 2, 4, 8)}  # 32 slices
+    assert (gw.TINY, 8, False) not in set(plans.candidates(512, 2048, 2048, [gw.TINY], [8], 132, 10**9, False))  # 256 x 8 blocks
+    assert set(plans.candidates(64, 2048, 2048, [gw.TINY], [1, 2], 132, 2 * 32 * 4096 - 1, False)) == {(gw.TINY, 1, False)}
+    # with --clusters: also 2- and 4-way splits summed in a cluster, where the receive buffer fits (not LARGE)
+    clustered = {p for p in plans.candidates(64, 2048, 2048, [gw.TINY, gw.LARGE], [1, 2, 3, 4], 132, 10**9, True) if p[2]}
+    assert clustered == {(gw.TINY, 2, True), (gw.TINY, 4, True)}
+    assert plans.plan_name(gw.TINY, 2, True) == "TINY/c2" and plans.plan_name(gw.TINY, 4, False) == "TINY/4"
+    assert plans.parse_weight("2048x8192") == (2048, 8192)
+    for bad in ("2048", "3x64", "64x12", "ax8"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            plans.parse_weight(bad)
     assert plans.parse_tiling("1x64x12") == gw.TileConfig(consumers=1, block_n=64, stages=12)
     assert plans.name_of(gw.SMALL_DEEP) == "SMALL_DEEP" and plans.name_of(plans.parse_tiling("1x64x12")) == "1x64x12"
     for bad in ("1x64", "1x60x4", "2x256x6", "axbxc"):

@@ -257,8 +257,14 @@ def reduce_buffer_offset(config: TileConfig) -> int:
     return -(-end // 16) * 16
 
 
-@functools.cache
 def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False, cluster: int = 1):
+    """The kernel for one tiling, epilogue and cluster split, made once (``_kernel_for``: one cache
+    key however the arguments are written)."""
+    return _kernel_for(config, bool(silu_mul), int(cluster))
+
+
+@functools.cache
+def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
     """Compile-time specialisation of the kernel for one tiling (its sizes are constants in it).
 
     ``silu_mul``: w is [gate; up] (2F, K) and the block's ``block_n`` columns are ``block_n / 2`` gate
