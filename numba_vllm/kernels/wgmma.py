@@ -88,7 +88,8 @@ uniform). Shared addresses are byte offsets into the array (the simulator has no
 offset 0 is 1024-byte aligned), and fences and waits do nothing. A TMA load copies the box from
 ``src`` at once (zeros outside it) into the swizzled layout and completes its bytes on the barrier;
 mbarriers are Python objects of the block, keyed by address, and a thread that waits on one polls
-it (``SimulatorDeadlockError`` after ``NUMBA_VLLM_SIM_HANG_TIMEOUT``); a named barrier is a
+it (``SimulatorDeadlockError`` after ``NUMBA_VLLM_SIM_HANG_TIMEOUT`` with no arrival, times the
+blocks of its cluster); a named barrier is a
 rendezvous of threads 0 .. threads - 1.
 """
 
@@ -129,7 +130,8 @@ if simulator_enabled():
 
     import ml_dtypes
 
-    from numba_vllm.sim.blocks import ABSENT, SimulatorDeadlockError, WarpSyncError, hang_timeout_s
+    from numba_vllm.sim import blocks as sim_blocks
+    from numba_vllm.sim.blocks import ABSENT, SimulatorDeadlockError, WarpSyncError
 
     _RESULT_LOCK = threading.Lock()  # the first thread out of a round computes it, the others wait
 
@@ -277,12 +279,17 @@ if simulator_enabled():
         """Poll until the phase of parity ``parity`` of the mbarrier has completed (simulator)."""
         barrier = _mbarrier(address)
         block = threading.current_thread().block
-        deadline = time.monotonic() + hang_timeout_s
+        # A hang is no progress for hang_timeout_s per block that may arrive: the blocks of a cluster
+        # run at once as Python threads, and on a loaded machine one may trail the others by minutes.
+        patience = sim_blocks.hang_timeout_s * len(block.cluster_blocks())  # (read now: stepping raises it)
+        state = None
         while barrier.phase % 2 == parity:  # that phase is still the one in progress
             block.raise_if_cluster_failed()  # (an arrival from a failed block of the cluster never comes)
+            if (barrier.pending, barrier.tx) != state:  # an arrival or bytes came: wait afresh
+                state, deadline = (barrier.pending, barrier.tx), time.monotonic() + patience
             if time.monotonic() > deadline:
                 raise SimulatorDeadlockError(
-                    f"waited more than {hang_timeout_s:g} s on the mbarrier at shared address {int(address)} "
+                    f"waited more than {patience:g} s with no arrival on the mbarrier at shared address {int(address)} "
                     f"(phase {barrier.phase}, {barrier.pending} arrivals and {barrier.tx} bytes outstanding)"
                 )
             time.sleep(1e-4)

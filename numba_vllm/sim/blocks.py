@@ -51,7 +51,9 @@ the last has come and then run at once, each with its own shared memory (the sto
 one per launch, which is enough when blocks run one at a time): ``cluster_blocks()`` lists them by
 rank, ``dynamic_shared()`` is a block's dynamic shared memory, and ``cluster_barrier()`` is a
 rendezvous of every live thread of the cluster. A block whose partner failed stops waiting for it
-(``raise_if_cluster_failed``).
+(``raise_if_cluster_failed``). Waits on other blocks (the cluster barrier, an mbarrier) count as
+hung after ``hang_timeout_s`` per block of the cluster with no new arrival: the blocks' threads
+share one interpreter, and on a loaded machine one block can trail the others by minutes.
 """
 
 import contextlib
@@ -543,16 +545,19 @@ class _Cluster:
             generation = self.generation
             self.arrived += 1
             self._complete_if_all_arrived()
-        deadline = time.monotonic() + hang_timeout_s
+        patience = hang_timeout_s * len(self.blocks)  # with no new arrival (the blocks' threads share one interpreter)
+        arrived = None
         while True:
             with self.lock:
                 self._complete_if_all_arrived()  # (threads that exited meanwhile no longer count)
                 if self.generation != generation:
                     return
+                if self.arrived != arrived:
+                    arrived, deadline = self.arrived, time.monotonic() + patience
             self.blocks[0].raise_if_cluster_failed()
             if time.monotonic() > deadline:
                 raise SimulatorDeadlockError(
-                    f"waited more than {hang_timeout_s:g} s in barrier.cluster: {self.arrived} of "
+                    f"waited more than {patience:g} s with no arrival in barrier.cluster: {self.arrived} of "
                     f"{sum(block.num_live for block in self.blocks)} live threads of the cluster arrived"
                 )
             time.sleep(1e-4)
