@@ -67,10 +67,7 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0, cluster=None) -> N
             key = fast_launch.layout_key(kernel, args)
             prepared = fast_launch.lookup(key)
             if prepared is None and cluster is not None:  # compile without launching: numba cannot launch clusters
-                if shared_bytes > STATIC_SHARED_BYTES:
-                    _allow_dynamic_shared(kernel, args, shared_bytes)
-                else:
-                    kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+                _compiled(kernel, args, shared_bytes)
                 fast_launch.prepare(key, kernel, args)
                 prepared = fast_launch.lookup(key)
                 if prepared is None:
@@ -80,7 +77,7 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0, cluster=None) -> N
                 fast_launch.launch_prepared(prepared, _dim3(grid), _dim3(block), shared_bytes, stream, args, cluster)
                 return
             if shared_bytes > STATIC_SHARED_BYTES:
-                _allow_dynamic_shared(kernel, args, shared_bytes)
+                _compiled(kernel, args, shared_bytes)
             kernel[grid, block, stream, shared_bytes](*args)  # compiles, if needed, and launches
             fast_launch.prepare(key, kernel, args)
         else:
@@ -101,9 +98,7 @@ def max_active_clusters(kernel, args, block: int, shared_bytes: int, cluster) ->
     if count is None:
         from cuda.core import Device, LaunchConfig
 
-        if shared_bytes > STATIC_SHARED_BYTES:
-            _allow_dynamic_shared(kernel, args, shared_bytes)
-        overload = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
+        overload = _compiled(kernel, args, shared_bytes)
         config = LaunchConfig(grid=(1, 1, 1), cluster=_dim3(cluster), block=_dim3(block), shmem_size=shared_bytes)
         core_kernel = overload._codelibrary.get_cufunc().kernel
         count = _active_clusters[key] = core_kernel.occupancy.max_active_clusters(config, stream=Device().default_stream)
@@ -113,14 +108,17 @@ def max_active_clusters(kernel, args, block: int, shared_bytes: int, cluster) ->
 _active_clusters: dict = {}  # (layout, block, shared bytes, cluster) -> clusters at once
 
 
-def _allow_dynamic_shared(kernel, args, shared_bytes: int) -> None:
-    """Let `kernel`, compiled for `args`, launch with `shared_bytes` of dynamic shared memory."""
-    from numba.cuda.cudadrv.driver import binding, driver
-
+def _compiled(kernel, args, shared_bytes: int):
+    """`kernel` compiled for `args` (numba's overload), allowed to launch with `shared_bytes` of
+    dynamic shared memory (past the static limit: the driver attribute raised to it)."""
     overload = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    function = overload._codelibrary.get_cufunc()
-    attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attribute, shared_bytes, function.handle, function.device.id)
+    if shared_bytes > STATIC_SHARED_BYTES:
+        from numba.cuda.cudadrv.driver import binding, driver
+
+        function = overload._codelibrary.get_cufunc()
+        attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+        driver.cuKernelSetAttribute(attribute, shared_bytes, function.handle, function.device.id)
+    return overload
 
 
 @functools.cache
