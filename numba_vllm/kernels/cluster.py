@@ -92,13 +92,8 @@ else:
     @intrinsic
     def cluster_sync(typingctx):
         """``barrier.cluster`` arrive (release) and wait (acquire): every thread of the cluster."""
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            _void_asm(builder, "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;")
-            return context.get_dummy_value()
-
-        return sig, codegen
+        text = "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;"
+        return types.void(), _u32_operands_codegen(text)
 
     @intrinsic
     def cluster_address(typingctx, address, rank):

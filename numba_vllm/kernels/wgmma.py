@@ -126,12 +126,10 @@ def _wgmma_instruction(n):
 
 if simulator_enabled():
     import threading
-    import time
 
     import ml_dtypes
 
-    from numba_vllm.sim import blocks as sim_blocks
-    from numba_vllm.sim.blocks import ABSENT, SimulatorDeadlockError, WarpSyncError
+    from numba_vllm.sim.blocks import ABSENT, WarpSyncError, wait_on_cluster
 
     _RESULT_LOCK = threading.Lock()  # the first thread out of a round computes it, the others wait
 
@@ -278,21 +276,10 @@ if simulator_enabled():
     def mbarrier_wait(address, parity):
         """Poll until the phase of parity ``parity`` of the mbarrier has completed (simulator)."""
         barrier = _mbarrier(address)
-        block = threading.current_thread().block
-        # A hang is no progress for hang_timeout_s per block that may arrive: the blocks of a cluster
-        # run at once as Python threads, and on a loaded machine one may trail the others by minutes.
-        patience = sim_blocks.hang_timeout_s * len(block.cluster_blocks())  # (read now: stepping raises it)
-        state = None
-        while barrier.phase % 2 == parity:  # that phase is still the one in progress
-            block.raise_if_cluster_failed()  # (an arrival from a failed block of the cluster never comes)
-            if (barrier.pending, barrier.tx) != state:  # an arrival or bytes came: wait afresh
-                state, deadline = (barrier.pending, barrier.tx), time.monotonic() + patience
-            if time.monotonic() > deadline:
-                raise SimulatorDeadlockError(
-                    f"waited more than {patience:g} s with no arrival on the mbarrier at shared address {int(address)} "
-                    f"(phase {barrier.phase}, {barrier.pending} arrivals and {barrier.tx} bytes outstanding)"
-                )
-            time.sleep(1e-4)
+        wait_on_cluster(  # until the phase in progress is no longer the one of that parity
+            threading.current_thread().block, lambda: barrier.phase % 2 != parity, lambda: (barrier.pending, barrier.tx),
+            lambda: (f"on the mbarrier at shared address {int(address)} (phase {barrier.phase}, {barrier.pending} "
+                     f"arrivals and {barrier.tx} bytes outstanding)"))  # fmt: skip
 
     @functools.cache
     def tma_load_2d(rows):
@@ -447,24 +434,12 @@ else:
     @intrinsic
     def wgmma_commit(typingctx):
         """``wgmma.commit_group``: the wgmma issued since the last commit form one group."""
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            _void_asm(builder, "wgmma.commit_group.sync.aligned;")
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return types.void(), _u32_operands_codegen("wgmma.commit_group.sync.aligned;")
 
     @intrinsic
     def fence_proxy_async(typingctx):
         """``fence.proxy.async.shared::cta``: this thread's shared-memory writes become visible to wgmma."""
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            _void_asm(builder, "fence.proxy.async.shared::cta;")
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return types.void(), _u32_operands_codegen("fence.proxy.async.shared::cta;")
 
     @intrinsic
     def shared_address(typingctx, array, index):
@@ -488,7 +463,8 @@ else:
         return context.cast(builder, value, value_type, types.uint32)
 
     def _u32_operands_codegen(text):
-        """Codegen emitting ``text`` with the integer arguments as 32-bit operands $0, $1, ..."""
+        """Codegen emitting ``text`` with the integer arguments as 32-bit operands $0, $1, ... (none: an
+        instruction without operands)."""
 
         def codegen(context, builder, sig, args):
             values = [_u32(context, builder, v, t) for v, t in zip(args, sig.args, strict=True)]
@@ -533,13 +509,7 @@ else:
     @intrinsic
     def fence_mbarrier_init(typingctx):
         """``fence.mbarrier_init``: the initialised mbarriers are visible to the other threads and the TMA."""
-        sig = types.void()
-
-        def codegen(context, builder, sig, args):
-            _void_asm(builder, "fence.mbarrier_init.release.cluster;")
-            return context.get_dummy_value()
-
-        return sig, codegen
+        return types.void(), _u32_operands_codegen("fence.mbarrier_init.release.cluster;")
 
     @intrinsic
     def tensormap_acquire(typingctx, tensor_map):

@@ -545,27 +545,37 @@ class _Cluster:
             generation = self.generation
             self.arrived += 1
             self._complete_if_all_arrived()
-        patience = hang_timeout_s * len(self.blocks)  # with no new arrival (the blocks' threads share one interpreter)
-        arrived = None
-        while True:
+
+        def passed():
             with self.lock:
                 self._complete_if_all_arrived()  # (threads that exited meanwhile no longer count)
-                if self.generation != generation:
-                    return
-                if self.arrived != arrived:
-                    arrived, deadline = self.arrived, time.monotonic() + patience
-            self.blocks[0].raise_if_cluster_failed()
-            if time.monotonic() > deadline:
-                raise SimulatorDeadlockError(
-                    f"waited more than {patience:g} s with no arrival in barrier.cluster: {self.arrived} of "
-                    f"{sum(block.num_live for block in self.blocks)} live threads of the cluster arrived"
-                )
-            time.sleep(1e-4)
+                return self.generation != generation
+
+        wait_on_cluster(self.blocks[0], passed, lambda: self.arrived, lambda: (
+            f"in barrier.cluster: {self.arrived} of {sum(block.num_live for block in self.blocks)} live threads "
+            "of the cluster arrived"))  # fmt: skip
 
     def _complete_if_all_arrived(self):
         if self.arrived and self.arrived >= sum(block.num_live for block in self.blocks):
             self.arrived = 0
             self.generation += 1
+
+
+def wait_on_cluster(block, done, progress, describe):
+    """Poll until ``done()``, for a wait on other blocks of ``block``'s cluster (a barrier.cluster, an
+    mbarrier). It unwinds when a block of the cluster has failed, and raises SimulatorDeadlockError
+    after ``hang_timeout_s`` per block of the cluster (read now: stepping raises it) with no change
+    of ``progress()``: the blocks' threads share one interpreter, and one can trail the others."""
+    patience = hang_timeout_s * len(block.cluster_blocks())
+    state, deadline = ABSENT, None
+    while not done():
+        block.raise_if_cluster_failed()
+        now = progress()
+        if now != state:  # an arrival came: wait afresh
+            state, deadline = now, time.monotonic() + patience
+        if time.monotonic() > deadline:
+            raise SimulatorDeadlockError(f"waited more than {patience:g} s with no arrival {describe()}")
+        time.sleep(1e-4)
 
 
 class _BlockShared:
