@@ -19,6 +19,7 @@ the K/V bytes.
 
     python benchmarks/decode_attention_gpu.py [--json out.json]   # checks, then the table (~1 min)
     python benchmarks/decode_attention_gpu.py --sweep             # also the tuning variants
+    python benchmarks/decode_attention_gpu.py --variants tc_p1,tc_s64   # some of them
 
 (On the H200 machine, from a copy of the checkout with numpy < 2.5 first on the path, as for any
 kernel there.) The GPU tests of the same kernels: ``NUMBA_VLLM_TEST_GPU=1 python -m pytest -m gpu
@@ -162,10 +163,16 @@ def time_shape(batch: int, context: int, names, torch, flush, iters: int) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sweep", action="store_true", help="also time the fast kernel's tuning variants")
+    parser.add_argument("--variants", help="comma-separated variants to check and time (default: fast,tc; --sweep: all)")
     parser.add_argument("--iters", type=int, default=30)
     parser.add_argument("--json", help="write the table here")
     args = parser.parse_args()
     names = list(VARIANTS) if args.sweep else ["fast", "tc"]
+    if args.variants:
+        names = list(dict.fromkeys(["fast", "tc", *args.variants.split(",")]))  # the table's ratios need both
+        unknown = [n for n in names if n not in VARIANTS]
+        if unknown:
+            parser.error(f"unknown variants {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     seed = int(np.random.SeedSequence().entropy % 2**32)
     name = cuda.get_current_device().name
     print(f"device: {name.decode() if isinstance(name, bytes) else name}, seed {seed}")

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from numba import cuda
 
 from numba_vllm.kernels import decode_attention_fast as fast
+from numba_vllm.kernels._launch import launch
 from numba_vllm.model.config import PAGE_SIZE
 from tests.test_attention import check_decode
 
@@ -108,6 +110,31 @@ def test_decode_fast_split_is_bit_identical_in_a_padded_table(monkeypatch):
     wide = check_fast(np.random.default_rng(16), [70, 33], 4, 1, 64, extra_columns=2)  # 8 columns: 4 ranges
     assert [grid for _, grid in grids[::2]] == [(1, 2, 3), (1, 2, 4)]
     np.testing.assert_array_equal(narrow, wide)
+
+
+def test_merge_kernel_over_several_chunks_of_ranges():
+    """The merge against float64 NumPy on made-up partial states: 2 sequences x 3 heads x HD 8 over
+    37 ranges (three chunks of MERGE_CHUNK), with maxima that rise in later chunks (the running max
+    moves and what was added is rescaled), ranges of very different weight, and empty ranges (m =
+    -inf, zero sums) inside and at the end, as a padded table makes them."""
+    rng = np.random.default_rng(31)
+    batch, heads, head_dim, splits = 2, 3, 8, 2 * fast.MERGE_CHUNK + 5
+    m = rng.uniform(-4.0, 4.0, (splits, batch, heads)) + np.arange(splits)[:, None, None] * 0.5  # log2 units
+    sums = rng.uniform(0.5, 3.0, (splits, batch, heads))
+    acc = rng.standard_normal((splits, batch, heads, head_dim)) * sums[..., None]
+    empty = np.zeros(splits, bool)
+    empty[[3, fast.MERGE_CHUNK + 1, splits - 2, splits - 1]] = True
+    m[empty], sums[empty], acc[empty] = -np.inf, 0.0, 0.0
+    partials = np.concatenate([acc, m[..., None], sums[..., None]], axis=3).astype(np.float32)  # (splits, B, H, HD + 2)
+    out = cuda.to_device(np.full((batch, heads, head_dim), np.nan, np.float32))
+    threads = fast.MERGE_THREADS
+    launch(fast.decode_attention_fast_merge_kernel, (-(-out.size // threads),), threads,
+           cuda.to_device(partials.reshape(splits * batch, heads, head_dim + 2)), out)  # fmt: skip
+    m64, sums64, acc64 = (partials[..., head_dim].astype(np.float64), partials[..., head_dim + 1].astype(np.float64),
+                          partials[..., :head_dim].astype(np.float64))  # fmt: skip
+    weights = np.exp2(m64 - m64.max(axis=0))  # (splits, B, H): 0 for the empty ranges
+    want = (weights[..., None] * acc64).sum(axis=0) / (weights * sums64).sum(axis=0)[..., None]
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=2e-6, atol=1e-6)
 
 
 def test_pick_split_rule(monkeypatch):

@@ -90,6 +90,7 @@ SPLIT_REF_BLOCKS = 8  # grids up to this many blocks get the shortest ranges; pa
 MAX_SPLITS = 32  # ranges per sequence at most (see decode_attention_tc's docstring for why not 64) ...
 MAX_SPLIT_BLOCKS = 4096  # ... and splits x B x KVH at most (bounds the workspace)
 MERGE_THREADS = 128  # threads per block of the merge kernel, one per (b, h, d) output
+MERGE_CHUNK = 16  # ranges whose states a merge thread loads at once (independent loads in flight)
 VEC = BF16_PER_VECTOR  # bf16 values per lane per 16-byte load
 MAX_LOADS_PER_STEP = 4  # K loads (and V loads) per lane per step
 MAX_GROUP = 8  # query heads per kv head
@@ -321,9 +322,13 @@ def decode_attention_fast_merge_kernel(partials, out):
     """out (B, H, HD) f32 = the merge of the ranges' partial states partials (splits * B, H, HD + 2)
     f32 (row z * B + b: HD unnormalised sums, then m in log2 units and the sum of 2^(score - m)).
 
-    Thread ``blockIdx.x * blockDim.x + threadIdx.x`` owns output (b, h, d): it rescales the ranges'
-    states to their common max and adds them in split order (deterministic). Range 0 always holds
-    a token, so the max is finite; an empty state (m = -inf, sums 0) adds 2^-inf * 0 = 0.
+    Thread ``blockIdx.x * blockDim.x + threadIdx.x`` owns output (b, h, d). It takes the ranges
+    ``MERGE_CHUNK`` at a time: the chunk's loads (m, the sum and its dim's sum of each range) are all
+    issued before any is used, so a 32-range merge waits on memory twice, not 64 times; then it
+    moves its running max to the chunk's, rescaling what it has (only when the max moved), and adds
+    the chunk's states in split order (deterministic). Range 0 always holds a token, so the max is
+    finite after the first chunk; an empty state (m = -inf, sums 0), like a missing range past
+    ``splits``, adds 2^-inf * 0 = 0 exactly: a padded table's extra ranges change no bit.
     """
     batch, num_heads, head_dim = out.shape
     splits = partials.shape[0] // batch
@@ -332,15 +337,34 @@ def decode_attention_fast_merge_kernel(partials, out):
         b = i // (num_heads * head_dim)
         h = i // head_dim % num_heads
         d = i % head_dim
+        chunk_m = cuda.local.array(MERGE_CHUNK, float32)
+        chunk_sum = cuda.local.array(MERGE_CHUNK, float32)
+        chunk_acc = cuda.local.array(MERGE_CHUNK, float32)
         m_all = float32(-math.inf)
-        for z in range(splits):
-            m_all = max(m_all, partials[z * batch + b, h, head_dim])
         total_sum = float32(0.0)
         total = float32(0.0)
-        for z in range(splits):
-            w = exp2_approx(partials[z * batch + b, h, head_dim] - m_all)
-            total_sum += w * partials[z * batch + b, h, head_dim + 1]
-            total += w * partials[z * batch + b, h, d]
+        for z0 in range(0, splits, MERGE_CHUNK):
+            for j in range(MERGE_CHUNK):  # the chunk's loads, all in flight at once
+                chunk_m[j] = float32(-math.inf)
+                chunk_sum[j] = float32(0.0)
+                chunk_acc[j] = float32(0.0)
+                if z0 + j < splits:
+                    row = (z0 + j) * batch + b
+                    chunk_m[j] = partials[row, h, head_dim]
+                    chunk_sum[j] = partials[row, h, head_dim + 1]
+                    chunk_acc[j] = partials[row, h, d]
+            m_new = m_all
+            for j in range(MERGE_CHUNK):
+                m_new = max(m_new, chunk_m[j])
+            if m_new > m_all:  # 0 on the first chunk (m_all = -inf, nothing added yet)
+                alpha = exp2_approx(m_all - m_new)
+                total_sum *= alpha
+                total *= alpha
+                m_all = m_new
+            for j in range(MERGE_CHUNK):
+                w = exp2_approx(chunk_m[j] - m_all)
+                total_sum += w * chunk_sum[j]
+                total += w * chunk_acc[j]
         out[b, h, d] = total / total_sum
 
 
