@@ -12,10 +12,11 @@ knowing about graphs.
 On a GPU, a kernel's second and later launches with the same argument layout skip numba's
 per-launch argument handling (`fast_launch.py`: ~25-50 us a launch down to a few).
 
-Dynamic shared memory past 48 KB a block needs an opt-in per kernel, which numba has no switch
-for: the first launch of a layout asking for more compiles the kernel first and raises its
-``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` to the size asked for (the later launches of
-that layout must ask for no more, which holds for kernels whose size is fixed by their tiling).
+A block whose static and dynamic shared memory together pass 48 KB needs an opt-in per kernel,
+which numba has no switch for: the first launch of a layout asking for dynamic shared memory
+compiles the kernel first and raises its ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` to the
+size asked for (the later launches of that layout must ask for no more, which holds for kernels
+whose size is fixed by their tiling).
 
 Thread-block clusters (``cluster=(x, y, z)``, ``kernels/cluster.py``) need the driver's extended
 launch, which numba's launch does not make: such a kernel is compiled for its arguments first and
@@ -38,7 +39,6 @@ from numba_vllm.sim.warp import simulator_enabled
 __all__ = ["KernelError", "check_array", "launch", "launching_on", "max_active_clusters", "num_sms"]
 
 _stream = contextvars.ContextVar("launch_stream", default=0)  # 0: the default stream
-STATIC_SHARED_BYTES = 48 * 1024  # shared memory a block may take without opting in
 
 
 @contextlib.contextmanager
@@ -76,7 +76,7 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0, cluster=None) -> N
                 cluster = None if cluster is None else _dim3(cluster)
                 fast_launch.launch_prepared(prepared, _dim3(grid), _dim3(block), shared_bytes, stream, args, cluster)
                 return
-            if shared_bytes > STATIC_SHARED_BYTES:
+            if shared_bytes:
                 _compiled(kernel, args, shared_bytes)
             kernel[grid, block, stream, shared_bytes](*args)  # compiles, if needed, and launches
             fast_launch.prepare(key, kernel, args)
@@ -110,9 +110,10 @@ _active_clusters: dict = {}  # (layout, block, shared bytes, cluster) -> cluster
 
 def _compiled(kernel, args, shared_bytes: int):
     """`kernel` compiled for `args` (numba's overload), allowed to launch with `shared_bytes` of
-    dynamic shared memory (past the static limit: the driver attribute raised to it)."""
+    dynamic shared memory (the driver attribute raised to it: the kernel's static shared memory
+    counts against the same 48 KB, so any dynamic size may need it)."""
     overload = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    if shared_bytes > STATIC_SHARED_BYTES:
+    if shared_bytes:
         from numba.cuda.cudadrv.driver import binding, driver
 
         function = overload._codelibrary.get_cufunc()
