@@ -48,7 +48,7 @@ from numba_vllm.loading.bf16 import BF16, bf16_bits, to_bf16, upload_bf16
 from tests.helpers import ptx as ptx_check
 from tests.helpers.products import check_product, launch_case, random_case, wgmma_conversion
 
-TILING_IDS = ["large", "small", "small_deep", "tiny", "tiny_shallow"]  # gw.TILE_CONFIGS
+TILING_IDS = ["large", "small", "small_deep", "tiny", "tiny_shallow", "medium"]  # gw.TILE_CONFIGS
 PROBE_N = 16
 PROBE_K = 64
 PROBE_ACC = 8  # accumulators per thread (PROBE_N / 2): a literal, as a local array's size must be
@@ -214,8 +214,9 @@ def test_gemm_wgmma_split_over_a_cluster_walks_several_tiles(monkeypatch):
 @pytest.mark.slow
 def test_gemm_wgmma_split_over_a_cluster_of_four():
     """A 4-way split in a cluster (K = 328: 1 + 1 + 2 + 2 slices; each block stores 16 of the 64 columns)
-    on the 64 x 128 tiling too (two ways there)."""
-    for config, split, (m, n, k, accumulate) in ((gw.TINY, 4, (5, 24, 328, False)), (gw.SMALL, 2, (9, 130, 200, True))):
+    on the 64 x 128 tiling too (two ways there), and on MEDIUM's 128 x 128 (rows in both consumers)."""
+    for config, split, (m, n, k, accumulate) in ((gw.TINY, 4, (5, 24, 328, False)), (gw.SMALL, 2, (9, 130, 200, True)),
+                                                 (gw.MEDIUM, 2, (70, 140, 200, True))):  # fmt: skip
         launcher = functools.partial(gw.gemm_wgmma, config=config, split=split, in_cluster=True)
         run_gemm_wgmma(m, n, k, accumulate, seed=split, launcher=launcher)
 
@@ -463,8 +464,9 @@ def test_the_largest_tiling_that_reaches_most_sms_is_picked(m, n, sms, want):
     "m, n, k, want",
     [(32, 2048, 2048, (gw.TINY, 2, True)), (128, 2048, 2048, (gw.TINY, 2, True)), (64, 3072, 2048, (gw.TINY, 2, True)),
      (128, 3072, 2048, (gw.TINY, 1, False)), (256, 2048, 2048, (gw.TINY, 1, False)), (32, 2048, 512, (gw.TINY, 1, False)),
-     (32, 2048, 8192, (gw.TINY, 4, False)), (128, 2048, 8192, (gw.TINY, 2, False)), (256, 2048, 8192, (gw.TINY, 1, False)),
-     (512, 2048, 8192, (gw.SMALL, 2, False)), (512, 2048, 2048, (gw.SMALL_DEEP, 1, False)),
+     (32, 2048, 8192, (gw.TINY, 4, False)), (128, 2048, 8192, (gw.TINY, 2, True)), (256, 2048, 8192, (gw.TINY, 1, False)),
+     (512, 2048, 8192, (gw.MEDIUM, 2, True)), (512, 2048, 2048, (gw.MEDIUM, 2, True)), (256, 2048, 512, (gw.TINY, 1, False)),
+     (512, 2048, 512, (gw.SMALL_DEEP, 1, False)), (512, 3072, 2048, (gw.SMALL, 1, False)),
      (128, 8192, 2048, (gw.SMALL_DEEP, 1, False)), (256, 8192, 2048, (gw.SMALL, 1, False)),
      (32, 128256, 2048, (gw.SMALL, 1, False)), (512, 8192, 2048, (gw.LARGE, 1, False)), (1024, 2048, 2048, (gw.SMALL, 1, False)),
      (320, 2048, 2048, (gw.TINY_SHALLOW, 1, False))],  # 80 SMALL tiles fall short of 99: 160 TINY ones, more than the SMs
@@ -472,8 +474,9 @@ def test_the_largest_tiling_that_reaches_most_sms_is_picked(m, n, sms, want):
 def test_the_plan_is_the_fastest_measured(m, n, k, want):
     """Tile, split, pipeline depth and where the parts meet as the H200 sweep found fastest
     (docs/benchmarks.md): a grid of at most one block per SM gets the deeper pipeline, a larger one
-    the shallower; TINY tiles that leave half the SMs idle, on a K unsplit otherwise (2048 here, not
-    512), split it between the two blocks of a cluster."""
+    the shallower; TINY tiles that leave half the SMs idle, on a K split at most two ways otherwise
+    (2048 or 8192 here, not 512), split it between the two blocks of a cluster, and so do 128 x 128
+    tiles past 256 rows where their grid is at most half the SMs (not the 3072-row weight's)."""
     assert gw.pick_plan(m, n, k, num_sms=132) == want
 
 

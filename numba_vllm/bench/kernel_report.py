@@ -126,7 +126,7 @@ REGISTRY: tuple[KernelVariant, ...] = (
                                           (" cluster 2", ", False, 2", GEMM_WGMMA_SIG, 2),
                                           (" cluster 4", ", False, 4", GEMM_WGMMA_SIG, 4))  # fmt: skip
         for tile, cfg in (("LARGE", "128x256"), ("SMALL", "64x128"), ("SMALL_DEEP", "64x128"), ("TINY", "64x64"),
-                          ("TINY_SHALLOW", "64x64"))
+                          ("TINY_SHALLOW", "64x64"), ("MEDIUM", "128x128"))
         if cluster == 1 or tile != "LARGE"  # (LARGE's parts would not fit beside its stages)
     ),
     KernelVariant("x_to_bf16", "", "gemm_wgmma:_x_to_bf16_kernel", "(f32(2), u32(2))", "CONVERT_THREADS"),

@@ -67,8 +67,9 @@ run together share each w tile: a 128256-row head is read from memory once, not 
 else the N tiles (w of a layer fits in L2, x streams once).
 
 K split over a cluster (``cluster`` 2 or 4, ``cluster.py``): where TINY tiles would leave half the
-SMs idle on a K that is otherwise not split (M <= 128 on the 2048 x 2048 weight, M <= 64 on the
-3072 x 2048 q/k/v one), ``pick_plan`` launches clusters of two blocks, one per half of K, that
+SMs idle on a K that is otherwise split at most two ways (M <= 128 on the 2048 x 2048 and 2048 x
+8192 weights, M <= 64 on the 3072 x 2048 q/k/v one), or 128 x 128 (MEDIUM) tiles would past 256
+rows (M = 512 on the 2048-row weights), ``pick_plan`` launches clusters of two blocks, one per half of K, that
 sum their parts through each other's shared memory. Block r of the cluster owns the columns 8j
 of the tile with j // (block_n / 8 / cluster) == r. After its K loop, each consumer thread writes
 the accumulators of block r's columns into slot (its own rank) of block r's receive buffer (16-byte
@@ -126,7 +127,8 @@ fence, atomic count, the last block's loads: ~3 us), so on K = 2048 it does not 
 cluster (above) it does, where half the SMs would idle. At M = 256 and 512 on the 2048 x 2048
 weight every SM already has a tile, and no tiling or split, in a cluster or not, came within 1.4x
 of cuBLAS (``gemm_plans.py --clusters --extra 2x128x4``: 128 x 128 tiles split 2 ways in a cluster
-6% faster at M = 512, slower at 256). Prefetching the tensor maps or dropping their acquire fence
+6% faster at M = 512, 14% when adding into out, slower at 256; ``pick_plan`` takes them at 512).
+Prefetching the tensor maps or dropping their acquire fence
 changed nothing (< 0.5 us). The next steps: launches that overlap the previous kernel's tail
 (programmatic dependent launch), 2-block clusters multicasting the shared operand, and
 ``setmaxnreg`` to give the consumers the producer's registers.
@@ -240,7 +242,10 @@ SMALL_DEEP = TileConfig(consumers=1, block_n=128, stages=6)
 TINY = TileConfig(consumers=1, block_n=64, stages=8)
 # The same tile, 4 stages (66 KB), for a grid of more blocks than SMs: three share an SM.
 TINY_SHALLOW = TileConfig(consumers=1, block_n=64, stages=4)
-TILE_CONFIGS = (LARGE, SMALL, SMALL_DEEP, TINY, TINY_SHALLOW)  # every tiling the launcher picks
+# 128 x 128, two consumer warpgroups, 4 stages (130 KB; 194 KB with a 2-way cluster's parts): a decode
+# batch of 257-512 rows on a 2048-row weight, its K split between the two blocks of a cluster.
+MEDIUM = TileConfig(consumers=2, block_n=128, stages=4)
+TILE_CONFIGS = (LARGE, SMALL, SMALL_DEEP, TINY, TINY_SHALLOW, MEDIUM)  # every tiling the launcher picks
 TILE_SHAPES = (LARGE, SMALL, TINY)  # the tile sizes, largest first, each at the stages its split is chosen for
 FILL_FRACTION = 0.75  # a tile size qualifies when its grid gives a tile to this share of the SMs
 
@@ -628,14 +633,20 @@ def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple
     """The tiling, K split and whether the split's parts meet in a cluster: the tile size
     (``pick_tile_config``), its split (``pick_k_split``), then the stages for the grid that makes: a
     grid of at most one block per SM gets the deeper pipeline (SMALL_DEEP), one of more blocks than
-    SMs the shallower one that lets blocks share an SM (TINY_SHALLOW). On an H200 this picked,
-    within 2%, the fastest of every tiling and split tried at M = 32 .. 2048 on Llama 3.2 1B's
-    weights (docs/benchmarks.md)."""
+    SMs the shallower one that lets blocks share an SM (TINY_SHALLOW). Where the grid leaves half the
+    SMs idle, K is split between the two blocks of a cluster instead: TINY tiles split at most two
+    ways, and past 256 rows the SMALL tiling's grid as MEDIUM (128 x 128) tiles. On an H200 this
+    picked, within 2%, the fastest of every tiling and split tried at M = 32 .. 2048 on Llama 3.2
+    1B's weights, or was faster where it was not (docs/benchmarks.md)."""
     config = pick_tile_config(num_tokens, num_rows, num_sms)
     tiles = -(-num_rows // config.block_n) * -(-num_tokens // config.block_m)
     split = pick_k_split(config, tiles, k_dim, num_sms)
-    if config == TINY and split == 1 and 2 * tiles <= num_sms and -(-k_dim // BLOCK_K) >= 2 * MIN_CLUSTER_PART_SLICES:
+    cluster_k = -(-k_dim // BLOCK_K) >= 2 * MIN_CLUSTER_PART_SLICES  # slices enough for two parts
+    if config == TINY and split <= 2 and 2 * tiles <= num_sms and cluster_k:
         return TINY, 2, True  # half the SMs idle: two blocks of a cluster share each tile's K
+    medium_tiles = -(-num_rows // MEDIUM.block_n) * -(-num_tokens // MEDIUM.block_m)
+    if config == SMALL and num_tokens > 4 * WGMMA_M and 2 * medium_tiles <= num_sms and cluster_k:
+        return MEDIUM, 2, True  # 512 x 2048 x 2048: 16.5 us against SMALL_DEEP's 17.6 (adding into out: 21.3, 24.8)
     if config == SMALL and tiles * split <= num_sms:
         return SMALL_DEEP, split, False
     if config == TINY and tiles * split > num_sms:
