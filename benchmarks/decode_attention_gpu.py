@@ -26,7 +26,8 @@ kernel there.) The GPU tests of the same kernels: ``NUMBA_VLLM_TEST_GPU=1 python
 tests/test_decode_attention_tc.py tests/test_decode_attention_fast.py``.
 
 Variants (``--sweep``) set a module's knobs: ``tc_p1`` one page a step at 128 registers (4 blocks per
-SM) whatever the grid; ``tc_nopf`` no L2 prefetch; ``tc_nocap`` no register cap; ``tc_s64`` /
+SM) whatever the grid; ``tc_pf`` the L2 prefetch of each warp's next step (``PREFETCH``, off by
+default); ``tc_nocap`` no register cap; ``tc_s64`` /
 ``tc_s16`` at most 64 / 16 ranges per sequence (``MAX_SPLITS`` is 32; it matters past 4,096 tokens
 at batch 1, e.g. 1 x 16,384).
 """
@@ -64,7 +65,7 @@ VARIANTS = {  # name: (the module whose launcher runs, {module: knobs})
     "fast": (fast, {}),
     "tc": (tc, {}),
     "tc_p1": (tc, {tc: {"PAGES_PER_STEP": 1, "MAX_REGISTERS": 128}}),
-    "tc_nopf": (tc, {tc: {"PREFETCH": False}}),
+    "tc_pf": (tc, {tc: {"PREFETCH": True}}),
     "tc_nocap": (tc, {tc: {"MAX_REGISTERS": None}}),
     "tc_s64": (tc, {fast: {"MAX_SPLITS": 64}}),  # the split rule lives in decode_attention_fast
     "tc_s16": (tc, {fast: {"MAX_SPLITS": 16}}),

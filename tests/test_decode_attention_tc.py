@@ -103,9 +103,14 @@ def test_full_grids_take_a_page_a_step():
     )  # two pages a step, 168 registers
 
 
-def test_decode_tc_several_steps_per_warp_and_scale():
-    """200 tokens: each warp walks several two-page steps (the last one past the context); scales
-    other than 1/sqrt(HD), one large enough that the running max is raised more than once."""
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_tc_several_steps_per_warp_and_scale(monkeypatch, prefetch):
+    """200 tokens: each warp walks several two-page steps (the last one past the context), with and
+    without the L2 prefetch of the next; scales other than 1/sqrt(HD), one large enough that the
+    running max is raised more than once. (The simulator's one SM would split this small grid
+    into ranges of a step per warp: one block per SM counts as full here.)"""
+    monkeypatch.setattr(tc, "PREFETCH", prefetch)
+    monkeypatch.setattr(fast, "BLOCKS_PER_SM", 1)
     rng = np.random.default_rng(23)
     check_tc(rng, [200, 3], 4, 1, 64, scale=0.3)
     check_tc(rng, [200], 2, 1, 64, scale=2.0)

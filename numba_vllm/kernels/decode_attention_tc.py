@@ -99,7 +99,7 @@ MAX_REGISTERS = 168  # per thread at HD 64: 3 blocks of 4 warps per multiprocess
 # 512 87.3 against 89.0; smaller grids keep two pages a step (32 x 4,096 unsplit: 83.3 against 91.3).
 FULL_GRID_BLOCKS_PER_SM = 3
 FULL_GRID_PAGES_PER_STEP, FULL_GRID_MAX_REGISTERS = 1, 128
-PREFETCH = True  # ask L2 for the next step's K/V rows while computing the current step
+PREFETCH = False  # ask L2 for the next step's K/V rows while computing the current step (slower on an H200: see below)
 MAX_GROUP = 8  # query heads per kv head: the rows 0..7 of an mma's M
 SUPPORTED_HEAD_DIMS = (64, 128)  # a lane's share of a K row and of a V row are whole 16-byte loads
 RESCALE_THRESHOLD = fast.RESCALE_THRESHOLD
