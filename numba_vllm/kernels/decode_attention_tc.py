@@ -46,26 +46,37 @@ table is padded to the next power of two).
 
 Measured on an H200 (``benchmarks/decode_attention_gpu.py --sweep``: Llama 3.2 1B heads, L2 flushed
 before each call, CUDA events around the call with the host's launches hidden behind a sleeping
-kernel, median of 30; us; torch: ``scaled_dot_product_attention`` on contiguous bf16 K/V; the
-events add ~3-4 us to every call against ``bench kernels``' profiler times, which weighs on the
-small cases)::
+kernel, median of 20; us; torch: ``scaled_dot_product_attention`` on contiguous bf16 K/V, which
+runs cuDNN's flash kernels; the events add ~3-4 us to every call against ``bench kernels``'
+profiler times, which weighs on the small cases)::
 
     batch x context   decode_attention   decode_attention_fast   this kernel   torch
-    1 x 256                 12.8                 10.5                 9.8         7.9
-    1 x 1,024               17.6                 16.4                13.1        10.0
-    1 x 16,384              50.3                 45.7                47.7        20.8   (64 ranges)
-    4 x 4,096               39.7                 29.3                24.2        19.8
-    32 x 4,096             220.3                 95.2                83.3        76.5   (3.2 TB/s)
-    64 x 1,024              68.7                 52.9                49.4        45.1   (full grid)
-    256 x 512              139.6                 96.8                87.3        77.4   (full grid)
+    1 x 256                 12.9                 10.8                10.1         8.0
+    1 x 1,024               17.5                 12.1                11.2        10.1
+    1 x 16,384              50.4                 26.4                24.7        20.7   (32 ranges)
+    4 x 4,096               40.5                 25.1                21.9        20.1
+    32 x 4,096             220.8                 94.3                81.4        76.5   (3.3 TB/s)
+    64 x 1,024              69.1                 53.2                47.1        45.6   (full grid)
+    256 x 512              139.6                 97.3                85.3        76.9   (full grid)
 
-Large batches run at 2.7-3.2 TB/s of K/V, 1.09-1.13x torch. Batch 1 at 16,384 tokens was 2.3x torch
-(every kernel alike) with up to 64 ranges a sequence: 64 ranges of 16 pages, 512 blocks (1.3 waves
-at 3 blocks per SM), and a merge whose threads each read 64 partial states one after another.
-Batch 4 at 4,096 tokens moves the same 33.5 MB in 24.2 us with 8 ranges of 32 pages (256 blocks, 4
-steps a warp), so ``MAX_SPLITS`` is now 32, which gives batch 1 at 16,384 exactly that grid: 32
-ranges of 32 pages. (Derived from those two measurements, not yet measured itself:
-``benchmarks/decode_attention_gpu.py --sweep`` times it beside 64 and 16 ranges.)
+``bench kernels`` (CUPTI kernel time), this kernel against torch: 1 x 16,384 20.0 / 17.0 us, 64 x
+1,024 44.3 / 42.4, 256 x 512 82.4 / 73.7, 32 x 4,096 78.3 / 72.9 (1.04-1.18x; 3.0-3.4 TB/s of K/V).
+
+- Batch 1 at 16,384 tokens was 1.5x torch until the merge kernel loaded its ranges' states 16 at a
+  time: Nsight Compute timed the split kernel at 14.4 us and the merge at 22.9 us, its threads each
+  waiting on 64 loads one after another (cuDNN: 12.3 + 4.1 us). ``MAX_SPLITS`` 32 gives it 32
+  ranges of 32 pages (256 blocks, 4 steps a warp).
+- The L2 prefetch of each warp's next step (``PREFETCH``) was a gain on an earlier version of the
+  loop; now it costs 2-6% on the large grids (64 x 1,024 46.5 us with it, 44.3 without; 256 x 512
+  84.3 / 82.4) and nothing at batch 1, so it is off. Prefetching two or three steps ahead was
+  slower still (64 x 1,024 54.6 / 60.0 us in the table's timing).
+- Tried and not kept: a ring of 2-4 pages per warp in dynamic shared memory, filled by ``cp.async``
+  (the same 16-byte chunks, read back with ``ld.shared.v4``: no registers held while loads fly,
+  128 registers, 4 blocks per SM). Slower everywhere (3 pages: 64 x 1,024 59.6 us, 256 x 512
+  103.5, 32 x 4,096 105.2, 1 x 16,384 29.5), with the K loads laid out as whole 32-byte sectors too.
+- Against cuDNN at 64 x 1,024 (Nsight Compute, one call, L2 flushed): this kernel 43.3 us, 66% of
+  DRAM bandwidth, 25% theoretical occupancy (128 registers, 4 blocks of 4 warps), issue slots 23%
+  busy; cuDNN 36.2 us, 79% of DRAM, the same occupancy (120 registers, 45 KB of shared memory).
 
 Head dims 64 and 128, groups up to 8 (the M rows of one mma); other shapes run
 ``decode_attention_fast``. Numerics: q and P in bf16 (8 significant bits): each weight is off by a
@@ -99,7 +110,7 @@ MAX_REGISTERS = 168  # per thread at HD 64: 3 blocks of 4 warps per multiprocess
 # 512 87.3 against 89.0; smaller grids keep two pages a step (32 x 4,096 unsplit: 83.3 against 91.3).
 FULL_GRID_BLOCKS_PER_SM = 3
 FULL_GRID_PAGES_PER_STEP, FULL_GRID_MAX_REGISTERS = 1, 128
-PREFETCH = False  # ask L2 for the next step's K/V rows while computing the current step (slower on an H200: see below)
+PREFETCH = False  # ask L2 for the next step's K/V rows while computing the current step (slower now: docstring)
 MAX_GROUP = 8  # query heads per kv head: the rows 0..7 of an mma's M
 SUPPORTED_HEAD_DIMS = (64, 128)  # a lane's share of a K row and of a V row are whole 16-byte loads
 RESCALE_THRESHOLD = fast.RESCALE_THRESHOLD
