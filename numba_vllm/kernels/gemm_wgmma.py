@@ -243,7 +243,7 @@ TINY = TileConfig(consumers=1, block_n=64, stages=8)
 # The same tile, 4 stages (66 KB), for a grid of more blocks than SMs: three share an SM.
 TINY_SHALLOW = TileConfig(consumers=1, block_n=64, stages=4)
 # 128 x 128, two consumer warpgroups, 4 stages (130 KB; 194 KB with a 2-way cluster's parts): a decode
-# batch of 257-512 rows on a 2048-row weight, its K split between the two blocks of a cluster.
+# batch of 385-512 rows on a 2048-row weight, its K split between the two blocks of a cluster.
 MEDIUM = TileConfig(consumers=2, block_n=128, stages=4)
 TILE_CONFIGS = (LARGE, SMALL, SMALL_DEEP, TINY, TINY_SHALLOW, MEDIUM)  # every tiling the launcher picks
 TILE_SHAPES = (LARGE, SMALL, TINY)  # the tile sizes, largest first, each at the stages its split is chosen for
