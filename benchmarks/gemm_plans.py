@@ -85,7 +85,7 @@ def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floa
     fit beside their stages)."""
     slices = -(-k // gw.BLOCK_K)
     for config, split in itertools.product(tilings, splits):
-        tiles = -(-n // config.block_n) * -(-m // config.block_m)
+        tiles = gw.tile_count(config, m, n)
         if split > 1 and slices // split < MIN_PART_SLICES:
             continue
         if clusters and split in gw.CLUSTER_SPLITS[1:] and config.shared_bytes_for(split) <= gw.SHARED_BYTES_PER_SM - 1024:

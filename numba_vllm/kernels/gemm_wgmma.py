@@ -68,14 +68,14 @@ else the N tiles (w of a layer fits in L2, x streams once).
 
 K split over a cluster (``cluster`` 2 or 4, ``cluster.py``): where TINY tiles would leave half the
 SMs idle on a K that is otherwise split at most two ways (M <= 128 on the 2048 x 2048 and 2048 x
-8192 weights, M <= 64 on the 3072 x 2048 q/k/v one), or 128 x 128 (MEDIUM) tiles would past 256
-rows (M = 512 on the 2048-row weights), ``pick_plan`` launches clusters of two blocks, one per half of K, that
-sum their parts through each other's shared memory. Block r of the cluster owns the columns 8j
-of the tile with j // (block_n / 8 / cluster) == r. After its K loop, each consumer thread writes
-the accumulators of block r's columns into slot (its own rank) of block r's receive buffer (16-byte
-``st.shared::cluster`` stores, the layout its threads hold them in), arrives on block r's
-``parts_in`` mbarrier (release, cluster scope), and waits on its own (acquire): then every part of
-its columns is in its memory, and it adds them in order of rank (deterministic) and runs the
+8192 weights, M <= 64 on the 3072 x 2048 q/k/v one), or 128 x 128 (MEDIUM) tiles would past 256 rows
+(M = 385 .. 512 on the 2048-row weights), ``pick_plan`` launches clusters of two blocks, one per
+half of K, that sum their parts through each other's shared memory. Block r of the cluster owns the
+columns 8j of the tile with j // (block_n / 8 / cluster) == r. After its K loop, each consumer
+thread writes the accumulators of block r's columns into slot (its own rank) of block r's receive
+buffer (16-byte ``st.shared::cluster`` stores, the layout its threads hold them in), arrives on
+block r's ``parts_in`` mbarrier (release, cluster scope), and waits on its own (acquire): then every
+part of its columns is in its memory, and it adds them in order of rank (deterministic) and runs the
 epilogue on its columns alone. Before the next tile's writes it waits on ``parts_read``, on which
 every block arrives once it has read its slots (not after the last tile: a block may have exited).
 No global memory, fence or atomic on the way: on an H200 a 64 x 2048 x 2048 product went from 9.6
@@ -128,10 +128,10 @@ cluster (above) it does, where half the SMs would idle. At M = 256 and 512 on th
 weight every SM already has a tile, and no tiling or split, in a cluster or not, came within 1.4x
 of cuBLAS (``gemm_plans.py --clusters --extra 2x128x4``: 128 x 128 tiles split 2 ways in a cluster
 6% faster at M = 512, 14% when adding into out, slower at 256; ``pick_plan`` takes them at 512).
-Prefetching the tensor maps or dropping their acquire fence
-changed nothing (< 0.5 us). The next steps: launches that overlap the previous kernel's tail
-(programmatic dependent launch), 2-block clusters multicasting the shared operand, and
-``setmaxnreg`` to give the consumers the producer's registers.
+Prefetching the tensor maps or dropping their acquire fence changed nothing (< 0.5 us). The next
+steps: launches that overlap the previous kernel's tail (programmatic dependent launch), 2-block
+clusters multicasting the shared operand, and ``setmaxnreg`` to give the consumers the producer's
+registers.
 """
 
 import functools
@@ -612,6 +612,11 @@ def _tensor_map(bits, rows: int, box_rows: int):
     return tensor_map
 
 
+def tile_count(config: TileConfig, num_tokens: int, num_rows: int) -> int:
+    """Output tiles of ``config`` over an (M = num_tokens) x (N = num_rows) product."""
+    return -(-num_rows // config.block_n) * -(-num_tokens // config.block_m)
+
+
 def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig:
     """The tile size: the largest of ``TILE_SHAPES`` whose grid gives a tile to ``FILL_FRACTION`` of
     the SMs (else the smallest), 128-row tiles only for more than 64 rows of x.
@@ -624,7 +629,7 @@ def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig
     for config in TILE_SHAPES:
         if config.block_m > WGMMA_M and num_tokens <= WGMMA_M:
             continue
-        if -(-num_rows // config.block_n) * -(-num_tokens // config.block_m) >= FILL_FRACTION * num_sms:
+        if tile_count(config, num_tokens, num_rows) >= FILL_FRACTION * num_sms:
             return config
     return TILE_SHAPES[-1]
 
@@ -639,13 +644,12 @@ def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple
     picked, within 2%, the fastest of every tiling and split tried at M = 32 .. 2048 on Llama 3.2
     1B's weights, or was faster where it was not (docs/benchmarks.md)."""
     config = pick_tile_config(num_tokens, num_rows, num_sms)
-    tiles = -(-num_rows // config.block_n) * -(-num_tokens // config.block_m)
+    tiles = tile_count(config, num_tokens, num_rows)
     split = pick_k_split(config, tiles, k_dim, num_sms)
     cluster_k = -(-k_dim // BLOCK_K) >= 2 * MIN_CLUSTER_PART_SLICES  # slices enough for two parts
     if config == TINY and split <= 2 and 2 * tiles <= num_sms and cluster_k:
         return TINY, 2, True  # half the SMs idle: two blocks of a cluster share each tile's K
-    medium_tiles = -(-num_rows // MEDIUM.block_n) * -(-num_tokens // MEDIUM.block_m)
-    if config == SMALL and num_tokens > 4 * WGMMA_M and 2 * medium_tiles <= num_sms and cluster_k:
+    if config == SMALL and num_tokens > 4 * WGMMA_M and 2 * tile_count(MEDIUM, num_tokens, num_rows) <= num_sms and cluster_k:
         return MEDIUM, 2, True  # 512 x 2048 x 2048: 16.5 us against SMALL_DEEP's 17.6 (adding into out: 21.3, 24.8)
     if config == SMALL and tiles * split <= num_sms:
         return SMALL_DEEP, split, False
