@@ -39,9 +39,12 @@ from numba_vllm.kernels.wgmma import (
     fence_proxy_async,
     shared_address,
     smem_descriptor,
+    smem_descriptor_mn,
     wgmma_bf16,
+    wgmma_bf16_rs,
     wgmma_commit,
     wgmma_fence,
+    wgmma_fence_operands,
     wgmma_wait,
 )
 from numba_vllm.loading.bf16 import BF16, bf16_bits, to_bf16, upload_bf16
@@ -131,6 +134,79 @@ def test_wgmma_reads_every_element_where_the_layout_says():
     a = (np.arange(64, dtype=np.float32)[:, None] * (1 + np.arange(PROBE_K) % 2)[None, :]).astype(BF16)  # odd k: 2m
     b = np.eye(PROBE_K, PROBE_N, dtype=np.float32).astype(BF16)
     np.testing.assert_array_equal(_run_probe(a, b), a.astype(np.float32)[:, :PROBE_N])
+
+
+RS_N = 128  # the register-A probe: two 64-wide panels of n, so the leading byte offset is used
+RS_ACC = 64  # RS_N / 2
+RS_PANEL_BYTES = 16 * 128  # one panel: 16 rows of k, 128 bytes each
+_rs_mma = wgmma_bf16_rs(RS_N, True)
+_rs_fence = wgmma_fence_operands(RS_N, 4)
+_rs_wait = wgmma_wait(RS_N, 0)
+
+
+@kernel
+def _wgmma_rs_probe_kernel(a_bits, b_bits, d):
+    # a_bits (64, 16) uint16: A bf16 bits; b_bits (16, 128) uint16: B[k, n] (n contiguous); d (64, 128) f32
+    smem = cuda.shared.array(0, uint32)
+    tid = cuda.threadIdx.x
+    base = shared_address(smem, 0)
+    pad = (ATOM_BYTES - (base & (ATOM_BYTES - 1))) & (ATOM_BYTES - 1)
+    first = pad >> 2
+    for i in range(tid, 2 * 16 * 8, 128):  # panel p, row k, 16-byte chunk c: B[k, 64p + 8c ..]
+        p = i // 128
+        k = (i // 8) % 16
+        c = i % 8
+        for j in range(4):
+            n = 64 * p + 8 * c + 2 * j
+            word = uint32(b_bits[k, n]) | (uint32(b_bits[k, n + 1]) << uint32(16))
+            smem[first + p * (RS_PANEL_BYTES // 4) + k * 32 + (c ^ (k % 8)) * 4 + j] = word
+    fence_proxy_async()
+    cuda.syncthreads()
+    row = 16 * (tid // 32) + ((tid % 32) >> 2)
+    col = 2 * (tid & 3)
+    a = cuda.local.array(4, uint32)  # rows row, row + 8 and columns col, col + 8 (the fragment layout)
+    for w in range(4):
+        r = row + 8 * (w % 2)
+        k = col + 8 * (w // 2)
+        a[w] = uint32(a_bits[r, k]) | (uint32(a_bits[r, k + 1]) << uint32(16))
+    acc = cuda.local.array(RS_ACC, float32)
+    for i in range(RS_ACC):
+        acc[i] = float32(0.0)
+    _rs_fence(acc, a)
+    _rs_mma(acc, a[0], a[1], a[2], a[3], smem, smem_descriptor_mn(base + pad, RS_PANEL_BYTES))
+    wgmma_commit()
+    _rs_wait(acc)
+    for j in range(RS_N // 8):
+        d[row, 8 * j + col] = acc[4 * j]
+        d[row, 8 * j + col + 1] = acc[4 * j + 1]
+        d[row + 8, 8 * j + col] = acc[4 * j + 2]
+        d[row + 8, 8 * j + col + 1] = acc[4 * j + 3]
+
+
+def _run_rs_probe(a, b):
+    """D (64, 128) of the register-A probe: A (64, 16) bf16 @ B (16, 128) bf16, B read MN-major."""
+    d = cuda.to_device(np.full((64, RS_N), np.nan, np.float32))
+    a_bits = cuda.to_device(np.ascontiguousarray(a.view(np.uint16)))
+    b_bits = cuda.to_device(np.ascontiguousarray(b.view(np.uint16)))
+    _wgmma_rs_probe_kernel[1, 128, 0, 2 * RS_PANEL_BYTES + ATOM_BYTES](a_bits, b_bits, d)
+    return d.copy_to_host()
+
+
+def test_wgmma_with_a_in_registers_and_b_mn_major_is_exact_on_small_integers():
+    rng = np.random.default_rng(2)
+    a = rng.integers(-4, 5, (64, 16)).astype(BF16)
+    b = rng.integers(-4, 5, (16, RS_N)).astype(BF16)
+    np.testing.assert_array_equal(_run_rs_probe(a, b), a.astype(np.float64) @ b.astype(np.float64))
+
+
+def test_wgmma_with_a_in_registers_on_random_values():
+    """Every element of A (each of a thread's four registers) and of B (both panels of n, every
+    swizzled chunk) enters D where the layouts say: a misplaced one moves D far past the fp32 slack."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((64, 16)).astype(BF16)
+    b = rng.standard_normal((16, RS_N)).astype(BF16)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    assert np.all(np.abs(_run_rs_probe(a, b) - a64 @ b64) <= 1e-5 * (np.abs(a64) @ np.abs(b64)))
 
 
 # ---- the GEMM ------------------------------------------------------------------------------------

@@ -170,6 +170,7 @@ from numba_vllm.kernels.wgmma import (
     named_barrier,
     shared_address,
     smem_descriptor,
+    tensor_map_2d,
     tensormap_acquire,
     tma_load_2d,
     wgmma_bf16,
@@ -177,7 +178,6 @@ from numba_vllm.kernels.wgmma import (
     wgmma_fence,
     wgmma_wait,
 )
-from numba_vllm.sim.warp import simulator_enabled
 
 BLOCK_K = TILE_K  # 64 values of K per pipeline stage (one 128-byte swizzled row)
 CHUNK_VALUES = 8  # K must be a multiple of this (16-byte TMA row strides)
@@ -571,47 +571,6 @@ def x_capacity(x_workspace, k_dim: int) -> int:
     return x_workspace.shape[0] // k_dim
 
 
-_tensor_maps: dict = {}  # (address, rows, K, box rows) -> (16,) uint64 device array; never freed
-
-
-def _tensor_map(bits, rows: int, box_rows: int):
-    """The CUtensorMap (a (16,) uint64 device array) of the (rows, K) uint16 matrix at ``bits``'
-    address: boxes of ``box_rows`` x 64 with the 128-byte swizzle, zeros outside the matrix.
-
-    Made once per matrix and box and kept: the TMA unit caches tensor maps by address, so a map's
-    memory is never rewritten or freed (one per weight matrix and tiling, a few for x). In the
-    simulator the map is a placeholder; the simulated copy reads the matrix itself.
-    """
-    k_dim = bits.shape[1]
-    address = (getattr(bits, "__cuda_array_interface__", None) or bits.__array_interface__)["data"][0]
-    key = (address, rows, k_dim, box_rows)
-    tensor_map = _tensor_maps.get(key)
-    if tensor_map is None:
-        words = np.zeros(16, np.uint64)
-        if not simulator_enabled():
-            from cuda.bindings import driver as cu
-
-            u64, u32 = cu.cuuint64_t, cu.cuuint32_t
-            err, encoded = cu.cuTensorMapEncodeTiled(
-                cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
-                2,
-                address,
-                [u64(k_dim), u64(rows)],  # innermost first
-                [u64(k_dim * 2)],  # row stride in bytes
-                [u32(BLOCK_K), u32(box_rows)],
-                [u32(1), u32(1)],
-                cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-                cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-                cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
-            )
-            if err != cu.CUresult.CUDA_SUCCESS:
-                raise KernelError(f"gemm_wgmma: cuTensorMapEncodeTiled({rows} x {k_dim}, box {box_rows}): {err}")
-            words[:] = encoded.opaque
-        tensor_map = _tensor_maps[key] = cuda.to_device(words)
-    return tensor_map
-
-
 def tile_count(config: TileConfig, num_tokens: int, num_rows: int) -> int:
     """Output tiles of ``config`` over an (M = num_tokens) x (N = num_rows) product."""
     return -(-num_rows // config.block_n) * -(-num_tokens // config.block_m)
@@ -816,8 +775,8 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, in_clu
     tiles = grid_n * grid_m
     blocks = min(tiles, max(1, blocks_per_sm(config, cluster) * num_sms() // splits))  # persistent: at most one wave
     capacity = x_capacity(x_workspace, k_dim)
-    x_map = _tensor_map(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
-    w_map = _tensor_map(w_bits, num_rows, config.block_n // 2 if silu_mul else config.block_n)
+    x_map = tensor_map_2d(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
+    w_map = tensor_map_2d(w_bits, num_rows, config.block_n // 2 if silu_mul else config.block_n)
     kernel_ = gemm_wgmma_kernel_for(config, silu_mul, cluster)
     global_parts = splits > 1 and cluster == 1
     size = splits * tiles * config.block_m * config.block_n if global_parts else 1  # every block's accumulators

@@ -20,7 +20,15 @@ with it, as inline PTX from ``@intrinsic`` functions, like ``mma.py``:
   ``wgmma_commit()``: ``wgmma.commit_group``, closes the group of wgmma issued since the last one.
 - ``smem_descriptor(address)``: the descriptor of a K-major operand tile at a shared address, laid
   out with the 128-byte swizzle (below). Advance it by ``DESC_K_STEP`` per 16 values of k.
+- ``wgmma_bf16_rs(n, trans_b)``: the intrinsic ``mma(acc, a0, a1, a2, a3, smem, desc_b)``, the same
+  product with A from registers (the RS form: four bf16 pairs a thread, the layout of the
+  accumulators below, so an fp32 result rounded pair by pair is the next product's A, as in
+  attention's ``P V``) and, with ``trans_b``, B MN-major: ``smem_descriptor_mn(address,
+  leading_bytes)`` (below), advanced by ``DESC_MN_K_STEP`` per 16 values of k.
+  ``wgmma_fence_operands(n, words)``: ``fence(acc, a_words)``, the fence that also orders the writes
+  of A's registers (a uint32 local array) before the wgmma that read them.
 - ``shared_address(array, index)``: the 32-bit shared-window address of ``array[index]``.
+- ``tensor_map_2d(bits, rows, box_rows)`` (host): the cached tensor map ``tma_load_2d`` reads.
 - ``tma_load_2d(rows)``: the intrinsic ``load(smem, dst, tensor_map, src, col, row, barrier)``: one
   ``cp.async.bulk.tensor.2d`` (the Tensor Memory Accelerator, TMA) copying the box of ``rows`` rows
   x 64 columns from ``row, col`` of the 2-D uint16 matrix ``src`` described by ``tensor_map`` (a
@@ -56,6 +64,14 @@ byte offset >> 4 (bits 16-29; unused by this layout, set to 1), stride byte offs
 128-byte (bits 62-63). One wgmma consumes 16 values of k, 32 bytes of each row: the k-th step's
 descriptor starts ``32 k`` bytes into the tile (the swizzle is applied to the sum).
 
+MN-major B (``trans_b``; B[k, n] stored n-contiguous, as attention's V is: a row per key k holding
+its head dims n): the same 128-byte rows and 1024-byte atoms with the roles swapped, a row per value
+of k holding 64 values of n, chunk ``c`` of row ``k`` at chunk position ``c ^ (k % 8)``. The stride
+byte offset goes from one 8-row group of k to the next (1024 for rows stored consecutively), the
+leading byte offset from one 64-wide panel of n to the next (for N > 64). One wgmma reads 16 rows:
+the k-th step's descriptor starts ``16 * 128 k`` bytes in. Rows staged for the K-major layout (K of
+attention: a row per key, its dims contiguous) read this way are MN-major: K and V are staged alike.
+
 Accumulator layout (PTX ISA, "Matrix Fragments for wgmma .m64nNk16"). Thread ``t`` of the
 warpgroup, in warp ``w = t // 32`` with ``g = (t % 32) >> 2`` and ``q = t & 3``, holds for each
 8-column block ``j``: ``acc[4j + 2h + e] = D[16w + 8h + g, 8j + 2q + e]`` (h, e in 0, 1): the
@@ -90,14 +106,16 @@ offset 0 is 1024-byte aligned), and fences and waits do nothing. A TMA load copi
 mbarriers are Python objects of the block, keyed by address, and a thread that waits on one polls
 it (``SimulatorDeadlockError`` after ``NUMBA_VLLM_SIM_HANG_TIMEOUT`` with no arrival, times the
 blocks of its cluster); a named barrier is a
-rendezvous of threads 0 .. threads - 1.
+rendezvous of the ``threads`` consecutive threads, from a multiple of ``threads``, that hold the
+caller (on the GPU any ``threads`` threads may meet at one: the kernels here use it only so).
 """
 
 import functools
 
 import numpy as np
-from numba import int64
+from numba import cuda, int64
 
+from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.jit import device_function
 from numba_vllm.sim.warp import simulator_enabled
 
@@ -109,6 +127,7 @@ ATOM_ROWS = 8  # rows per 1024-byte swizzle atom
 ATOM_BYTES = SWIZZLE_ROW_BYTES * ATOM_ROWS  # alignment of a staged tile
 TILE_K = SWIZZLE_ROW_BYTES // 2  # values of k per staged row
 DESC_K_STEP = WGMMA_K * 2 >> 4  # descriptor start-address units (16 bytes) per wgmma k-step
+DESC_MN_K_STEP = WGMMA_K * SWIZZLE_ROW_BYTES >> 4  # the same for an MN-major operand: 16 rows of 128 bytes
 # The fixed fields of a descriptor: leading byte offset 16 (encoded 1), stride byte offset 1024, 128-byte swizzle.
 _DESC_FIXED = (1 << 16) | ((ATOM_BYTES >> 4) << 32) | (1 << 62)
 _ADDRESS_MASK = 0x3FFFF  # the descriptor holds bits 4..17 of the address
@@ -118,6 +137,58 @@ _ADDRESS_MASK = 0x3FFFF  # the descriptor holds bits 4..17 of the address
 def smem_descriptor(address):
     """The wgmma descriptor (int64) of a K-major, 128-byte-swizzled operand tile at shared ``address``."""
     return int64(_DESC_FIXED) | int64((address & _ADDRESS_MASK) >> 4)
+
+
+@device_function
+def smem_descriptor_mn(address, leading_bytes):
+    """The wgmma descriptor (int64) of an MN-major, 128-byte-swizzled B operand at shared ``address``:
+    rows of 64 values of n, one row per k, 8-row (1024-byte) atoms k-consecutive; ``leading_bytes``
+    from one 64-column panel of n to the next (used when N > 64). Advance it by ``DESC_MN_K_STEP``
+    per 16 values of k."""
+    return (int64(_DESC_FIXED & ~(0x3FFF << 16)) | int64(((leading_bytes >> 4) & 0x3FFF) << 16)
+            | int64((address & _ADDRESS_MASK) >> 4))
+
+
+_tensor_maps: dict = {}  # (address, rows, columns, box rows) -> (16,) uint64 device array; never freed
+
+
+def tensor_map_2d(bits, rows: int, box_rows: int):
+    """The CUtensorMap (a (16,) uint64 device array) of the (rows, columns) uint16 matrix at
+    ``bits``' address: boxes of ``box_rows`` x 64 with the 128-byte swizzle (``tma_load_2d``'s
+    layout), zeros outside the matrix.
+
+    Made once per matrix and box and kept: the TMA unit caches tensor maps by address, so a map's
+    memory is never rewritten or freed (one per weight matrix and tiling, a few for x, two for a KV
+    cache). In the simulator the map is a placeholder; the simulated copy reads the matrix itself.
+    """
+    columns = bits.shape[1]
+    address = (getattr(bits, "__cuda_array_interface__", None) or bits.__array_interface__)["data"][0]
+    key = (address, rows, columns, box_rows)
+    tensor_map = _tensor_maps.get(key)
+    if tensor_map is None:
+        words = np.zeros(16, np.uint64)
+        if not simulator_enabled():
+            from cuda.bindings import driver as cu
+
+            u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+            err, encoded = cu.cuTensorMapEncodeTiled(
+                cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16,
+                2,
+                address,
+                [u64(columns), u64(rows)],  # innermost first
+                [u64(columns * 2)],  # row stride in bytes
+                [u32(TILE_K), u32(box_rows)],
+                [u32(1), u32(1)],
+                cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+                cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+                cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+            )
+            if err != cu.CUresult.CUDA_SUCCESS:
+                raise KernelError(f"cuTensorMapEncodeTiled({rows} x {columns}, box {box_rows}): {err}")
+            words[:] = encoded.opaque
+        tensor_map = _tensor_maps[key] = cuda.to_device(words)
+    return tensor_map
 
 
 def _wgmma_instruction(n):
@@ -152,17 +223,38 @@ if simulator_enabled():
             raise WarpSyncError(f"wgmma: {name} differs between the threads of the warpgroup (it must be uniform)")
         return int(first)
 
-    def _operand(smem, desc, rows):
-        """float32 (rows, 16): the operand a descriptor points at, read as the hardware does."""
+    def _operand(smem, desc, rows, mn_major=False):
+        """float32 (rows, 16): the operand a descriptor points at, read as the hardware does (rows: M of
+        A or N of B). K-major: row r, value k at (r // 8) * SBO + (r % 8) * 128 + 2 k. MN-major (B
+        transposed): value k of row r at (k // 8) * SBO + (k % 8) * 128 + (r // 64) * LBO + 2 (r % 64)."""
         start = (desc & 0x3FFF) << 4
+        leading = ((desc >> 16) & 0x3FFF) << 4
         stride = ((desc >> 32) & 0x3FFF) << 4
         if desc >> 62 != 1 or (desc >> 49) & 7:
-            raise NotImplementedError("the simulated wgmma reads only K-major operands with the 128-byte swizzle")
+            raise NotImplementedError("the simulated wgmma reads only operands with the 128-byte swizzle")
         r = np.arange(rows)[:, None]
         k = np.arange(WGMMA_K)[None, :]
-        address = start + (r // ATOM_ROWS) * stride + (r % ATOM_ROWS) * SWIZZLE_ROW_BYTES + 2 * k
+        if mn_major:
+            address = start + (k // ATOM_ROWS) * stride + (k % ATOM_ROWS) * SWIZZLE_ROW_BYTES + (r // TILE_K) * leading
+            address = address + 2 * (r % TILE_K)
+        else:
+            address = start + (r // ATOM_ROWS) * stride + (r % ATOM_ROWS) * SWIZZLE_ROW_BYTES + 2 * k
         bits = smem.view(np.uint8).view(np.uint16)[_swizzled(address) // 2]
         return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+
+    def _register_operand(values):
+        """float32 (64, 16): A from the warpgroup's registers (values: 128 arrays of 4 uint32, bf16
+        pairs): thread t (warp w, g = (t % 32) >> 2, q = t & 3) holds rows 16w + g (words 0, 2) and
+        16w + g + 8 (words 1, 3), values 2q, 2q + 1 (words 0, 1) and 8 + 2q, 9 + 2q (words 2, 3)."""
+        a = np.zeros((WGMMA_M, WGMMA_K), np.float32)
+        for t, words in enumerate(values):
+            row = 16 * (t // 32) + ((t % 32) >> 2)
+            col = 2 * (t & 3)
+            for word, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+                w = int(words[word])
+                pair = np.array([w & 0xFFFF, w >> 16], np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+                a[row + dr, col + dc : col + dc + 2] = pair
+        return a
 
     # Accumulator coordinates: thread t (0..127), register i -> D row and column (the docstring's table).
     def _acc_coordinates(n):
@@ -172,14 +264,18 @@ if simulator_enabled():
         cols = 8 * (i >> 2) + 2 * (t & 3) + (i & 1)
         return rows, cols  # (128, n / 2) each
 
-    def _warpgroup_mma(values, n):
-        """Write D = A @ B + C into every thread's accumulator array (values: the 128 deposits)."""
+    def _warpgroup_mma(values, n, registers_a=False, trans_b=False):
+        """Write D = A @ B + C into every thread's accumulator array (values: the 128 deposits, each
+        (acc, smem, desc_a, desc_b), or (acc, smem, a_words, desc_b) with A from registers)."""
         smem = values[0][1]
         address = smem.__array_interface__["data"][0]  # each thread has its own view of the block's memory
         if any(v[1].__array_interface__["data"][0] != address for v in values):
             raise WarpSyncError("wgmma: the threads of the warpgroup passed different shared arrays")
-        a = _operand(smem, _uniform([v[2] for v in values], "desc_a"), WGMMA_M)  # (64, 16)
-        b = _operand(smem, _uniform([v[3] for v in values], "desc_b"), n).T  # (16, n)
+        if registers_a:
+            a = _register_operand([v[2] for v in values])
+        else:
+            a = _operand(smem, _uniform([v[2] for v in values], "desc_a"), WGMMA_M)  # (64, 16)
+        b = _operand(smem, _uniform([v[3] for v in values], "desc_b"), n, trans_b).T  # (16, n)
         rows, cols = _acc_coordinates(n)
         d = np.zeros((WGMMA_M, n), np.float32)
         d[rows, cols] = np.stack([np.asarray(v[0][: n // 2], np.float32) for v in values])
@@ -202,9 +298,29 @@ if simulator_enabled():
         return mma
 
     @functools.cache
+    def wgmma_bf16_rs(n, trans_b):
+        """``mma(acc, a0, a1, a2, a3, smem, desc_b)``: acc[:n/2] += this thread's part of A @ B, A from
+        the warpgroup's registers (simulator)."""
+
+        def mma(acc, a0, a1, a2, a3, smem, desc_b):
+            words = (int(a0), int(a1), int(a2), int(a3))
+            _, rnd = _warpgroup_round(f"wgmma m64n{n}k16 (A in registers)", (acc, smem, words, desc_b))
+            with _RESULT_LOCK:
+                if not getattr(rnd, "wgmma_done", False):
+                    _warpgroup_mma(rnd.values, n, registers_a=True, trans_b=trans_b)
+                    rnd.wgmma_done = True
+
+        return mma
+
+    @functools.cache
     def wgmma_fence(n):
         """wgmma.fence (simulator: the wgmma is synchronous, nothing to order)."""
         return lambda acc: None
+
+    @functools.cache
+    def wgmma_fence_operands(n, words):
+        """wgmma.fence ordering acc and A's registers (simulator: nothing to order)."""
+        return lambda acc, a_words: None
 
     @functools.cache
     def wgmma_wait(n, pending):
@@ -301,9 +417,12 @@ if simulator_enabled():
         return load
 
     def named_barrier(index, threads):
-        """bar.sync index, threads: a rendezvous of threads 0 .. threads - 1 (simulator)."""
+        """bar.sync index, threads (simulator): a rendezvous of the ``threads`` consecutive threads,
+        from a multiple of ``threads``, that hold the caller (the warpgroups this project's kernels
+        synchronise: the first ``threads`` of a block, or one warpgroup)."""
         thread = threading.current_thread()
-        thread.block.group_round(thread, f"bar.sync {index}", 0, int(threads), None)
+        first = thread.thread_id // int(threads) * int(threads)
+        thread.block.group_round(thread, f"bar.sync {index}", first, int(threads), None)
 
     def tensormap_acquire(tensor_map):
         """fence.proxy.tensormap (simulator: the simulated TMA reads no tensor map)."""
@@ -394,6 +513,74 @@ else:
             return sig, codegen
 
         return mma
+
+    @functools.cache
+    def wgmma_bf16_rs(n, trans_b):
+        """The intrinsic ``mma(acc, a0, a1, a2, a3, smem, desc_b)``: one ``wgmma.mma_async ... m64n{n}k16``
+        with A from registers (this thread's four bf16 pairs of the 64 x 16 A, the mma.sync fragment
+        layout per warp), acc (n/2 float32 per thread) += A @ B (16 x n, at desc_b; MN-major if
+        ``trans_b``)."""
+        count = n // 2
+        text = (
+            # operands: the accumulators $0 .. $(count - 1) (tied to the next count), a0 .. a3, desc_b,
+            # scale_d; the immediates: scale-a 1, scale-b 1, transpose-b.
+            f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${2 * count + 5}, 0;\n"
+            f"{_wgmma_instruction(n)} {_register_list(0, count)}, {_register_list(2 * count, 4)}, ${2 * count + 4}, "
+            f"p, 1, 1, {1 if trans_b else 0};\n}}"
+        )
+
+        @intrinsic
+        def mma(typingctx, acc, a0, a1, a2, a3, smem, desc_b):
+            _check_acc("wgmma_bf16_rs", acc)
+            _check_ints("wgmma_bf16_rs", (a0, a1, a2, a3, desc_b))
+            if not isinstance(smem, types.Array):
+                raise TypingError(f"wgmma_bf16_rs: smem must be the shared array of B, got {smem}")
+            sig = types.void(acc, a0, a1, a2, a3, smem, desc_b)
+
+            def codegen(context, builder, sig, args):
+                words = [_u32(context, builder, v, t) for v, t in zip(args[1:5], sig.args[1:5], strict=True)]
+                desc = context.cast(builder, args[6], sig.args[6], types.int64)
+                pointers = _acc_pointers(context, builder, sig.args[0], args[0], count)
+                scale_d = ir.Constant(_I32, 1)  # D = A @ B + D
+                _acc_asm(builder, pointers, text, (_I32,) * 4 + (_I64, _I32), (*words, desc, scale_d),
+                         ("r",) * 4 + ("l", "r"))
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return mma
+
+    @functools.cache
+    def wgmma_fence_operands(n, words):
+        """The intrinsic ``fence(acc, a_words)``: ``wgmma.fence`` ordered after every write of acc[:n/2]
+        and of a_words[:words] (a uint32 local array: A's registers for the wgmma that follow)."""
+
+        @intrinsic
+        def fence(typingctx, acc, a_words):
+            _check_acc("wgmma_fence_operands", acc)
+            if not isinstance(a_words, types.Array) or a_words.dtype != types.uint32 or a_words.ndim != 1:
+                raise TypingError(f"wgmma_fence_operands: a_words must be a 1-D uint32 local array, got {a_words}")
+            sig = types.void(acc, a_words)
+
+            def codegen(context, builder, sig, args):
+                count = n // 2
+                f_ptrs = _acc_pointers(context, builder, sig.args[0], args[0], count)
+                w_ptrs = _acc_pointers(context, builder, sig.args[1], args[1], words)
+                total = count + words
+                constraints = ["=f"] * count + ["=r"] * words + [str(i) for i in range(total)] + ["~{memory}"]
+                asm = ir.InlineAsm(
+                    ir.FunctionType(ir.LiteralStructType([_F32] * count + [_I32] * words), [_F32] * count + [_I32] * words),
+                    "wgmma.fence.sync.aligned;", ",".join(constraints), side_effect=True,
+                )
+                pointers = f_ptrs + w_ptrs
+                result = builder.call(asm, [builder.load(p) for p in pointers])
+                for i, p in enumerate(pointers):
+                    builder.store(builder.extract_value(result, i), p)
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return fence
 
     @functools.cache
     def wgmma_fence(n):
