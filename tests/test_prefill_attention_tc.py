@@ -8,9 +8,9 @@ Oracle: ``reference.attention`` in float64 over the bf16-rounded q (the kernel r
 it loads it; K and V are bf16 already). What remains is P, rounded to bf16 for the ``P V`` product
 while the row sums add it unrounded: each weight w_j of the output ``sum_j w_j v_j`` is off by a
 relative 2^-8 at most (bf16 keeps 8 significant bits), so ``|out - ref| <= 2^-8 * sum_j w_j |v_j|``,
-which is ``attention(q, K, |V|)``; ``P_BOUND`` adds 10% for the fp32 sums and ``exp2.approx``, and
-``ATOL`` covers outputs near zero. The bound is per element: a key masked wrongly shifts an output by
-its whole weight, far more than 2^-8 of it.
+which is ``attention(q, K, |V|)``; ``P_BOUND`` (tests/helpers/attention.py) adds 10% for the fp32
+sums and ``exp2.approx``, and ``PREFILL_ATOL`` covers outputs near zero. The bound is per element: a
+key masked wrongly shifts an output by its whole weight, far more than 2^-8 of it.
 
 Simulator cases are tiny (every ``mma``, ``ldmatrix`` and shuffle is a warp rendezvous; a 4-warp
 block per key tile costs ~0.1 s): new-token counts 1/15/16/17/33 around the 16-token page edges,
@@ -24,6 +24,8 @@ instructions present (tests/test_kernel_report.py assembles the registry's and c
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from numba import cuda, uint32
@@ -34,53 +36,12 @@ from numba_vllm.kernels.jit import kernel
 from numba_vllm.kernels.mma import ldmatrix_x4_trans
 from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
 from numba_vllm.kernels.vector_load import SHARED_ALIGN
-from numba_vllm.loading.bf16 import BF16, upload_bf16
+from numba_vllm.loading.bf16 import upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
 from tests.helpers import ptx as ptx_check
-from tests.helpers.attention import PREFILL_SEQS, PagedCache, nan_device, reference_attention
+from tests.helpers.attention import EDGE_SEQS, PREFILL_SEQS, check_prefill
 
-P_BOUND = 1.1 * 2.0**-8  # relative error of a bf16-rounded weight (8 significant bits), plus fp32 slack
-ATOL = 2e-6
-
-EDGE_SEQS = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33)]  # whole prompts around page edges
-
-
-def check_prefill_tc(rng, seqs, group, num_kv_heads, head_dim, scale=None, tiling=None, key_scale=None):
-    """seqs: (start_pos, num_new) per sequence; the first start_pos tokens are a cached prefix.
-    ``tiling``: (warp_m_tiles, block_keys, q_shared) for the launcher (None: its default).
-    ``key_scale``: positions -> powers of two the keys at those positions are multiplied by (exact in
-    bf16), to steer where each row's max lies."""
-    num_heads = group * num_kv_heads
-    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
-    cache = PagedCache(rng, [start + n for start, n in seqs], num_kv_heads, head_dim)
-    if key_scale is not None:
-        pool = cache.k_pool.reshape(-1, num_kv_heads, head_dim)  # (pages * PAGE_SIZE, KVH, HD) view
-        for s, (start, n) in enumerate(seqs):
-            positions = np.arange(start + n)
-            factor = np.asarray(key_scale(positions), np.float32)[:, None, None]
-            cache.k[s] *= factor
-            pool[cache.kv_indices(s, positions)] *= factor
-    cu_seqlens = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
-    start_pos = np.array([start for start, _ in seqs], np.int32)
-    q = rng.standard_normal((cu_seqlens[-1], num_heads, head_dim)).astype(np.float32)
-    out = nan_device(q.shape)
-    k_cache, v_cache, block_tables = cache.device()
-    prefill_attention_tc(cuda.to_device(q), k_cache, v_cache, block_tables, cuda.to_device(cu_seqlens),
-                         cuda.to_device(start_pos), scale, out, tiling=tiling)
-    got = out.copy_to_host()
-    q_bf16 = q.astype(BF16).astype(np.float32)
-    for s, (start, n) in enumerate(seqs):
-        rows = slice(cu_seqlens[s], cu_seqlens[s + 1])
-        positions = start + np.arange(n)
-        want = reference_attention(q_bf16[rows], cache.k[s], cache.v[s], positions, scale)
-        bound = P_BOUND * reference_attention(q_bf16[rows], cache.k[s], np.abs(cache.v[s]), positions, scale) + ATOL
-        err = np.abs(got[rows] - want)
-        assert not np.isnan(got[rows]).any(), f"sequence {s}: NaN in the output ({start} cached + {n} new)"
-        worst = np.unravel_index(np.argmax(err / bound), err.shape)
-        assert (err <= bound).all(), (
-            f"sequence {s} ({start} cached + {n} new): error {err[worst]:.3g} > bound {bound[worst]:.3g} "
-            f"at (token, head, dim) {worst}"
-        )
+check_prefill_tc = functools.partial(check_prefill, prefill_attention_tc)
 
 
 # ---- the transposing ldmatrix, one warp ----------------------------------------------------------

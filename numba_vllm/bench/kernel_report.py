@@ -88,6 +88,8 @@ DECODE_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), float32, f32(3))"  # q, k
 DECODE_FAST_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), float32, int32, f32(3))"  # flat caches; + pages per split
 PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"  # ... cu_seqlens, start_pos ...
 PREFILL_TC_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), i32(1), float32, f32(3))"  # flat caches
+# q, the caches' tensor maps and (num_pages * PAGE_SIZE, KVH * HD) views, tables, cu_seqlens, start_pos, scale, out
+PREFILL_WGMMA_SIG = f"(f32(3), {TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), i32(2), i32(1), i32(1), float32, f32(3))"
 # flat qkv, positions, inv_freq, kv indices, flat q, k/v caches as rows of slots, H, KVH
 ROPE_SIG = "(f32(1), i32(1), f32(1), i32(1), f32(1), u16(2), u16(2), int32, int32)"
 PICK_TAIL = "int64, i32(1), f32(1), i32(1)"  # the samplers': part_cols, token_ids, the workspace's values and indices
@@ -176,6 +178,14 @@ REGISTRY: tuple[KernelVariant, ...] = (
                       f"prefill_attention_tc:prefill_attention_tc_kernel_for({g}, {hd}, *default_tiling({hd}), 8)",
                       PREFILL_TC_SIG, "THREADS")  # fmt: skip
         for g, hd in PREFILL_TC_CONFIGS
+    ),
+    *(  # the launcher's default tiling for the head dim (DEFAULT_TILINGS)
+        KernelVariant("prefill_attention_wgmma", f"g{g} hd{hd}",
+                      f"prefill_attention_wgmma:prefill_attention_wgmma_kernel_for({g}, {hd}, default_tiling({hd}))",
+                      PREFILL_WGMMA_SIG, f"default_tiling({hd}).threads", f"default_tiling({hd}).shared_bytes({hd})",
+                      arch_specific=True)  # fmt: skip
+        for g, hd in PREFILL_TC_CONFIGS
+        if hd in (64, 128)
     ),
     KernelVariant("rope", "", "rope:rope_kernel", ROPE_SIG, "WARP_SIZE * ROPE_WARPS"),
     KernelVariant("rms_norm", "", "rmsnorm:rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)", "RMSNORM_MAX_THREADS"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 from numba import cuda
 
-from numba_vllm.loading.bf16 import to_bf16, upload_bf16
+from numba_vllm.loading.bf16 import BF16, to_bf16, upload_bf16
 from numba_vllm.model import reference
 from numba_vllm.model.config import PAGE_SIZE
 
@@ -67,3 +67,53 @@ def reference_attention(q, k, v, positions, scale):
 # ending at 17 (15 + 2), 32 (16 + 16) and 33 (5 + 28) tokens.
 PREFILL_SEQS = [(0, 1), (0, 17), (15, 2), (16, 16), (5, 28), (0, 33)]
 
+
+# ---- prefill attention on the tensor cores: the bound of a bf16-rounded P -------------------------
+
+# Each weight of the output is off by a relative 2^-8 at most (P rounded to bf16 for P V, the row sums
+# unrounded): |out - ref| <= 2^-8 attention(q, K, |V|); 10% more for the fp32 sums and exp2.approx, and
+# PREFILL_ATOL for outputs near zero.
+P_BOUND = 1.1 * 2.0**-8  # relative error of a bf16-rounded weight (8 significant bits), plus fp32 slack
+PREFILL_ATOL = 2e-6
+EDGE_SEQS = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33)]  # whole prompts around page edges
+
+
+def check_prefill(launcher, rng, seqs, group, num_kv_heads, head_dim, scale=None, tiling=None, key_scale=None):
+    """Run a prefill attention kernel (``launcher``: prefill_attention_tc or prefill_attention_wgmma) and
+    check it against the float64 reference within ``P_BOUND`` (the bf16 rounding of P).
+
+    seqs: (start_pos, num_new) per sequence; the first start_pos tokens are a cached prefix.
+    ``tiling``: the launcher's (None: its default).
+    ``key_scale``: positions -> powers of two the keys at those positions are multiplied by (exact in
+    bf16), to steer where each row's max lies."""
+    num_heads = group * num_kv_heads
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    cache = PagedCache(rng, [start + n for start, n in seqs], num_kv_heads, head_dim)
+    if key_scale is not None:
+        pool = cache.k_pool.reshape(-1, num_kv_heads, head_dim)  # (pages * PAGE_SIZE, KVH, HD) view
+        for s, (start, n) in enumerate(seqs):
+            positions = np.arange(start + n)
+            factor = np.asarray(key_scale(positions), np.float32)[:, None, None]
+            cache.k[s] *= factor
+            pool[cache.kv_indices(s, positions)] *= factor
+    cu_seqlens = np.concatenate([[0], np.cumsum([n for _, n in seqs])]).astype(np.int32)
+    start_pos = np.array([start for start, _ in seqs], np.int32)
+    q = rng.standard_normal((cu_seqlens[-1], num_heads, head_dim)).astype(np.float32)
+    out = nan_device(q.shape)
+    k_cache, v_cache, block_tables = cache.device()
+    launcher(cuda.to_device(q), k_cache, v_cache, block_tables, cuda.to_device(cu_seqlens), cuda.to_device(start_pos),
+             scale, out, tiling=tiling)
+    got = out.copy_to_host()
+    q_bf16 = q.astype(BF16).astype(np.float32)
+    for s, (start, n) in enumerate(seqs):
+        rows = slice(cu_seqlens[s], cu_seqlens[s + 1])
+        positions = start + np.arange(n)
+        want = reference_attention(q_bf16[rows], cache.k[s], cache.v[s], positions, scale)
+        bound = P_BOUND * reference_attention(q_bf16[rows], cache.k[s], np.abs(cache.v[s]), positions, scale) + PREFILL_ATOL
+        err = np.abs(got[rows] - want)
+        assert not np.isnan(got[rows]).any(), f"sequence {s}: NaN in the output ({start} cached + {n} new)"
+        worst = np.unravel_index(np.argmax(err / bound), err.shape)
+        assert (err <= bound).all(), (
+            f"sequence {s} ({start} cached + {n} new): error {err[worst]:.3g} > bound {bound[worst]:.3g} "
+            f"at (token, head, dim) {worst}"
+        )

@@ -1,0 +1,450 @@
+"""Causal prefill attention over the paged KV cache on Hopper's ``wgmma`` (FlashAttention-3's shape).
+
+The contract of ``prefill_attention.py`` (the readable CUDA-core version; its docstring defines the
+inputs) and the numerics of ``prefill_attention_tc.py`` (the ``mma.sync`` version, for any GPU from
+sm_80; its docstring explains the online softmax, the lazy rescale and the bounds): q is rounded to
+bf16, S = Q K^T and O += P V accumulate in fp32, P is rounded to bf16 for the product while the row
+sums add it unrounded. What changes is how the products run. ``mma.sync`` multiplies 16 x 8 x 16 per
+warp instruction with both operands in registers, fed by ``ldmatrix``; ``wgmma`` (``wgmma.py``)
+multiplies 64 x N x 16 per warpgroup instruction (N = 128 keys for S), reading K and V straight
+from shared memory, so the instructions a warp issues per product drop ~16-fold and the softmax has
+the issue slots to itself.
+
+Block: ``consumers`` warpgroups (64 query rows each: ``block_rows`` = 128 with two) and one producer
+warp; grid ``(KVH, S, row tiles)`` as ``prefill_attention_tc``'s (the tile with the latest rows
+first). A query row is a (new token, query head) pair of the kv head's group, token-major, so the
+group's heads share every K/V tile (GQA).
+
+- Producer (one thread): per key tile of ``block_keys`` keys (whole 16-token pages), waits until a
+  stage of the ring is free (its *empty* mbarrier: one arrival per consumer warpgroup), then copies
+  every page of K and V with the Tensor Memory Accelerator: one ``tma_load_2d(16)`` box (16 tokens x
+  64 dims, 2 KB) per page, tensor and 64-dim panel, from the cache seen as a 2-D matrix (num_pages *
+  16 rows, KVH * HD columns: a page's tokens of one kv head are 16 consecutive rows, the head's
+  dims ``kv_head * HD ..``), into the 128-byte-swizzled layout, completion counted on the stage's
+  *full* mbarrier. The page id is ``block_tables[s, key // 16]``; a page past the block's last key
+  is copied from a row past the cache's end, which the TMA fills with zeros (its bytes still count):
+  no table entry past the sequence is read, and no stale value enters the stage.
+- Consumers: warpgroup ``c`` rounds its 64 rows of q to bf16 into shared memory once (K-major, the
+  128-byte swizzle: the A operand of S), then per key tile waits on the stage's full mbarrier and
+
+  1. ``S = Q K^T``: ``head_dim / 16`` wgmma m64n{block_keys}k16, A = Q, B = K as staged (a row per
+     key, dims contiguous: K-major), S in 64 fp32 registers a thread (``block_keys`` = 128);
+  2. the causal mask (only on tiles reaching past the warpgroup's first position: ``_attend`` is
+     compiled twice, ``masked`` a constant) and the online softmax in registers: row max over the
+     thread's values then over the quad (two ``shfl_xor``; thread ``(warp w, g, q)`` holds rows
+     ``16w + g`` and ``16w + g + 8``, columns ``8j + 2q, 8j + 2q + 1``: ``wgmma.py``'s table), P =
+     exp2(S c - m c), the running max moved only by more than 2^8 (then l and O rescaled);
+  3. ``O += P V``: ``block_keys / 16`` wgmma m64n{head_dim}k16 with A from registers: the
+     accumulator layout of S is the register layout of A, so P's fp32 pairs are rounded into bf16
+     pairs in place (``pack_bf16x2``, no data movement), and B = V read through an MN-major
+     descriptor (``smem_descriptor_mn``): V is staged exactly as K (a row per key), and a row per
+     k with n contiguous is what a transposed B is. No ``ldmatrix``, no transpose;
+  4. releases the stage (one arrival on its empty mbarrier), so the producer refills it while the
+     next stage's copies, issued earlier, are already landing.
+
+  Tokens of the last page past the context (stale cache slots) are zeroed in the stage's V before
+  the P V product of the block's last tile (a NaN there would poison O even times P = 0); K's are
+  masked like any key past the row.
+- At the end, the quad adds its shares of l and writes ``O / l`` (rows past the sequence's new
+  tokens compute a copy of the last row and are not written).
+
+Shared memory (dynamic, from a 1024-byte boundary): Q (block_rows x head_dim bf16: 16 KB at 128 x
+64), ``stages`` x (K tile, V tile) (block_keys x head_dim each: 16 KB at 128 x 64), then the 2 x
+``stages`` mbarriers: 80 KB for two stages at head dim 64. A head dim of 128 is two 64-dim panels
+per tile (Q and K: a k-step past 64 dims starts in the second panel; V: the descriptor's leading
+byte offset is the panel stride).
+
+Simulator: wgmma, the TMA and mbarriers are emulated (``wgmma.py``), so the kernel runs as written,
+a warpgroup rendezvous per wgmma. Needs sm_90a on a GPU: ``EngineConfig.prefill_attention =
+"wgmma"`` runs it, others keep ``tensor_cores``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda, float32, int32, uint32
+
+from numba_vllm.kernels._launch import KernelError, launch
+from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.mma import pack_bf16x2, store_shared_u32x4
+from numba_vllm.kernels.prefill_attention import check_prefill_args
+from numba_vllm.kernels.prefill_attention_tc import LOG2_E, RESCALE_LOG2
+from numba_vllm.kernels.reductions import FULL_MASK
+from numba_vllm.kernels.wgmma import (
+    ATOM_BYTES,
+    DESC_K_STEP,
+    DESC_MN_K_STEP,
+    SWIZZLE_ROW_BYTES,
+    TILE_K,
+    WARPGROUP_THREADS,
+    WGMMA_K,
+    WGMMA_M,
+    fence_mbarrier_init,
+    fence_proxy_async,
+    mbarrier_arrive,
+    mbarrier_arrive_expect_tx,
+    mbarrier_init,
+    mbarrier_wait,
+    named_barrier,
+    shared_address,
+    smem_descriptor,
+    smem_descriptor_mn,
+    tensor_map_2d,
+    tensormap_acquire,
+    tma_load_2d,
+    wgmma_bf16,
+    wgmma_bf16_rs,
+    wgmma_commit,
+    wgmma_fence,
+    wgmma_fence_operands,
+    wgmma_wait,
+)
+from numba_vllm.model.config import PAGE_SIZE
+
+SUPPORTED_HEAD_DIMS = (64, 128)  # whole 64-dim panels (one 128-byte swizzled row each)
+MAX_GROUP = 16
+WARP_LANES = 32
+PAGE_BYTES = PAGE_SIZE * SWIZZLE_ROW_BYTES  # one TMA box: a page's 16 tokens x 64 dims of one kv head
+BARRIER_BYTES = 8
+CHUNK_BYTES = 16  # one swizzled chunk: 8 bf16
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """Consumer warpgroups (64 query rows each), keys per K/V tile, K/V tiles in flight."""
+
+    consumers: int
+    block_keys: int  # whole pages, at most 256 (one wgmma's N)
+    stages: int
+
+    @property
+    def block_rows(self) -> int:
+        return WGMMA_M * self.consumers
+
+    @property
+    def threads(self) -> int:  # the consumers and one producer warp
+        return WARPGROUP_THREADS * self.consumers + WARP_LANES
+
+    def shared_bytes(self, head_dim: int) -> int:
+        """Q, the stages, the mbarriers, and the slack to align the start to 1024 bytes."""
+        q_bytes = self.block_rows * head_dim * 2
+        stage_bytes = 2 * self.block_keys * head_dim * 2
+        return q_bytes + self.stages * stage_bytes + 2 * self.stages * BARRIER_BYTES + ATOM_BYTES
+
+
+# Head dim 64 (Llama 3.2 1B): 128 query rows x 128 keys, two stages: S is 64 fp32 registers a thread,
+# O 32, P 32; 80 KB of shared memory. Head dim 128: 64-key tiles keep S at 32 registers beside O's 64.
+DEFAULT_TILINGS = {64: Tiling(consumers=2, block_keys=128, stages=2), 128: Tiling(consumers=2, block_keys=64, stages=2)}
+
+
+def default_tiling(head_dim: int) -> Tiling:
+    return DEFAULT_TILINGS[head_dim]
+
+
+@functools.cache
+def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling):
+    """The kernel compiled for ``group`` query heads per kv head, ``head_dim`` and a tiling (its sizes
+    are constants in the code)."""
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KernelError(f"prefill_attention_wgmma: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
+    if not 1 <= group <= MAX_GROUP:
+        raise KernelError(f"prefill_attention_wgmma: {group} query heads per kv head, at most {MAX_GROUP}")
+    consumers, block_keys, stages = tiling.consumers, tiling.block_keys, tiling.stages
+    assert block_keys % PAGE_SIZE == 0 and block_keys <= 256 and stages >= 2
+    block_rows = tiling.block_rows
+    threads = tiling.threads
+    panels = head_dim // TILE_K  # 64-dim panels of a staged row
+    row_chunks = head_dim // 8  # 16-byte chunks of a row of q
+    q_passes = WGMMA_M * row_chunks // WARPGROUP_THREADS  # chunks of Q each consumer thread stages
+    q_panel_bytes = block_rows * SWIZZLE_ROW_BYTES  # one 64-dim panel of the Q tile
+    q_bytes = panels * q_panel_bytes
+    kv_panel_bytes = block_keys * SWIZZLE_ROW_BYTES  # one 64-dim panel of a K or V tile
+    kv_bytes = panels * kv_panel_bytes
+    stage_bytes = 2 * kv_bytes  # K tile, then V tile
+    barrier_offset = q_bytes + stages * stage_bytes
+    pages_per_tile = block_keys // PAGE_SIZE
+    d_steps = head_dim // WGMMA_K  # k-steps of S = Q K^T
+    panel_steps = TILE_K // WGMMA_K  # k-steps within one 64-dim panel
+    key_steps = block_keys // WGMMA_K  # k-steps of O += P V
+    p_words = 4 * key_steps  # P's bf16 pairs a thread: four A registers per k-step
+    s_count = block_keys // 2  # S accumulators a thread
+    o_count = head_dim // 2  # O accumulators a thread
+    key_blocks = block_keys // 8  # 8-column blocks of S
+    dim_blocks = head_dim // 8  # 8-column blocks of O
+    consumer_threads = consumers * WARPGROUP_THREADS
+    minus_inf = float32(-math.inf)
+    rescale_log2 = float32(RESCALE_LOG2)
+    mma_s = wgmma_bf16(block_keys)
+    fence_s = wgmma_fence(block_keys)
+    wait_s = wgmma_wait(block_keys, 0)
+    mma_o = wgmma_bf16_rs(head_dim, True)
+    fence_o = wgmma_fence_operands(head_dim, p_words)
+    wait_o = wgmma_wait(head_dim, 0)
+    load_page = tma_load_2d(PAGE_SIZE)
+
+    @device_function
+    def _mask(acc_s, row_pos, key0, qd):
+        """-inf for the keys past each row's position (causal), before the row max."""
+        for j in range(key_blocks):
+            for h in range(2):
+                for e in range(2):
+                    if key0 + 8 * j + 2 * qd + e > row_pos[h]:
+                        acc_s[4 * j + 2 * h + e] = minus_inf
+
+    @device_function
+    def _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2):
+        """S -> P in place (P = exp2(S c - m c)), l and m updated, O rescaled where a row's m moved
+        (``prefill_attention_tc._softmax``'s rule, on the wgmma layout: acc[4j + 2h + e] is row h)."""
+        moved = False
+        for h in range(2):
+            tile_max = minus_inf
+            for j in range(key_blocks):
+                tile_max = max(tile_max, max(acc_s[4 * j + 2 * h], acc_s[4 * j + 2 * h + 1]))
+            tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # the quad shares the row
+            tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 2))
+            move = (tile_max - row_max[h]) * scale_log2 > rescale_log2  # True on the first tile (m = -inf)
+            m_new = tile_max if move else row_max[h]
+            alpha[h] = math.exp2((row_max[h] - m_new) * scale_log2)  # exactly 1 if m stays; 0 on tile 0
+            moved = moved or move
+            row_max[h] = m_new
+            row_sum[h] *= alpha[h]
+        if cuda.any_sync(FULL_MASK, moved):
+            for j in range(dim_blocks):
+                acc_o[4 * j] *= alpha[0]
+                acc_o[4 * j + 1] *= alpha[0]
+                acc_o[4 * j + 2] *= alpha[1]
+                acc_o[4 * j + 3] *= alpha[1]
+        for h in range(2):
+            m_scaled = row_max[h] * scale_log2
+            tile_sum = float32(0.0)
+            for j in range(key_blocks):
+                for e in range(2):
+                    p = math.exp2(acc_s[4 * j + 2 * h + e] * scale_log2 - m_scaled)
+                    acc_s[4 * j + 2 * h + e] = p
+                    tile_sum += p
+            row_sum[h] += tile_sum
+
+    @device_function
+    def _zero_v_tail(smem, v_word0, first, tw):
+        """Zero the V rows ``first`` .. the end of their page (stale slots past the context) in the
+        stage whose V tile starts at word ``v_word0``, every panel; then make the zeros visible to
+        this warpgroup's wgmma (the async proxy). The other warpgroup may write the same zeros."""
+        last = min(block_keys, (first + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
+        for i in range(tw, panels * PAGE_SIZE * 8, WARPGROUP_THREADS):  # panel, row, 16-byte chunk
+            row = first + (i // 8) % PAGE_SIZE
+            if row < last:
+                word = v_word0 + ((i // (PAGE_SIZE * 8)) * kv_panel_bytes + row * SWIZZLE_ROW_BYTES + (i % 8) * CHUNK_BYTES) // 4
+                store_shared_u32x4(smem, word, uint32(0), uint32(0), uint32(0), uint32(0))
+        fence_proxy_async()
+
+    @device_function
+    def _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0, key0,
+                context_len, masked, scale_log2, qd, tw, wg):
+        """One warpgroup's work on the key tile at key0: S = Q K^T, the causal mask if ``masked``, the
+        online softmax, O += P V. Called with ``masked`` a constant (two copies)."""
+        for i in range(s_count):
+            acc_s[i] = float32(0.0)
+        fence_s(acc_s)
+        for kk in range(d_steps):  # (a k-step past 64 dims starts in the next panel of Q and of K)
+            panel, step = kk // panel_steps, kk % panel_steps
+            mma_s(acc_s, smem, desc_q + (panel * q_panel_bytes >> 4) + step * DESC_K_STEP,
+                  desc_k + (panel * kv_panel_bytes >> 4) + step * DESC_K_STEP)  # fmt: skip
+        wgmma_commit()
+        wait_s(acc_s)
+
+        if masked:
+            _mask(acc_s, row_pos, key0, qd)
+        _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2)
+        for kk in range(key_steps):  # S's columns 16kk .. 16kk + 15, as the A registers of k-step kk
+            pa[4 * kk] = pack_bf16x2(acc_s[8 * kk], acc_s[8 * kk + 1])  # row g, keys 2q, 2q + 1
+            pa[4 * kk + 1] = pack_bf16x2(acc_s[8 * kk + 2], acc_s[8 * kk + 3])  # row g + 8
+            pa[4 * kk + 2] = pack_bf16x2(acc_s[8 * kk + 4], acc_s[8 * kk + 5])  # row g, keys 8 + 2q, ..
+            pa[4 * kk + 3] = pack_bf16x2(acc_s[8 * kk + 6], acc_s[8 * kk + 7])  # row g + 8
+        if key0 + block_keys > context_len:  # the block's last tile ends past the context
+            _zero_v_tail(smem, v_word0, context_len - key0, tw)
+            named_barrier(1 + wg, WARPGROUP_THREADS)
+
+        fence_o(acc_o, pa)
+        for kk in range(key_steps):
+            mma_o(acc_o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], smem, desc_v + kk * DESC_MN_K_STEP)
+        wgmma_commit()
+        wait_o(acc_o)
+
+    @kernel(fastmath=True, launch_bounds=(threads, 1))
+    def prefill_attention_wgmma_kernel(q, k_map, v_map, k_rows, v_rows, block_tables, cu_seqlens, start_pos, scale_log2,
+                                       out):  # fmt: skip
+        """q, out: (T, H, HD) f32; k_map, v_map (16,) uint64: tensor maps of k_rows, v_rows, the caches
+        as (num_pages * PAGE_SIZE, KVH * HD) uint16 (bf16 bits; boxes of 16 x 64); block_tables: (S,
+        max_pages) int32; cu_seqlens: (S + 1,) int32; start_pos: (S,) int32; scale_log2: scale * log2(e)."""
+        smem = cuda.shared.array(0, uint32)  # from a 1024-byte boundary: Q, stages x (K, V), mbarriers
+        kv_head = cuda.blockIdx.x
+        s = cuda.blockIdx.y
+        tile = cuda.gridDim.z - 1 - cuda.blockIdx.z  # latest rows (most keys) first
+        first_token = cu_seqlens[s]
+        num_new = cu_seqlens[s + 1] - first_token
+        num_rows = num_new * group
+        first_row = tile * block_rows
+        if first_row >= num_rows:
+            return  # this sequence has fewer rows than the longest one: the whole block leaves
+        start = start_pos[s]
+        context_len = int32(start + num_new)
+        last_row = min(first_row + block_rows, num_rows) - 1
+        num_keys = int32(start + last_row // group + 1)  # keys 0 .. position of the block's last row
+        num_key_tiles = (num_keys + block_keys - 1) // block_keys
+        tid = cuda.threadIdx.x
+        wg = tid // WARPGROUP_THREADS
+
+        base = shared_address(smem, 0)
+        pad = (ATOM_BYTES - (base & (ATOM_BYTES - 1))) & (ATOM_BYTES - 1)  # bytes up to an aligned address
+        tile0 = base + pad  # shared address of the Q tile; stage i at tile0 + q_bytes + i * stage_bytes
+        full = tile0 + barrier_offset  # full[i] at full + 8 i: the stage's copies have landed
+        empty = full + stages * BARRIER_BYTES  # empty[i]: every consumer warpgroup is done with the stage
+        if tid == 0:
+            for i in range(stages):
+                mbarrier_init(full + i * BARRIER_BYTES, 1)
+                mbarrier_init(empty + i * BARRIER_BYTES, consumers)
+            fence_mbarrier_init()
+        cuda.syncthreads()
+
+        if wg == consumers:  # the producer warp: one thread issues every copy
+            if tid == consumer_threads:
+                tensormap_acquire(k_map)
+                tensormap_acquire(v_map)
+                table = block_tables[s]
+                past_end = k_rows.shape[0]  # a row past the cache: the TMA fills the box with zeros
+                column = kv_head * head_dim
+                for kt in range(num_key_tiles):
+                    i = kt % stages
+                    if kt >= stages:  # wait for the consumers' release of the stage's previous use
+                        mbarrier_wait(empty + i * BARRIER_BYTES, (kt // stages + 1) & 1)
+                    barrier = full + i * BARRIER_BYTES
+                    mbarrier_arrive_expect_tx(barrier, stage_bytes)
+                    k_tile = tile0 + q_bytes + i * stage_bytes
+                    for p in range(pages_per_tile):
+                        key = kt * block_keys + p * PAGE_SIZE
+                        row = past_end
+                        if key < num_keys:
+                            row = table[key // PAGE_SIZE] * PAGE_SIZE
+                        for panel in range(panels):
+                            dst = k_tile + panel * kv_panel_bytes + p * PAGE_BYTES
+                            load_page(smem, dst, k_map, k_rows, column + panel * TILE_K, row, barrier)
+                            load_page(smem, dst + kv_bytes, v_map, v_rows, column + panel * TILE_K, row, barrier)
+            return
+
+        tw = tid % WARPGROUP_THREADS
+        lane = tid % WARP_LANES
+        warp = tw // WARP_LANES
+        g = lane >> 2
+        qd = lane & 3
+        wg_row0 = first_row + wg * WGMMA_M
+        active = wg_row0 < num_rows  # else all its rows are padding: it only releases the stages
+
+        # Q: this warpgroup's 64 rows rounded to bf16, 16 bytes (8 dims) a store, chunk c of row r at
+        # chunk c ^ (r % 8) of its 64-dim panel (the 128-byte swizzle).
+        for j in range(q_passes):
+            i = tw + j * WARPGROUP_THREADS
+            r = i // row_chunks
+            c = i % row_chunks
+            row = min(wg_row0 + r, num_rows - 1)  # padding repeats the last row
+            token = first_token + row // group
+            head = kv_head * group + row % group
+            d = c * 8
+            offset = (c // 8) * q_panel_bytes + (wg * WGMMA_M + r) * SWIZZLE_ROW_BYTES + ((c % 8) ^ (r % 8)) * CHUNK_BYTES
+            store_shared_u32x4(
+                smem, (pad + offset) // 4,
+                pack_bf16x2(q[token, head, d], q[token, head, d + 1]),
+                pack_bf16x2(q[token, head, d + 2], q[token, head, d + 3]),
+                pack_bf16x2(q[token, head, d + 4], q[token, head, d + 5]),
+                pack_bf16x2(q[token, head, d + 6], q[token, head, d + 7]),
+            )  # fmt: skip
+        fence_proxy_async()  # the stores are visible to the wgmma (the async proxy) ...
+        named_barrier(1 + wg, WARPGROUP_THREADS)  # ... of every warp of the warpgroup
+
+        acc_s = cuda.local.array(s_count, float32)  # S, then P, of one key tile (64 x block_keys)
+        acc_o = cuda.local.array(o_count, float32)  # O, unnormalised (64 x head_dim)
+        pa = cuda.local.array(p_words, uint32)  # P rounded to bf16 pairs: A of the P V wgmma
+        row_max = cuda.local.array(2, float32)  # m of rows 16 warp + g (h = 0) and + 8 (h = 1)
+        row_sum = cuda.local.array(2, float32)  # this thread's share of their l
+        row_pos = cuda.local.array(2, int32)  # their positions
+        alpha = cuda.local.array(2, float32)  # their rescale factors on one key tile
+        for h in range(2):
+            row = min(wg_row0 + warp * 16 + h * 8 + g, num_rows - 1)
+            row_pos[h] = start + row // group
+            row_max[h] = minus_inf
+            row_sum[h] = float32(0.0)
+        for i in range(o_count):
+            acc_o[i] = float32(0.0)
+        wg_first_pos = int32(start + min(wg_row0, num_rows - 1) // group)
+        wg_last_pos = int32(start + (min(wg_row0 + WGMMA_M, num_rows) - 1) // group)
+        desc_q = smem_descriptor(tile0 + wg * WGMMA_M * SWIZZLE_ROW_BYTES)
+
+        for kt in range(num_key_tiles):
+            i = kt % stages
+            mbarrier_wait(full + i * BARRIER_BYTES, (kt // stages) & 1)
+            key0 = int32(kt * block_keys)
+            if active and key0 <= wg_last_pos:
+                k_tile = tile0 + q_bytes + i * stage_bytes
+                desc_k = smem_descriptor(k_tile)
+                desc_v = smem_descriptor_mn(k_tile + kv_bytes, kv_panel_bytes)
+                v_word0 = (pad + q_bytes + i * stage_bytes + kv_bytes) // 4
+                if int32(key0 + (block_keys - 1)) > wg_first_pos:  # the tile reaches past the first row's position
+                    _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
+                            key0, context_len, True, scale_log2, qd, tw, wg)  # fmt: skip
+                else:
+                    _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
+                            key0, context_len, False, scale_log2, qd, tw, wg)  # fmt: skip
+            if tw == 0:
+                mbarrier_arrive(empty + i * BARRIER_BYTES)
+
+        if active:
+            for h in range(2):
+                total = row_sum[h]
+                total += cuda.shfl_xor_sync(FULL_MASK, total, 1)  # the quad's four shares of l
+                total += cuda.shfl_xor_sync(FULL_MASK, total, 2)
+                row = wg_row0 + warp * 16 + h * 8 + g
+                if row < num_rows:
+                    token = first_token + row // group
+                    head = kv_head * group + row % group
+                    inv = float32(1.0) / total
+                    for j in range(dim_blocks):
+                        out[token, head, 8 * j + 2 * qd] = acc_o[4 * j + 2 * h] * inv
+                        out[token, head, 8 * j + 2 * qd + 1] = acc_o[4 * j + 2 * h + 1] * inv
+
+    return prefill_attention_wgmma_kernel
+
+
+def cache_rows(cache):
+    """The cache (num_pages, PAGE_SIZE, KVH, HD) bf16 as the (num_pages * PAGE_SIZE, KVH * HD) uint16
+    matrix the tensor maps describe (a view: the same memory)."""
+    pages, page_size, kv_heads, head_dim = cache.shape
+    return cache.view(np.uint16).reshape(pages * page_size, kv_heads * head_dim)
+
+
+def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,
+                            max_new_tokens: int | None = None, tiling: Tiling | None = None) -> None:
+    """Causal attention of a ragged batch of new tokens over their sequences' cached K/V, on Hopper's
+    wgmma. The arguments are ``prefill_attention``'s (q: (T, H, HD) f32; k_cache, v_cache: (num_pages,
+    PAGE_SIZE, KVH, HD) bf16; block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,) int32;
+    start_pos: (S,) int32; out: (T, H, HD) f32; max_new_tokens: the longest sequence's new tokens,
+    read from cu_seqlens when None); ``tiling`` forces one (tests, benchmarks), else
+    ``default_tiling(head_dim)``."""
+    shape = check_prefill_args("prefill_attention_wgmma", q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out,
+                               max_new_tokens)  # fmt: skip
+    if shape is None:
+        return
+    group, head_dim, num_kv_heads, num_seqs, max_new_tokens = shape
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KernelError(f"prefill_attention_wgmma: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
+    tiling = tiling or default_tiling(head_dim)
+    kernel_ = prefill_attention_wgmma_kernel_for(group, head_dim, tiling)
+    k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
+    k_map = tensor_map_2d(k_rows, k_rows.shape[0], PAGE_SIZE)
+    v_map = tensor_map_2d(v_rows, v_rows.shape[0], PAGE_SIZE)
+    num_row_tiles = -(-max_new_tokens * group // tiling.block_rows)
+    launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), tiling.threads, q, k_map, v_map, k_rows, v_rows,
+           block_tables, cu_seqlens, start_pos, np.float32(scale * LOG2_E), out,
+           shared_bytes=tiling.shared_bytes(head_dim))  # fmt: skip

@@ -1,0 +1,160 @@
+"""prefill_attention_wgmma (Hopper wgmma prefill attention) against the NumPy reference, and its PTX.
+
+The cases and the oracle are ``test_prefill_attention_tc``'s (``tests/helpers/attention.py``:
+``check_prefill``): the paged cache with shuffled page ids and NaN in every slot no sequence owns (the
+null page, spare pages, the tail of each last page: a stale V slot left in a stage poisons the output,
+a key past the row left unmasked shifts it by its weight), NaN-poisoned outputs, the float64 reference
+over the bf16-rounded q within the bound of a bf16-rounded P.
+
+In the simulator every wgmma is a 128-thread rendezvous and the TMA copies a page at once; the cases
+stay small: new-token counts around the page edges, chunks after a cached prefix, GQA groups 1/3/4/8,
+head dims 64 and 128, key tiles of 16-128 keys with 2-3 stages (tiles that wrap the ring), one or two
+consumer warpgroups (a warpgroup whose rows are all padding, warpgroups that skip the last tile).
+The wgmma forms the kernel adds (A from registers, B MN-major) are probed alone in
+``test_gemm_wgmma.py``. Without a GPU the registry's builds are assembled for sm_90a: no spills, no
+local memory, no serialised wgmma. The ``gpu`` test runs Llama 3.2 1B's heads on ragged prompts.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import subprocess
+
+import numpy as np
+import pytest
+from numba import cuda
+
+from numba_vllm.bench.kernel_report import ReportError, find_ptxas, select
+from numba_vllm.kernels._launch import KernelError
+from numba_vllm.kernels.prefill_attention_wgmma import DEFAULT_TILINGS, Tiling, prefill_attention_wgmma
+from numba_vllm.loading.bf16 import upload_bf16
+from numba_vllm.model.config import PAGE_SIZE
+from tests.helpers import ptx as ptx_check
+from tests.helpers.attention import EDGE_SEQS, PREFILL_SEQS, check_prefill
+
+check_prefill_wgmma = functools.partial(check_prefill, prefill_attention_wgmma)
+
+
+@pytest.mark.parametrize(
+    "group, num_kv_heads, head_dim, seqs",
+    [
+        (1, 2, 64, EDGE_SEQS),
+        (3, 1, 64, PREFILL_SEQS),
+        (4, 1, 64, PREFILL_SEQS),
+        (8, 1, 128, [(0, 17), (20, 13)]),
+    ],
+    ids=["g1-hd64-edges", "g3-hd64-prefix", "g4-hd64-prefix", "g8-hd128"],
+)
+def test_prefill_wgmma(group, num_kv_heads, head_dim, seqs):
+    check_prefill_wgmma(np.random.default_rng(3), seqs, group, num_kv_heads, head_dim)
+
+
+@pytest.mark.parametrize(
+    "tiling", [Tiling(1, 16, 2), Tiling(1, 32, 3), Tiling(2, 32, 2), Tiling(2, 64, 3)],
+    ids=["c1k16", "c1k32s3", "c2k32", "c2k64s3"],
+)
+def test_prefill_wgmma_tilings(tiling):
+    """Other tilings, GQA 4 at head dim 64 after cached prefixes: several key tiles a block, the ring of
+    stages reused, one consumer warpgroup a block."""
+    check_prefill_wgmma(np.random.default_rng(5), [(15, 2), (5, 28), (0, 17), (57, 12)], 4, 1, 64, tiling=tiling)
+
+
+def test_prefill_wgmma_scale():
+    check_prefill_wgmma(np.random.default_rng(4), [(3, 20)], 2, 1, 64, scale=0.3)
+
+
+@pytest.mark.parametrize(
+    "key_scale",
+    [lambda pos: 4.0 ** (pos // 32), lambda pos: 2.0 ** (pos // 20), lambda pos: np.where(pos < 32, 1.0, 2.0**-6)],
+    ids=["max-jumps", "max-creeps", "max-first"],
+)
+def test_prefill_wgmma_key_tiles(key_scale):
+    """Several 32-key tiles a row (``test_prefill_tc_key_tiles``' steering of the row max: it moves past
+    RESCALE_LOG2 and O is rescaled, it creeps up and P grows past 1, or it never moves again)."""
+    check_prefill_wgmma(np.random.default_rng(7), [(57, 12), (121, 9)], 4, 1, 64, tiling=Tiling(2, 32, 2),
+                        key_scale=key_scale)  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "group, head_dim, seqs, tiling",
+    [
+        (4, 64, [(0, 100), (37, 63)], None),  # 400 rows: 4 row tiles of 128; a 100-token prefix
+        (1, 64, [(0, 100), (60, 40)], Tiling(2, 32, 2)),  # 100 rows: the second row tile's upper warpgroup is padding
+        (8, 128, [(0, 100)], None),  # 64-key tiles of two 64-dim panels
+    ],
+    ids=["g4-hd64-100", "g1-hd64-100", "g8-hd128-100"],
+)
+def test_prefill_wgmma_longer(group, head_dim, seqs, tiling):
+    check_prefill_wgmma(np.random.default_rng(6), seqs, group, 1, head_dim, tiling=tiling)
+
+
+@pytest.mark.gpu
+def test_prefill_wgmma_gpu():
+    """Llama 3.2 1B heads (H 32, KVH 8, HD 64): ragged prompts up to 512 tokens, chunks after a
+    cached prefix of up to 1000 tokens, single tokens, in the default and two other tilings; and
+    head dim 128 (benchmarks/attn_tc_gpu.py checks 16384-token prompts against torch)."""
+    seed = int(np.random.SeedSequence().entropy % 2**32)
+    seqs = [(0, 512), (0, 1), (100, 300), (1000, 200), (511, 1), (0, 333), (17, 100)]
+    for head_dim, tiling in ((64, None), (64, Tiling(2, 64, 3)), (64, Tiling(1, 128, 2)), (128, None)):
+        try:
+            check_prefill_wgmma(np.random.default_rng(seed), seqs, 4, 8, head_dim, tiling=tiling)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, head dim {head_dim}, tiling {tiling}: {e}") from None
+
+
+# ---- launcher checks -----------------------------------------------------------------------------
+
+
+def test_launcher_rejects_head_dims_without_whole_panels():
+    q = cuda.to_device(np.zeros((1, 2, 32), np.float32))
+    cache = upload_bf16(np.zeros((2, PAGE_SIZE, 1, 32), np.float32))
+    tables = cuda.to_device(np.ones((1, 1), np.int32))
+    with pytest.raises(KernelError, match="head_dim 32 not supported"):
+        prefill_attention_wgmma(q, cache, cache, tables, cuda.to_device(np.array([0, 1], np.int32)),
+                                cuda.to_device(np.zeros(1, np.int32)), 1.0, cuda.device_array_like(q))  # fmt: skip
+
+
+def test_default_tilings_fit_in_shared_memory():
+    for head_dim, tiling in DEFAULT_TILINGS.items():
+        assert tiling.shared_bytes(head_dim) <= 227 * 1024
+        assert tiling.block_keys % PAGE_SIZE == 0 and tiling.block_keys <= 256
+
+
+# ---- PTX, no GPU ----------------------------------------------------------------------------------
+
+VARIANTS = select(("prefill_attention_wgmma",))  # the kernel registry's builds (numba_vllm/bench/kernel_report.py)
+
+
+@pytest.fixture(scope="module")
+def wgmma_ptx():
+    return ptx_check.compile_ptx(VARIANTS)
+
+
+@pytest.mark.slow  # compiles through NVVM
+@pytest.mark.parametrize("variant", VARIANTS, ids=[v.key for v in VARIANTS])
+def test_kernel_assembles_with_the_wgmma_kept_asynchronous(wgmma_ptx, tmp_path, variant):
+    """The PTX: no FP64, no local memory, both wgmma forms and the TMA; ptxas for sm_90a: no spills,
+    and no C7515 ("wgmma serialized": each wgmma would wait for the one before)."""
+    result = wgmma_ptx[variant.key]
+    assert "error" not in result, result.get("error")
+    text = result["ptx"]
+    assert ptx_check.ptx_problems(text, hot=True) == []
+    head_dim = int(variant.variant.split("hd")[1])
+    block_keys = DEFAULT_TILINGS[head_dim].block_keys
+    assert f"wgmma.mma_async.sync.aligned.m64n{block_keys}k16.f32.bf16.bf16" in text  # S = Q K^T
+    pv = rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 [^;]*\}}, \{{"  # P V: A in registers
+    assert re.search(pv, text)
+    assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
+    try:
+        ptxas = find_ptxas()
+    except ReportError as e:
+        pytest.skip(str(e))
+    path = tmp_path / "kernel.ptx"
+    path.write_text(re.sub(r"^\.target sm_90\b", ".target sm_90a", text, count=1, flags=re.M))
+    proc = subprocess.run([ptxas.path, "--gpu-name=sm_90a", "-v", str(path), "-o", str(tmp_path / "kernel.cubin")],
+                          capture_output=True, text=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "0 bytes spill stores" in proc.stderr, proc.stderr
+    assert "C7515" not in proc.stderr and "serialized" not in proc.stderr, proc.stderr[-2000:]
