@@ -211,6 +211,20 @@ def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alon
     assert [o.outputs[0].token_ids for o in outs] == [a[:3] for a in alone]
 
 
+@pytest.mark.slow  # prefill steps through the wgmma attention (288-thread blocks) in the simulator
+def test_simulated_wgmma_prefill_attention_gives_numpy_tokens(tmp_path):
+    """prefill_attention_wgmma (whole 64-dim panels: a head dim of 64) in the engine: prompts across
+    page edges, one chunked after its first 16 tokens, give NumPy's greedy tokens."""
+    path = tiny_checkpoint(tmp_path, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                           max_position_embeddings=128)  # fmt: skip
+    prompts = [[5], list(range(3, 19)), list(range(1, 34))]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    want = [o.outputs[0].token_ids for o in LLM(str(path), backend="numpy").generate(prompts, params, use_tqdm=False)]
+    sim = LLM(str(path), backend="sim", prefill_attention="wgmma", max_num_seqs=4, max_num_batched_tokens=32,
+              num_pages=16)  # fmt: skip
+    assert [o.outputs[0].token_ids for o in sim.generate(prompts, params, use_tqdm=False)] == want
+
+
 @pytest.mark.slow  # three steps of 9 sequences through the whole model in the simulator
 def test_simulated_wgmma_products_give_numpy_tokens_with_bf16_x_from_norm_and_swiglu(tiny_dir, monkeypatch):
     """gemm_wgmma (the Hopper GEMM, which the simulator runs when asked) on every product of more than 8

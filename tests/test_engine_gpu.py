@@ -27,18 +27,23 @@ LOGIT_RTOL = 2e-2  # bf16 weights and K/V against float32: measured ~4e-3 relati
 PAGE_EDGE_PROMPTS = [[5], list(range(3, 18)), list(range(3, 19)), list(range(3, 20)), list(range(1, 34)), list(range(2, 300))]
 
 
+@pytest.mark.parametrize("prefill_attention", ["tensor_cores", "wgmma"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 64), (12, 4, 64), (16, 2, 128)])  # GQA 1, 3, 8
-def test_tiny_model_on_cuda_follows_the_reference(tmp_path, heads, kv_heads, head_dim):
+def test_tiny_model_on_cuda_follows_the_reference(tmp_path, heads, kv_heads, head_dim, prefill_attention):
     """Teacher-forced along the GPU's own tokens: every step's logits match the reference's, and the
     greedy pick is the reference's argmax up to that tolerance.
 
     Comparing token lists with the numpy backend is not a valid test on random weights: their top two
     logits are sometimes within 1e-3 of each other, and bf16 rounding then legitimately flips the pick.
-    The prompts cross page edges (1, 15-17, 33 tokens) and one is chunked (298 tokens, 64-token budget).
+    The prompts cross page edges (1, 15-17, 33 tokens) and one is chunked (298 tokens, 64-token budget),
+    with each prefill attention kernel (wgmma on an H100 or H200 only).
     """
+    if prefill_attention == "wgmma" and not matmul._hopper():
+        pytest.skip("prefill_attention_wgmma needs sm_90a")
     path = tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                            intermediate_size=512, vocab_size=512, max_position_embeddings=512)  # fmt: skip
-    gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
+    gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False,
+              prefill_attention=prefill_attention)  # fmt: skip
     logits = _record_sampled_logits(gpu.engine.runner)
     outs = gpu.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     _assert_follows_the_reference(load_checkpoint(path), PAGE_EDGE_PROMPTS, outs, logits)

@@ -15,7 +15,8 @@ model's, named ``decode_attention_tc_*``; ``fast``: ``decode_attention_fast``, `
 32 x 4,096, 64 x 1,024 and 256 x 512.
 
 Prefill cases run each of ``PREFILL_ATTENTIONS`` (``cuda_cores``: ``prefill_attention``;
-``tensor_cores``: ``prefill_attention_tc``, named ``prefill_attention_tc_*``) on the same inputs:
+``tensor_cores``: ``prefill_attention_tc``, named ``prefill_attention_tc_*``; ``wgmma``:
+``prefill_attention_wgmma``, on an H100 or H200 only) on the same inputs:
 prompts of 2048, 8 x 512 and 16384 tokens, and a 2048-token chunk after a 14,000-token cached
 prefix (chunked prefill of a long prompt), for which torch attends with a lower-right causal mask
 over K/V expanded to all 32 heads (``causal_lower_right`` with GQA is not a flash path in every
@@ -28,9 +29,11 @@ import numpy as np
 from numba import cuda
 
 from numba_vllm.bench.kernels import torch_or_none
+from numba_vllm.kernels._launch import hopper
 from numba_vllm.loading.bf16 import bf16_from_bits, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
 from numba_vllm.model.llama import DECODE_ATTENTIONS, PREFILL_ATTENTIONS, attention_workspace_floats
+from numba_vllm.sim.warp import simulator_enabled
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 64  # Llama 3.2 1B
 
@@ -145,7 +148,7 @@ def prefill_case(num_seqs: int, prompt: int, start: int = 0, kernel: str = "cuda
 
     visible = num_seqs * (prompt * start + prompt * (prompt + 1) // 2)  # (query, key) pairs under the causal mask
     prefix = f"_after{start}" if start else ""
-    name = "prefill_attention" if kernel == "cuda_cores" else "prefill_attention_tc"
+    name = {"cuda_cores": "prefill_attention", "tensor_cores": "prefill_attention_tc"}.get(kernel, f"prefill_attention_{kernel}")
     return {
         "name": f"{name}_{num_seqs}x{prompt}{prefix}",
         "shape": f"S{num_seqs} new{prompt} cached{start} H{NUM_HEADS}/{NUM_KV_HEADS} HD{HEAD_DIM}",
@@ -165,4 +168,5 @@ PREFILL_SHAPES = [(1, 2048, 0), (8, 512, 0), (1, 16384, 0), (1, 2048, 14000)]  #
 def cases() -> list[dict]:
     return [
         decode_case(*shape, kernel=kernel) for shape in DECODE_SHAPES for kernel in DECODE_ATTENTIONS
-    ] + [prefill_case(*shape, kernel=kernel) for shape in PREFILL_SHAPES for kernel in PREFILL_ATTENTIONS]
+    ] + [prefill_case(*shape, kernel=kernel) for shape in PREFILL_SHAPES for kernel in PREFILL_ATTENTIONS
+         if kernel != "wgmma" or hopper() or simulator_enabled()]  # fmt: skip

@@ -12,7 +12,8 @@ SCHEDULING_MODES = ("continuous", "static")
 # auto: wgmma on compute capability 9.0, else tensor_cores; kernels/gemm_tc.py (bf16 mma.sync), kernels/gemm.py
 # (fp32 FMA, the readable one), kernels/gemm_wgmma.py (bf16 wgmma, sm_90a only)
 PREFILL_GEMMS = ("auto", "tensor_cores", "fp32", "wgmma")
-PREFILL_ATTENTIONS = ("cuda_cores", "tensor_cores")  # kernels/prefill_attention.py (readable) or prefill_attention_tc.py
+# kernels/prefill_attention.py (readable), prefill_attention_tc.py (mma.sync), prefill_attention_wgmma.py (sm_90a only)
+PREFILL_ATTENTIONS = ("cuda_cores", "tensor_cores", "wgmma")
 # kernels/decode_attention.py (readable), decode_attention_fast.py (CUDA cores, tuned), decode_attention_tc.py
 DECODE_ATTENTIONS = ("reference", "fast", "tensor_cores")
 # auto: the model's generation_config.json sampling values are the requests' defaults; vllm: vLLM's neutral ones

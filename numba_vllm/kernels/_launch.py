@@ -135,6 +135,16 @@ def _dim3(dims):
 
 
 @functools.cache
+def hopper() -> bool:
+    """Whether the current GPU runs sm_90a code (compute capability 9.0: H100, H200); never in the simulator."""
+    if simulator_enabled():
+        return False
+    from numba import cuda
+
+    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
+
+
+@functools.cache
 def num_sms() -> int:
     """Streaming multiprocessors of the current GPU, which launchers size their grids by (the
     simulator reports one; any count works there)."""

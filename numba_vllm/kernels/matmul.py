@@ -30,10 +30,10 @@ read too (a traced step), adds a bf16 copy to it: those products skip the conver
 (see ``linear``: 49 of the 65 conversions of a Llama 3.2 1B step).
 """
 
-import functools
 from dataclasses import dataclass
 
 from numba_vllm.kernels._launch import KernelError
+from numba_vllm.kernels._launch import hopper as _hopper  # (a module name: tests replace it)
 from numba_vllm.kernels.activation import silu_and_mul
 from numba_vllm.kernels.gemm import gemm
 from numba_vllm.kernels.gemm_tc import gemm_tc
@@ -46,22 +46,11 @@ from numba_vllm.kernels.gemm_wgmma import (
 )
 from numba_vllm.kernels.gemv import MAX_TOKENS, gemv, gemv_fuses
 from numba_vllm.kernels.rmsnorm import rms_norm
-from numba_vllm.sim.warp import simulator_enabled
 
 GEMV_MAX_TOKENS = 8  # largest token count sent to gemv (<= gemv.MAX_TOKENS). H200, N=8192 K=2048 (us, gemv / gemm_tc):
 # M=8 21.6 / 26.6, M=16 36.2 / 27.3, M=64 126 / 34.8: past a few tokens gemv's FMAs, not its loads, bound it.
 # gemv / gemm_wgmma: N=8192 M=4 16.9 / 19.1, M=8 21.9 / 19.7, M=16 36.7 / 21.1; N=2048 M=8 9.2 / 11.4, M=16 12.2 / 11.7
 assert GEMV_MAX_TOKENS <= MAX_TOKENS
-
-
-@functools.cache
-def _hopper() -> bool:
-    """Whether the current GPU runs sm_90a code (compute capability 9.0: H100, H200); never in the simulator."""
-    if simulator_enabled():
-        return False
-    from numba import cuda
-
-    return tuple(cuda.get_current_device().compute_capability) == (9, 0)
 
 
 @dataclass

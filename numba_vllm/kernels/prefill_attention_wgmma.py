@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from numba_vllm.kernels._launch import KernelError, launch
+from numba_vllm.kernels._launch import KernelError, hopper, launch
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import pack_bf16x2, store_shared_u32x4
 from numba_vllm.kernels.prefill_attention import check_prefill_args
@@ -104,6 +104,7 @@ from numba_vllm.kernels.wgmma import (
     wgmma_wait,
 )
 from numba_vllm.model.config import PAGE_SIZE
+from numba_vllm.sim.warp import simulator_enabled
 
 SUPPORTED_HEAD_DIMS = (64, 128)  # whole 64-dim panels (one 128-byte swizzled row each)
 MAX_GROUP = 16
@@ -437,6 +438,8 @@ def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start
     if shape is None:
         return
     group, head_dim, num_kv_heads, num_seqs, max_new_tokens = shape
+    if not simulator_enabled() and not hopper():
+        raise KernelError("prefill_attention_wgmma needs an H100 or H200 (sm_90a); other GPUs run 'tensor_cores'")
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise KernelError(f"prefill_attention_wgmma: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
     tiling = tiling or default_tiling(head_dim)

@@ -50,6 +50,7 @@ from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspa
 from numba_vllm.kernels.gemm_wgmma import TILE_COUNTERS
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
 from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
+from numba_vllm.kernels.prefill_attention_wgmma import prefill_attention_wgmma
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
 from numba_vllm.kernels.sample import SAMPLE_WORKSPACE_SLOTS, PartWinners, sample_gumbel
@@ -63,6 +64,7 @@ if TYPE_CHECKING:
 PREFILL_ATTENTIONS = {  # by EngineConfig.prefill_attention
     "cuda_cores": prefill_attention_cuda_cores,
     "tensor_cores": prefill_attention_tc,
+    "wgmma": prefill_attention_wgmma,
 }
 DECODE_ATTENTIONS = {  # by EngineConfig.decode_attention
     "reference": decode_attention_reference,
