@@ -14,11 +14,14 @@ in a real step too). torch: bf16 flash attention on contiguous K/V (``enable_gqa
 causal mask over K/V expanded to 32 heads for the chunk after a cached prefix). The CUDA-core
 kernel is checked always and timed with ``--cuda-cores`` (slow: ~80 ms a launch at 16384 tokens).
 
-    python benchmarks/attn_tc_gpu.py [--tilings 2x64q,1x64q,2x32q,2x32,1x64] [--cuda-cores] [--json out.json]
+    python benchmarks/attn_tc_gpu.py [--tilings 2x64q,1x64q,2x32q,2x32,1x64] [--wgmma 2x128s2,2x64s3]
+                                     [--cuda-cores] [--json out.json]
 
 A tiling ``MxK`` is warp_m_tiles x block_keys with Q's fragments in registers; ``MxKq`` keeps Q in
 shared memory (``prefill_attention_tc``'s ``tiling`` argument; the launcher's default is marked *).
-Each row of the timing table ends with every tiling's time over torch's.
+``--wgmma`` adds ``prefill_attention_wgmma`` (H100/H200) in tilings ``CxKsS[bB]``: C consumer
+warpgroups, K keys a tile, S stages, B blocks an SM asked for (its ``Tiling``; ``""`` leaves it
+out). Each row of the timing table ends with every tiling's time over torch's.
 """
 
 from __future__ import annotations
@@ -34,6 +37,12 @@ from numba import cuda
 from numba_vllm.bench.attention_cases import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, _gathered_torch, _random_cache
 from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.kernels.prefill_attention_tc import default_tiling, prefill_attention_tc, prefill_attention_tc_kernel_for
+from numba_vllm.kernels.prefill_attention_wgmma import (
+    DEFAULT_TILINGS,
+    Tiling,
+    prefill_attention_wgmma,
+    prefill_attention_wgmma_kernel_for,
+)
 
 SCALE = 1.0 / np.sqrt(HEAD_DIM)
 GROUP = NUM_HEADS // NUM_KV_HEADS
@@ -134,15 +143,32 @@ def torch_flash(inp):
     return lambda: sdpa(qt, kt, vt, attn_mask=mask, scale=SCALE)
 
 
+def _wg_tiling(text: str) -> Tiling:
+    """``CxKsS`` or ``CxKsSbB`` (B blocks an SM asked for) as a Tiling."""
+    consumers, rest = text.split("x")
+    keys, rest = rest.split("s")
+    stages, _, blocks = rest.partition("b")
+    return Tiling(int(consumers), int(keys), int(stages), int(blocks or 1))
+
+
+def _wg_name(tiling: Tiling) -> str:
+    blocks = f"b{tiling.blocks_per_sm}" if tiling.blocks_per_sm > 1 else ""
+    return f"{tiling.consumers}x{tiling.block_keys}s{tiling.stages}{blocks}"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tilings", default="2x64q,1x64q,2x32q,2x32,1x64", help="warp_m_tiles x block_keys[q], comma-separated")
+    parser.add_argument("--wgmma", default="2x128s2,2x128s3,2x64s3,1x128s2b2",
+                        help="prefill_attention_wgmma tilings: consumers x block_keys s stages [b blocks], comma-separated")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cuda-cores", action="store_true", help="also time the CUDA-core kernel (slow at 16384)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     tilings = [(int(t.split("x")[0]), int(t.split("x")[1].rstrip("q")), t.endswith("q")) for t in args.tilings.split(",")]
     default = default_tiling(HEAD_DIM)
+    wg_tilings = [_wg_tiling(t) for t in args.wgmma.split(",") if t]
+    wg_default = DEFAULT_TILINGS[HEAD_DIM]
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; default tiling {default} (*)")
     rng = np.random.default_rng(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check": {}, "time_us": {}}
@@ -153,7 +179,7 @@ def main():
         outs = {}
         for name, kernel, tiling in [("cuda_cores", prefill_attention, None)] + [
             (f"tc_{m}x{k}{'q' * q}", prefill_attention_tc, (m, k, q)) for m, k, q in tilings
-        ]:
+        ] + [(f"wg_{_wg_name(t)}", prefill_attention_wgmma, t) for t in wg_tilings]:
             out = cuda.to_device(np.full(inp["q"].shape, np.nan, np.float32))
             launcher(kernel, inp, out, tiling)()
             outs[name] = out
@@ -173,6 +199,15 @@ def main():
             regs, local, shared = (f"? ({type(e).__name__})",) * 3
         report.setdefault("resources", {})[f"{m}x{k}{'q' * q}"] = [str(regs), str(local), str(shared)]
         print(f"tc_{m}x{k}{'q' * q:<2} registers {regs}  local bytes {local}  shared bytes {shared}", flush=True)
+    for t in wg_tilings:
+        kernel = prefill_attention_wgmma_kernel_for(GROUP, HEAD_DIM, t)
+        try:
+            regs, local = kernel.get_regs_per_thread(), kernel.get_local_mem_per_thread()
+        except Exception as e:
+            regs, local = (f"? ({type(e).__name__})",) * 2
+        report.setdefault("resources", {})[f"wg_{_wg_name(t)}"] = [str(regs), str(local), str(t.shared_bytes(HEAD_DIM))]
+        print(f"wg_{_wg_name(t)} registers {regs}  local bytes {local}  dynamic shared bytes {t.shared_bytes(HEAD_DIM)}",
+              flush=True)  # fmt: skip
 
     print("## time (us, median of CUDA events; TFLOP/s counts the causal (query, key) pairs)")
     for num_seqs, prompt, cached in CASES:
@@ -188,11 +223,14 @@ def main():
         for m, k, q in tilings:
             name = f"tc_{m}x{k}{'q' * q}" + ("*" if (m, k, q) == default else "")
             row[name] = time_it(launcher(prefill_attention_tc, inp, out, (m, k, q)), args.reps, 10)
+        for t in wg_tilings:
+            name = f"wg_{_wg_name(t)}" + ("*" if t == wg_default else "")
+            row[name] = time_it(launcher(prefill_attention_wgmma, inp, out, t), args.reps, 10)
         if args.cuda_cores:
             long = prompt * (prompt + cached) > 2048 * 4096
             row["cuda_cores"] = time_it(launcher(prefill_attention, inp, out), 3 if long else args.reps, 1 if long else 5)
         report["time_us"][label] = row
-        ratios = "  ".join(f"{n[3:]} {v / row['torch_flash']:.2f}" for n, v in row.items() if n.startswith("tc_"))
+        ratios = "  ".join(f"{n[3:]} {v / row['torch_flash']:.2f}" for n, v in row.items() if n[:3] in ("tc_", "wg_"))
         print(f"{label:<20} " + "  ".join(f"{n} {v:9.1f} ({flops / v / 1e6:5.0f} TF)" for n, v in row.items())
               + f"   / torch: {ratios}", flush=True)
         del inp, out

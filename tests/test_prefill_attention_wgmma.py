@@ -97,7 +97,7 @@ def test_prefill_wgmma_gpu():
     head dim 128 (benchmarks/attn_tc_gpu.py checks 16384-token prompts against torch)."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     seqs = [(0, 512), (0, 1), (100, 300), (1000, 200), (511, 1), (0, 333), (17, 100)]
-    for head_dim, tiling in ((64, None), (64, Tiling(2, 64, 3)), (64, Tiling(1, 128, 2)), (128, None)):
+    for head_dim, tiling in ((64, None), (64, Tiling(2, 64, 3)), (64, Tiling(1, 128, 2, 2)), (128, None)):
         try:
             check_prefill_wgmma(np.random.default_rng(seed), seqs, 4, 8, head_dim, tiling=tiling)
         except AssertionError as e:

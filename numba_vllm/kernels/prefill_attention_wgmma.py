@@ -116,11 +116,13 @@ CHUNK_BYTES = 16  # one swizzled chunk: 8 bf16
 
 @dataclass(frozen=True)
 class Tiling:
-    """Consumer warpgroups (64 query rows each), keys per K/V tile, K/V tiles in flight."""
+    """Consumer warpgroups (64 query rows each), keys per K/V tile, K/V tiles in flight, and the blocks
+    an SM is asked to hold (ptxas then budgets 65536 / (threads x blocks) registers a thread)."""
 
     consumers: int
     block_keys: int  # whole pages, at most 256 (one wgmma's N)
     stages: int
+    blocks_per_sm: int = 1
 
     @property
     def block_rows(self) -> int:
@@ -275,7 +277,7 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         wgmma_commit()
         wait_o(acc_o)
 
-    @kernel(fastmath=True, launch_bounds=(threads, 1))
+    @kernel(fastmath=True, launch_bounds=(threads, tiling.blocks_per_sm))
     def prefill_attention_wgmma_kernel(q, k_map, v_map, k_rows, v_rows, block_tables, cu_seqlens, start_pos, scale_log2,
                                        out):  # fmt: skip
         """q, out: (T, H, HD) f32; k_map, v_map (16,) uint64: tensor maps of k_rows, v_rows, the caches
