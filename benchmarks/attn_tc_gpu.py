@@ -19,9 +19,10 @@ kernel is checked always and timed with ``--cuda-cores`` (slow: ~80 ms a launch 
 
 A tiling ``MxK`` is warp_m_tiles x block_keys with Q's fragments in registers; ``MxKq`` keeps Q in
 shared memory (``prefill_attention_tc``'s ``tiling`` argument; the launcher's default is marked *).
-``--wgmma`` adds ``prefill_attention_wgmma`` (H100/H200) in tilings ``CxKsS[bB]``: C consumer
-warpgroups, K keys a tile, S stages, B blocks an SM asked for (its ``Tiling``; ``""`` leaves it
-out). Each row of the timing table ends with every tiling's time over torch's.
+``--wgmma`` adds ``prefill_attention_wgmma`` (H100/H200) in tilings ``CxKsS[bB][o]``: C consumer
+warpgroups, K keys a tile, S stages, B blocks an SM asked for, ``o`` the softmax overlapped with the
+previous tile's P V (its ``Tiling``; ``""`` leaves it out). Each row of the timing table ends with
+every tiling's time over torch's.
 """
 
 from __future__ import annotations
@@ -144,22 +145,23 @@ def torch_flash(inp):
 
 
 def _wg_tiling(text: str) -> Tiling:
-    """``CxKsS`` or ``CxKsSbB`` (B blocks an SM asked for) as a Tiling."""
-    consumers, rest = text.split("x")
+    """``CxKsS[bB][o]`` (B blocks an SM asked for; o: the overlapped softmax) as a Tiling."""
+    overlap = text.endswith("o")
+    consumers, rest = text.removesuffix("o").split("x")
     keys, rest = rest.split("s")
     stages, _, blocks = rest.partition("b")
-    return Tiling(int(consumers), int(keys), int(stages), int(blocks or 1))
+    return Tiling(int(consumers), int(keys), int(stages), int(blocks or 1), overlap)
 
 
 def _wg_name(tiling: Tiling) -> str:
     blocks = f"b{tiling.blocks_per_sm}" if tiling.blocks_per_sm > 1 else ""
-    return f"{tiling.consumers}x{tiling.block_keys}s{tiling.stages}{blocks}"
+    return f"{tiling.consumers}x{tiling.block_keys}s{tiling.stages}{blocks}{'o' * tiling.overlap}"
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tilings", default="2x64q,1x64q,2x32q,2x32,1x64", help="warp_m_tiles x block_keys[q], comma-separated")
-    parser.add_argument("--wgmma", default="2x128s2,2x128s3,2x64s3,1x128s2b2",
+    parser.add_argument("--wgmma", default="2x128s2,2x128s3,2x64s3,2x64s3o,1x128s2b2",
                         help="prefill_attention_wgmma tilings: consumers x block_keys s stages [b blocks], comma-separated")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cuda-cores", action="store_true", help="also time the CUDA-core kernel (slow at 16384)")

@@ -187,6 +187,10 @@ REGISTRY: tuple[KernelVariant, ...] = (
         for g, hd in PREFILL_TC_CONFIGS
         if hd in (64, 128)
     ),
+    # the softmax beside the previous tile's P V (64-key tiles: 128 would spill at the 168 registers of 9 warps)
+    KernelVariant("prefill_attention_wgmma", "g4 hd64 overlap",
+                  "prefill_attention_wgmma:prefill_attention_wgmma_kernel_for(4, 64, OVERLAP_TILING)", PREFILL_WGMMA_SIG,
+                  "OVERLAP_TILING.threads", "OVERLAP_TILING.shared_bytes(64)", arch_specific=True),  # fmt: skip
     KernelVariant("rope", "", "rope:rope_kernel", ROPE_SIG, "WARP_SIZE * ROPE_WARPS"),
     KernelVariant("rms_norm", "", "rmsnorm:rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)", "RMSNORM_MAX_THREADS"),
     # its output as bf16 bits, into gemm_wgmma's x workspace

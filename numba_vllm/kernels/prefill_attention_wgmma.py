@@ -102,6 +102,7 @@ from numba_vllm.kernels.wgmma import (
     wgmma_fence,
     wgmma_fence_operands,
     wgmma_wait,
+    wgmma_wait_operands,
 )
 from numba_vllm.model.config import PAGE_SIZE
 from numba_vllm.sim.warp import simulator_enabled
@@ -123,6 +124,7 @@ class Tiling:
     block_keys: int  # whole pages, at most 256 (one wgmma's N)
     stages: int
     blocks_per_sm: int = 1
+    overlap: bool = False  # a tile's softmax beside the previous tile's P V on the tensor cores (FlashAttention-3)
 
     @property
     def block_rows(self) -> int:
@@ -143,6 +145,10 @@ class Tiling:
 # O 32, P 32; 80 KB of shared memory. Head dim 128: 64-key tiles keep S at 32 registers beside O's 64.
 DEFAULT_TILINGS = {64: Tiling(consumers=2, block_keys=128, stages=2), 128: Tiling(consumers=2, block_keys=64, stages=2)}
 
+# The overlapped softmax (``Tiling.overlap``) at head dim 64: 64-key tiles, three stages (a stage stays
+# held until its P V has run, one tile later). Not the default until measured.
+OVERLAP_TILING = Tiling(consumers=2, block_keys=64, stages=3, overlap=True)
+
 
 def default_tiling(head_dim: int) -> Tiling:
     return DEFAULT_TILINGS[head_dim]
@@ -156,7 +162,7 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         raise KernelError(f"prefill_attention_wgmma: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
     if not 1 <= group <= MAX_GROUP:
         raise KernelError(f"prefill_attention_wgmma: {group} query heads per kv head, at most {MAX_GROUP}")
-    consumers, block_keys, stages = tiling.consumers, tiling.block_keys, tiling.stages
+    consumers, block_keys, stages, overlap = tiling.consumers, tiling.block_keys, tiling.stages, tiling.overlap
     assert block_keys % PAGE_SIZE == 0 and block_keys <= 256 and stages >= 2
     block_rows = tiling.block_rows
     threads = tiling.threads
@@ -186,7 +192,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
     wait_s = wgmma_wait(block_keys, 0)
     mma_o = wgmma_bf16_rs(head_dim, True)
     fence_o = wgmma_fence_operands(head_dim, p_words)
-    wait_o = wgmma_wait(head_dim, 0)
+    wait_s_but_one = wgmma_wait(block_keys, 1)
+    wait_o = wgmma_wait_operands(head_dim, p_words, 0)
     load_page = tma_load_2d(PAGE_SIZE)
 
     @device_function
@@ -199,9 +206,10 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                         acc_s[4 * j + 2 * h + e] = minus_inf
 
     @device_function
-    def _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2):
-        """S -> P in place (P = exp2(S c - m c)), l and m updated, O rescaled where a row's m moved
-        (``prefill_attention_tc._softmax``'s rule, on the wgmma layout: acc[4j + 2h + e] is row h)."""
+    def _softmax(acc_s, row_max, row_sum, alpha, scale_log2):
+        """S -> P in place (P = exp2(S c - m c)), l and m updated (``prefill_attention_tc._softmax``'s rule,
+        on the wgmma layout: acc[4j + 2h + e] is row h). Returns whether some row of the warp moved its
+        m: then O must be multiplied by ``alpha`` (``_rescale``) before this tile's P V is added."""
         moved = False
         for h in range(2):
             tile_max = minus_inf
@@ -215,12 +223,6 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
             moved = moved or move
             row_max[h] = m_new
             row_sum[h] *= alpha[h]
-        if cuda.any_sync(FULL_MASK, moved):
-            for j in range(dim_blocks):
-                acc_o[4 * j] *= alpha[0]
-                acc_o[4 * j + 1] *= alpha[0]
-                acc_o[4 * j + 2] *= alpha[1]
-                acc_o[4 * j + 3] *= alpha[1]
         for h in range(2):
             m_scaled = row_max[h] * scale_log2
             tile_sum = float32(0.0)
@@ -230,12 +232,32 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                     acc_s[4 * j + 2 * h + e] = p
                     tile_sum += p
             row_sum[h] += tile_sum
+        return cuda.any_sync(FULL_MASK, moved)
 
     @device_function
-    def _zero_v_tail(smem, v_word0, first, tw):
+    def _rescale(acc_o, alpha):
+        """O's rows times their alpha (rows 16w + g: h = 0, + 8: h = 1)."""
+        for j in range(dim_blocks):
+            acc_o[4 * j] *= alpha[0]
+            acc_o[4 * j + 1] *= alpha[0]
+            acc_o[4 * j + 2] *= alpha[1]
+            acc_o[4 * j + 3] *= alpha[1]
+
+    @device_function
+    def _pack_p(acc_s, pa):
+        """P's fp32 pairs rounded into bf16 pairs: S's columns 16kk .. 16kk + 15 are the A registers of
+        the P V k-step kk (the accumulator layout is the register layout of A)."""
+        for kk in range(key_steps):
+            pa[4 * kk] = pack_bf16x2(acc_s[8 * kk], acc_s[8 * kk + 1])  # row g, keys 2q, 2q + 1
+            pa[4 * kk + 1] = pack_bf16x2(acc_s[8 * kk + 2], acc_s[8 * kk + 3])  # row g + 8
+            pa[4 * kk + 2] = pack_bf16x2(acc_s[8 * kk + 4], acc_s[8 * kk + 5])  # row g, keys 8 + 2q, ..
+            pa[4 * kk + 3] = pack_bf16x2(acc_s[8 * kk + 6], acc_s[8 * kk + 7])  # row g + 8
+
+    @device_function
+    def _zero_v_tail(smem, v_word0, first, tw, wg):
         """Zero the V rows ``first`` .. the end of their page (stale slots past the context) in the
-        stage whose V tile starts at word ``v_word0``, every panel; then make the zeros visible to
-        this warpgroup's wgmma (the async proxy). The other warpgroup may write the same zeros."""
+        stage whose V tile starts at word ``v_word0``, every panel, and make the zeros visible to this
+        warpgroup's wgmma (the async proxy, every warp). The other warpgroup may write the same zeros."""
         last = min(block_keys, (first + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
         for i in range(tw, panels * PAGE_SIZE * 8, WARPGROUP_THREADS):  # panel, row, 16-byte chunk
             row = first + (i // 8) % PAGE_SIZE
@@ -243,12 +265,11 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                 word = v_word0 + ((i // (PAGE_SIZE * 8)) * kv_panel_bytes + row * SWIZZLE_ROW_BYTES + (i % 8) * CHUNK_BYTES) // 4
                 store_shared_u32x4(smem, word, uint32(0), uint32(0), uint32(0), uint32(0))
         fence_proxy_async()
+        named_barrier(1 + wg, WARPGROUP_THREADS)
 
     @device_function
-    def _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0, key0,
-                context_len, masked, scale_log2, qd, tw, wg):
-        """One warpgroup's work on the key tile at key0: S = Q K^T, the causal mask if ``masked``, the
-        online softmax, O += P V. Called with ``masked`` a constant (two copies)."""
+    def _issue_s(smem, acc_s, desc_q, desc_k):
+        """S = Q K^T: the wgmma of one key tile, committed as one group (not waited for)."""
         for i in range(s_count):
             acc_s[i] = float32(0.0)
         fence_s(acc_s)
@@ -257,25 +278,64 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
             mma_s(acc_s, smem, desc_q + (panel * q_panel_bytes >> 4) + step * DESC_K_STEP,
                   desc_k + (panel * kv_panel_bytes >> 4) + step * DESC_K_STEP)  # fmt: skip
         wgmma_commit()
-        wait_s(acc_s)
 
-        if masked:
-            _mask(acc_s, row_pos, key0, qd)
-        _softmax(acc_s, acc_o, row_max, row_sum, alpha, scale_log2)
-        for kk in range(key_steps):  # S's columns 16kk .. 16kk + 15, as the A registers of k-step kk
-            pa[4 * kk] = pack_bf16x2(acc_s[8 * kk], acc_s[8 * kk + 1])  # row g, keys 2q, 2q + 1
-            pa[4 * kk + 1] = pack_bf16x2(acc_s[8 * kk + 2], acc_s[8 * kk + 3])  # row g + 8
-            pa[4 * kk + 2] = pack_bf16x2(acc_s[8 * kk + 4], acc_s[8 * kk + 5])  # row g, keys 8 + 2q, ..
-            pa[4 * kk + 3] = pack_bf16x2(acc_s[8 * kk + 6], acc_s[8 * kk + 7])  # row g + 8
-        if key0 + block_keys > context_len:  # the block's last tile ends past the context
-            _zero_v_tail(smem, v_word0, context_len - key0, tw)
-            named_barrier(1 + wg, WARPGROUP_THREADS)
-
+    @device_function
+    def _issue_pv(smem, acc_o, pa, desc_v):
+        """O += P V: the wgmma of one key tile, P from ``pa``, committed as one group (not waited for)."""
         fence_o(acc_o, pa)
         for kk in range(key_steps):
             mma_o(acc_o, pa[4 * kk], pa[4 * kk + 1], pa[4 * kk + 2], pa[4 * kk + 3], smem, desc_v + kk * DESC_MN_K_STEP)
         wgmma_commit()
-        wait_o(acc_o)
+
+    @device_function
+    def _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0, key0,
+                context_len, masked, scale_log2, qd, tw, wg):
+        """One warpgroup's work on the key tile at key0, in order: S = Q K^T, the causal mask if
+        ``masked``, the online softmax, O += P V. Called with ``masked`` a constant (two copies)."""
+        _issue_s(smem, acc_s, desc_q, desc_k)
+        wait_s(acc_s)
+        if masked:
+            _mask(acc_s, row_pos, key0, qd)
+        if _softmax(acc_s, row_max, row_sum, alpha, scale_log2):
+            _rescale(acc_o, alpha)
+        _pack_p(acc_s, pa)
+        if key0 + block_keys > context_len:  # the block's last tile ends past the context
+            _zero_v_tail(smem, v_word0, context_len - key0, tw, wg)
+        _issue_pv(smem, acc_o, pa, desc_v)
+        wait_o(acc_o, pa)
+
+    @device_function
+    def _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0, key0,
+                           context_len, masked, scale_log2, qd, tw, wg, has_previous, desc_v_previous):
+        """The key tile at key0 with the previous tile's P V in flight beside its softmax: issue S = Q K^T
+        and (``has_previous``) the previous tile's O += P V; once S is done (the older group), the mask
+        and the softmax run while the tensor cores add P V; then wait for it, rescale O, and round this
+        tile's P into ``pa``. Leaves this tile's P V to the next call (or ``_finish_pv``). Called with
+        ``masked`` and ``has_previous`` constants (four copies, no branch around a wgmma)."""
+        _issue_s(smem, acc_s, desc_q, desc_k)
+        if has_previous:
+            _issue_pv(smem, acc_o, pa, desc_v_previous)
+            wait_s_but_one(acc_s)  # S's group has completed; the P V after it may still run
+        else:
+            wait_s(acc_s)
+        if masked:
+            _mask(acc_s, row_pos, key0, qd)
+        moved = _softmax(acc_s, row_max, row_sum, alpha, scale_log2)
+        if has_previous:
+            wait_o(acc_o, pa)  # the previous P V has completed: O and pa are free
+        if moved:
+            _rescale(acc_o, alpha)
+        _pack_p(acc_s, pa)
+        if key0 + block_keys > context_len:  # the block's last tile ends past the context
+            _zero_v_tail(smem, v_word0, context_len - key0, tw, wg)
+
+    @device_function
+    def _finish_pv(smem, acc_o, pa, desc_v, empty_barrier, tw):
+        """The pending tile's O += P V, waited for; then its stage is released."""
+        _issue_pv(smem, acc_o, pa, desc_v)
+        wait_o(acc_o, pa)
+        if tw == 0:
+            mbarrier_arrive(empty_barrier)
 
     @kernel(fastmath=True, launch_bounds=(threads, tiling.blocks_per_sm))
     def prefill_attention_wgmma_kernel(q, k_map, v_map, k_rows, v_rows, block_tables, cu_seqlens, start_pos, scale_log2,
@@ -385,6 +445,7 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         wg_last_pos = int32(start + (min(wg_row0 + WGMMA_M, num_rows) - 1) // group)
         desc_q = smem_descriptor(tile0 + wg * WGMMA_M * SWIZZLE_ROW_BYTES)
 
+        previous = -1  # overlap: the stage of the tile whose P V is still to add, if any
         for kt in range(num_key_tiles):
             i = kt % stages
             mbarrier_wait(full + i * BARRIER_BYTES, (kt // stages) & 1)
@@ -392,16 +453,43 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
             if active and key0 <= wg_last_pos:
                 k_tile = tile0 + q_bytes + i * stage_bytes
                 desc_k = smem_descriptor(k_tile)
-                desc_v = smem_descriptor_mn(k_tile + kv_bytes, kv_panel_bytes)
                 v_word0 = (pad + q_bytes + i * stage_bytes + kv_bytes) // 4
-                if int32(key0 + (block_keys - 1)) > wg_first_pos:  # the tile reaches past the first row's position
+                masked = int32(key0 + (block_keys - 1)) > wg_first_pos  # the tile reaches past the first row's position
+                if overlap:
+                    desc_v_previous = smem_descriptor_mn(tile0 + q_bytes + max(previous, 0) * stage_bytes + kv_bytes,
+                                                         kv_panel_bytes)  # (unused on the first tile)
+                    if previous < 0 and masked:
+                        _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
+                                           key0, context_len, True, scale_log2, qd, tw, wg, False, desc_v_previous)
+                    elif previous < 0:
+                        _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
+                                           key0, context_len, False, scale_log2, qd, tw, wg, False, desc_v_previous)
+                    elif masked:
+                        _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
+                                           key0, context_len, True, scale_log2, qd, tw, wg, True, desc_v_previous)
+                    else:
+                        _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
+                                           key0, context_len, False, scale_log2, qd, tw, wg, True, desc_v_previous)
+                    if previous >= 0 and tw == 0:  # the previous tile's P V has completed
+                        mbarrier_arrive(empty + previous * BARRIER_BYTES)
+                    previous = i  # this stage is released once its P V has run
+                    continue
+                desc_v = smem_descriptor_mn(k_tile + kv_bytes, kv_panel_bytes)
+                if masked:
                     _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
                             key0, context_len, True, scale_log2, qd, tw, wg)  # fmt: skip
                 else:
                     _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
                             key0, context_len, False, scale_log2, qd, tw, wg)  # fmt: skip
+            elif overlap and previous >= 0:  # past this warpgroup's rows: add the pending P V first
+                _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes,
+                           kv_panel_bytes), empty + previous * BARRIER_BYTES, tw)  # fmt: skip
+                previous = -1
             if tw == 0:
                 mbarrier_arrive(empty + i * BARRIER_BYTES)
+        if overlap and previous >= 0:
+            _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes, kv_panel_bytes),
+                       empty + previous * BARRIER_BYTES, tw)  # fmt: skip
 
         if active:
             for h in range(2):

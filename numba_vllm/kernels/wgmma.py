@@ -26,7 +26,9 @@ with it, as inline PTX from ``@intrinsic`` functions, like ``mma.py``:
   attention's ``P V``) and, with ``trans_b``, B MN-major: ``smem_descriptor_mn(address,
   leading_bytes)`` (below), advanced by ``DESC_MN_K_STEP`` per 16 values of k.
   ``wgmma_fence_operands(n, words)``: ``fence(acc, a_words)``, the fence that also orders the writes
-  of A's registers (a uint32 local array) before the wgmma that read them.
+  of A's registers (a uint32 local array) before the wgmma that read them;
+  ``wgmma_wait_operands(n, words, pending)``: ``wait(acc, a_words)``, the wait after which they may be
+  written again (a wgmma reads its A registers asynchronously too).
 - ``shared_address(array, index)``: the 32-bit shared-window address of ``array[index]``.
 - ``tensor_map_2d(bits, rows, box_rows)`` (host): the cached tensor map ``tma_load_2d`` reads.
 - ``tma_load_2d(rows)``: the intrinsic ``load(smem, dst, tensor_map, src, col, row, barrier)``: one
@@ -323,6 +325,11 @@ if simulator_enabled():
         return lambda acc, a_words: None
 
     @functools.cache
+    def wgmma_wait_operands(n, words, pending):
+        """wgmma.wait_group ordering acc and A's registers (simulator: every wgmma has completed)."""
+        return lambda acc, a_words: None
+
+    @functools.cache
     def wgmma_wait(n, pending):
         """wgmma.wait_group (simulator: every wgmma has completed)."""
         return lambda acc: None
@@ -550,29 +557,26 @@ else:
 
         return mma
 
-    @functools.cache
-    def wgmma_fence_operands(n, words):
-        """The intrinsic ``fence(acc, a_words)``: ``wgmma.fence`` ordered after every write of acc[:n/2]
-        and of a_words[:words] (a uint32 local array: A's registers for the wgmma that follow)."""
+    def _operands_intrinsic(name, n, words, text):
+        """The intrinsic ``f(acc, a_words)`` emitting ``text`` with acc[:n/2] and a_words[:words] (a uint32
+        local array) as in/out operands: every access to them is ordered around it."""
 
         @intrinsic
-        def fence(typingctx, acc, a_words):
-            _check_acc("wgmma_fence_operands", acc)
+        def with_operands(typingctx, acc, a_words):
+            _check_acc(name, acc)
             if not isinstance(a_words, types.Array) or a_words.dtype != types.uint32 or a_words.ndim != 1:
-                raise TypingError(f"wgmma_fence_operands: a_words must be a 1-D uint32 local array, got {a_words}")
+                raise TypingError(f"{name}: a_words must be a 1-D uint32 local array, got {a_words}")
             sig = types.void(acc, a_words)
 
             def codegen(context, builder, sig, args):
                 count = n // 2
-                f_ptrs = _acc_pointers(context, builder, sig.args[0], args[0], count)
-                w_ptrs = _acc_pointers(context, builder, sig.args[1], args[1], words)
+                pointers = (_acc_pointers(context, builder, sig.args[0], args[0], count)
+                            + _acc_pointers(context, builder, sig.args[1], args[1], words))  # fmt: skip
                 total = count + words
+                kinds = [_F32] * count + [_I32] * words
                 constraints = ["=f"] * count + ["=r"] * words + [str(i) for i in range(total)] + ["~{memory}"]
-                asm = ir.InlineAsm(
-                    ir.FunctionType(ir.LiteralStructType([_F32] * count + [_I32] * words), [_F32] * count + [_I32] * words),
-                    "wgmma.fence.sync.aligned;", ",".join(constraints), side_effect=True,
-                )
-                pointers = f_ptrs + w_ptrs
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType(kinds), kinds), text, ",".join(constraints),
+                                   side_effect=True)  # fmt: skip
                 result = builder.call(asm, [builder.load(p) for p in pointers])
                 for i, p in enumerate(pointers):
                     builder.store(builder.extract_value(result, i), p)
@@ -580,7 +584,19 @@ else:
 
             return sig, codegen
 
-        return fence
+        return with_operands
+
+    @functools.cache
+    def wgmma_fence_operands(n, words):
+        """The intrinsic ``fence(acc, a_words)``: ``wgmma.fence`` ordered after every write of acc[:n/2]
+        and of a_words[:words] (a uint32 local array: A's registers for the wgmma that follow)."""
+        return _operands_intrinsic("wgmma_fence_operands", n, words, "wgmma.fence.sync.aligned;")
+
+    @functools.cache
+    def wgmma_wait_operands(n, words, pending):
+        """The intrinsic ``wait(acc, a_words)``: ``wgmma.wait_group pending``, after which acc[:n/2] may be
+        read and a_words[:words] (A's registers of the wgmma waited for) written."""
+        return _operands_intrinsic("wgmma_wait_operands", n, words, f"wgmma.wait_group.sync.aligned {pending};")
 
     @functools.cache
     def wgmma_fence(n):
