@@ -27,7 +27,13 @@ from numba import cuda
 
 from numba_vllm.bench.kernel_report import ReportError, find_ptxas, select
 from numba_vllm.kernels._launch import KernelError
-from numba_vllm.kernels.prefill_attention_wgmma import DEFAULT_TILINGS, OVERLAP_TILING, Tiling, prefill_attention_wgmma
+from numba_vllm.kernels.prefill_attention_wgmma import (
+    DEFAULT_TILINGS,
+    OVERLAP_TILING,
+    OVERLAP_WIDE_TILING,
+    Tiling,
+    prefill_attention_wgmma,
+)
 from numba_vllm.loading.bf16 import upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
 from tests.helpers import ptx as ptx_check
@@ -53,14 +59,14 @@ def test_prefill_wgmma(group, num_kv_heads, head_dim, seqs):
 @pytest.mark.parametrize(
     "tiling",
     [Tiling(1, 16, 2), Tiling(1, 32, 3), Tiling(2, 32, 2), Tiling(2, 64, 3), Tiling(2, 32, 2, overlap=True),
-     Tiling(1, 16, 3, overlap=True)],
-    ids=["c1k16", "c1k32s3", "c2k32", "c2k64s3", "c2k32-overlap", "c1k16s3-overlap"],
+     Tiling(1, 16, 3, overlap=True), Tiling(2, 32, 2, overlap=True, producer_registers=24)],
+    ids=["c1k16", "c1k32s3", "c2k32", "c2k64s3", "c2k32-overlap", "c1k16s3-overlap", "c2k32-overlap-p24"],
 )
 def test_prefill_wgmma_tilings(tiling):
     """Other tilings, GQA 4 at head dim 64 after cached prefixes: several key tiles a block, the ring of
     stages reused, one consumer warpgroup a block, the softmax overlapped with the previous P V (a stage
     held one tile longer; in the simulator every wgmma completes at once, so this checks the order of
-    the steps, not the waits)."""
+    the steps, not the waits), a producer warpgroup (setmaxnreg: a no-op in the simulator)."""
     check_prefill_wgmma(np.random.default_rng(5), [(15, 2), (5, 28), (0, 17), (57, 12)], 4, 1, 64, tiling=tiling)
 
 
@@ -102,7 +108,8 @@ def test_prefill_wgmma_gpu():
     head dim 128 (benchmarks/attn_tc_gpu.py checks 16384-token prompts against torch)."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     seqs = [(0, 512), (0, 1), (100, 300), (1000, 200), (511, 1), (0, 333), (17, 100)]
-    for head_dim, tiling in ((64, None), (64, Tiling(2, 64, 3)), (64, Tiling(1, 128, 2, 2)), (64, OVERLAP_TILING), (128, None)):
+    for head_dim, tiling in ((64, None), (64, Tiling(2, 64, 3)), (64, Tiling(1, 128, 2, 2)), (64, OVERLAP_TILING),
+                            (64, OVERLAP_WIDE_TILING), (128, None)):
         try:
             check_prefill_wgmma(np.random.default_rng(seed), seqs, 4, 8, head_dim, tiling=tiling)
         except AssertionError as e:
@@ -147,7 +154,8 @@ def test_kernel_assembles_with_the_wgmma_kept_asynchronous(wgmma_ptx, tmp_path, 
     text = result["ptx"]
     assert ptx_check.ptx_problems(text, hot=True) == []
     head_dim = int(re.search(r"hd(\d+)", variant.variant).group(1))
-    block_keys = (OVERLAP_TILING if "overlap" in variant.variant else DEFAULT_TILINGS[head_dim]).block_keys
+    tiling = {"overlap": OVERLAP_TILING, "overlap wide": OVERLAP_WIDE_TILING}.get(variant.variant.split("hd64 ")[-1])
+    block_keys = (tiling or DEFAULT_TILINGS[head_dim]).block_keys
     assert f"wgmma.mma_async.sync.aligned.m64n{block_keys}k16.f32.bf16.bf16" in text  # S = Q K^T
     pv = rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 [^;]*\}}, \{{"  # P V: A in registers
     assert re.search(pv, text)

@@ -187,10 +187,14 @@ REGISTRY: tuple[KernelVariant, ...] = (
         for g, hd in PREFILL_TC_CONFIGS
         if hd in (64, 128)
     ),
-    # the softmax beside the previous tile's P V (64-key tiles: 128 would spill at the 168 registers of 9 warps)
-    KernelVariant("prefill_attention_wgmma", "g4 hd64 overlap",
-                  "prefill_attention_wgmma:prefill_attention_wgmma_kernel_for(4, 64, OVERLAP_TILING)", PREFILL_WGMMA_SIG,
-                  "OVERLAP_TILING.threads", "OVERLAP_TILING.shared_bytes(64)", arch_specific=True),  # fmt: skip
+    # the softmax beside the previous tile's P V: 64-key tiles (128 would spill at the 168 registers of 9
+    # warps), or 128-key ones with a producer warpgroup handing its registers to the consumers (setmaxnreg)
+    *(
+        KernelVariant("prefill_attention_wgmma", f"g4 hd64 {label}",
+                      f"prefill_attention_wgmma:prefill_attention_wgmma_kernel_for(4, 64, {name})", PREFILL_WGMMA_SIG,
+                      f"{name}.threads", f"{name}.shared_bytes(64)", arch_specific=True)  # fmt: skip
+        for label, name in (("overlap", "OVERLAP_TILING"), ("overlap wide", "OVERLAP_WIDE_TILING"))
+    ),
     KernelVariant("rope", "", "rope:rope_kernel", ROPE_SIG, "WARP_SIZE * ROPE_WARPS"),
     KernelVariant("rms_norm", "", "rmsnorm:rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)", "RMSNORM_MAX_THREADS"),
     # its output as bf16 bits, into gemm_wgmma's x workspace

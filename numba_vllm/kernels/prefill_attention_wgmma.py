@@ -90,6 +90,7 @@ from numba_vllm.kernels.wgmma import (
     mbarrier_init,
     mbarrier_wait,
     named_barrier,
+    set_max_registers,
     shared_address,
     smem_descriptor,
     smem_descriptor_mn,
@@ -112,6 +113,7 @@ MAX_GROUP = 16
 WARP_LANES = 32
 PAGE_BYTES = PAGE_SIZE * SWIZZLE_ROW_BYTES  # one TMA box: a page's 16 tokens x 64 dims of one kv head
 BARRIER_BYTES = 8
+REGISTERS_PER_SM = 65536
 CHUNK_BYTES = 16  # one swizzled chunk: 8 bf16
 
 
@@ -125,14 +127,22 @@ class Tiling:
     stages: int
     blocks_per_sm: int = 1
     overlap: bool = False  # a tile's softmax beside the previous tile's P V on the tensor cores (FlashAttention-3)
+    producer_registers: int = 0  # 0: a producer warp; else a producer warpgroup lowered to this many (setmaxnreg)
 
     @property
     def block_rows(self) -> int:
         return WGMMA_M * self.consumers
 
     @property
-    def threads(self) -> int:  # the consumers and one producer warp
-        return WARPGROUP_THREADS * self.consumers + WARP_LANES
+    def threads(self) -> int:  # the consumers and one producer warp (or warpgroup)
+        return WARPGROUP_THREADS * self.consumers + (WARPGROUP_THREADS if self.producer_registers else WARP_LANES)
+
+    @property
+    def consumer_registers(self) -> int:
+        """With a producer warpgroup: the registers a consumer thread raises itself to, all that the
+        producer's lowering leaves of the 64K (a multiple of 8, at most 256)."""
+        spare = (REGISTERS_PER_SM // self.blocks_per_sm - WARPGROUP_THREADS * self.producer_registers)
+        return min(256, spare // (WARPGROUP_THREADS * self.consumers) // 8 * 8)
 
     def shared_bytes(self, head_dim: int) -> int:
         """Q, the stages, the mbarriers, and the slack to align the start to 1024 bytes."""
@@ -148,6 +158,8 @@ DEFAULT_TILINGS = {64: Tiling(consumers=2, block_keys=128, stages=2), 128: Tilin
 # The overlapped softmax (``Tiling.overlap``) at head dim 64: 64-key tiles, three stages (a stage stays
 # held until its P V has run, one tile later). Not the default until measured.
 OVERLAP_TILING = Tiling(consumers=2, block_keys=64, stages=3, overlap=True)
+# The same with 128-key tiles: a producer warpgroup lowered to 24 registers raises the consumers to 240.
+OVERLAP_WIDE_TILING = Tiling(consumers=2, block_keys=128, stages=3, overlap=True, producer_registers=24)
 
 
 def default_tiling(head_dim: int) -> Tiling:
@@ -195,6 +207,10 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
     wait_s_but_one = wgmma_wait(block_keys, 1)
     wait_o = wgmma_wait_operands(head_dim, p_words, 0)
     load_page = tma_load_2d(PAGE_SIZE)
+    set_registers = tiling.producer_registers > 0  # a producer warpgroup hands its registers to the consumers
+    if set_registers:
+        lower_registers = set_max_registers(tiling.producer_registers, False)
+        raise_registers = set_max_registers(tiling.consumer_registers, True)
 
     @device_function
     def _mask(acc_s, row_pos, key0, qd):
@@ -373,7 +389,9 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
             fence_mbarrier_init()
         cuda.syncthreads()
 
-        if wg == consumers:  # the producer warp: one thread issues every copy
+        if wg == consumers:  # the producer warp (or warpgroup): one thread issues every copy
+            if set_registers:
+                lower_registers()  # (the whole warpgroup) its registers go to the consumers
             if tid == consumer_threads:
                 tensormap_acquire(k_map)
                 tensormap_acquire(v_map)
@@ -398,6 +416,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                             load_page(smem, dst + kv_bytes, v_map, v_rows, column + panel * TILE_K, row, barrier)
             return
 
+        if set_registers:
+            raise_registers()  # (waits until the producer has lowered its own)
         tw = tid % WARPGROUP_THREADS
         lane = tid % WARP_LANES
         warp = tw // WARP_LANES

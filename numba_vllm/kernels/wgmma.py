@@ -44,6 +44,10 @@ with it, as inline PTX from ``@intrinsic`` functions, like ``mma.py``:
   ``bytes`` of TMA copies), ``mbarrier_wait(barrier, parity)`` (until the phase of that parity has
   completed). A phase completes when ``count`` arrivals and all expected bytes have come; phases
   alternate parity 0, 1, 0, ...
+- ``set_max_registers(count, increase)``: the intrinsic ``f()``, ``setmaxnreg``: the calling
+  warpgroup's registers per thread raised or lowered to ``count``. A block's register file is shared
+  in quarters of warps (9 warps count as 12), so a block of three warpgroups gets 168 a thread; a
+  producer warpgroup that lowers itself to 24 lets two consumer warpgroups raise themselves to 240.
 - ``named_barrier(index, threads)``: ``bar.sync index, threads``: a barrier of the first
   ``threads`` threads (index 1-15; ``syncthreads`` is barrier 0).
 - ``tensormap_acquire(tensor_map)``: ``fence.proxy.tensormap::generic.acquire.gpu`` on the 128
@@ -434,6 +438,11 @@ if simulator_enabled():
     def tensormap_acquire(tensor_map):
         """fence.proxy.tensormap (simulator: the simulated TMA reads no tensor map)."""
 
+    @functools.cache
+    def set_max_registers(count, increase):
+        """setmaxnreg (simulator: no register file)."""
+        return lambda: None
+
 else:
     from llvmlite import ir
     from numba import types
@@ -708,6 +717,20 @@ else:
         """``bar.sync index, threads``: a barrier of the first ``threads`` threads of the block."""
         _check_ints("named_barrier", (index, threads))
         return types.void(index, threads), _u32_operands_codegen("bar.sync $0, $1;")
+
+    @functools.cache
+    def set_max_registers(count, increase):
+        """The intrinsic ``f()``: ``setmaxnreg.{inc,dec}.sync.aligned.u32 count``, this warpgroup's registers
+        per thread raised (``increase``) or lowered to ``count`` (24 .. 256, a multiple of 8)."""
+        if count % 8 or not 24 <= count <= 256:
+            raise ValueError(f"setmaxnreg: {count} registers (24 .. 256, a multiple of 8)")
+        text = f"setmaxnreg.{'inc' if increase else 'dec'}.sync.aligned.u32 {count};"
+
+        @intrinsic
+        def set_registers(typingctx):
+            return types.void(), _u32_operands_codegen(text)
+
+        return set_registers
 
     @intrinsic
     def fence_mbarrier_init(typingctx):
