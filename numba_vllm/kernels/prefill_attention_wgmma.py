@@ -54,9 +54,36 @@ Shared memory (dynamic, from a 1024-byte boundary): Q (block_rows x head_dim bf1
 per tile (Q and K: a k-step past 64 dims starts in the second panel; V: the descriptor's leading
 byte offset is the panel stride).
 
+Tilings (``Tiling``; ``DEFAULT_TILINGS`` per head dim):
+
+- ``overlap``: FlashAttention-3's overlap inside a warpgroup. Per key tile, S = Q K^T is issued,
+  then the previous tile's P V (its P kept in ``pa``), and the softmax starts as soon as S's group has
+  completed (``wgmma.wait_group 1``), while the tensor cores still add the previous P V; then the
+  wait for it, O's rescale, and this tile's P rounded into ``pa``. The exp2 of one tile and the
+  products of the other share the SM's time instead of alternating. A stage stays held until its
+  P V has run, a tile later (three stages keep the producer ahead). ``_attend_overlapped`` is
+  compiled with ``has_previous`` a constant: no branch around a wgmma, which would make ptxas
+  serialise them.
+- ``producer_registers``: a block of three warpgroups gets 168 registers a thread (an SM shares its
+  64K registers in quarters of warps: 9 warps count as 12), which the overlapped order spills on
+  128-key tiles (S, P and O: 128 live values a thread, plus the previous P). A producer warpgroup
+  (instead of a warp) that lowers itself to 24 with ``setmaxnreg`` raises the two consumers to 240.
+- ``blocks_per_sm``: the launch bound (two blocks of one consumer warpgroup share an SM: the
+  warpgroups of different blocks do not wait for each other).
+
+Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the default tilings 168 (head dim 64)
+and 167 (128), ``OVERLAP_TILING`` 166, ``OVERLAP_WIDE_TILING`` 168 at launch (240 in the consumers),
+none spilling; no wgmma serialised (C7515).
+
+Not yet timed on a GPU: the engine keeps ``tensor_cores`` (``prefill_attention_tc``) by default until
+``benchmarks/attn_tc_gpu.py`` (which checks and times every tiling above beside it and torch) has
+run on an H200. The target is cuDNN's Hopper kernel, which torch runs there (``prefill_attention_tc``'s
+docstring: 38.2 us at 8 x 512 against the mma.sync kernel's 66.1).
+
 Simulator: wgmma, the TMA and mbarriers are emulated (``wgmma.py``), so the kernel runs as written,
-a warpgroup rendezvous per wgmma. Needs sm_90a on a GPU: ``EngineConfig.prefill_attention =
-"wgmma"`` runs it, others keep ``tensor_cores``.
+a warpgroup rendezvous per wgmma; every wgmma completes at once there, so the simulator checks the
+order of the steps, not the waits (ptxas checks those it can: C7515). Needs sm_90a on a GPU:
+``EngineConfig(prefill_attention="wgmma")`` runs it; other GPUs are refused with a one-line error.
 """
 
 from __future__ import annotations

@@ -104,7 +104,8 @@ a rendezvous of the 128 threads of the warpgroup (``Block.group_round``); the th
 complete decodes both descriptors exactly as described above (start address, stride byte offset,
 the swizzle on the byte address), reads A and B from ``smem``, gathers C from all 128
 accumulator arrays, adds the exact fp32 products in k order (rounding to fp32 after each addition)
-and writes D back into every thread's ``acc``. A descriptor other than 128-byte-swizzled K-major
+and writes D back into every thread's ``acc``. With A from registers (``wgmma_bf16_rs``) it gathers A from the
+128 threads' words by the same fragment table. A descriptor without the 128-byte swizzle
 raises, and so do descriptors that differ between the threads of the warpgroup (they must be
 uniform). Shared addresses are byte offsets into the array (the simulator has no shared window;
 offset 0 is 1024-byte aligned), and fences and waits do nothing. A TMA load copies the box from
