@@ -66,7 +66,8 @@ Tilings (``Tiling``; ``DEFAULT_TILINGS`` per head dim):
   serialise them.
 - ``producer_registers``: a block of three warpgroups gets 168 registers a thread (an SM shares its
   64K registers in quarters of warps: 9 warps count as 12), which the overlapped order spills on
-  128-key tiles (S, P and O: 128 live values a thread, plus the previous P). A producer warpgroup
+  128-key tiles (76 bytes: S, O and the P in flight, 128 values a thread, all live across the
+  softmax). A producer warpgroup
   (instead of a warp) that lowers itself to 24 with ``setmaxnreg`` raises the two consumers to 240.
 - ``blocks_per_sm``: the launch bound (two blocks of one consumer warpgroup share an SM: the
   warpgroups of different blocks do not wait for each other).
