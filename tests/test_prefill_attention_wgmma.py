@@ -74,15 +74,19 @@ def test_prefill_wgmma_scale():
     check_prefill_wgmma(np.random.default_rng(4), [(3, 20)], 2, 1, 64, scale=0.3)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["", "overlap"])
+MAX_JUMPS = lambda pos: 4.0 ** (pos // 32)  # noqa: E731
+
+
 @pytest.mark.parametrize(
-    "key_scale",
-    [lambda pos: 4.0 ** (pos // 32), lambda pos: 2.0 ** (pos // 20), lambda pos: np.where(pos < 32, 1.0, 2.0**-6)],
-    ids=["max-jumps", "max-creeps", "max-first"],
+    "key_scale, overlap",
+    [(MAX_JUMPS, False), (lambda pos: 2.0 ** (pos // 20), False), (lambda pos: np.where(pos < 32, 1.0, 2.0**-6), False),
+     (MAX_JUMPS, True)],
+    ids=["max-jumps", "max-creeps", "max-first", "max-jumps-overlap"],
 )
 def test_prefill_wgmma_key_tiles(key_scale, overlap):
     """Several 32-key tiles a row (``test_prefill_tc_key_tiles``' steering of the row max: it moves past
-    RESCALE_LOG2 and O is rescaled, it creeps up and P grows past 1, or it never moves again)."""
+    RESCALE_LOG2 and O is rescaled, it creeps up and P grows past 1, or it never moves again); the
+    overlapped order rescales O after the previous tile's P V instead of before this one's."""
     check_prefill_wgmma(np.random.default_rng(7), [(57, 12), (121, 9)], 4, 1, 64, tiling=Tiling(2, 32, 2, overlap=overlap),
                         key_scale=key_scale)  # fmt: skip
 

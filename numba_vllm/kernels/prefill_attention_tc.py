@@ -157,6 +157,20 @@ MIN_BLOCKS_HD64 = {(2, 32, True): 3, (1, 64, True): 4}
 RESCALE_LOG2 = 8.0  # a row's running max moves when a tile's max exceeds it by 2^8 (after scaling): P <= 256
 
 
+@device_function
+def row_tile(cu_seqlens, start_pos, group, block_rows):
+    """The rows of the block at grid position (kv head, sequence s = blockIdx.y, row tile): row tiles
+    in reverse (the latest rows, with the most keys, run first). Returns the sequence's first token,
+    its rows (new tokens x group), the block's first row (past them: nothing to do), its cached start
+    and its context length."""
+    s = cuda.blockIdx.y
+    tile = cuda.gridDim.z - 1 - cuda.blockIdx.z
+    first_token = cu_seqlens[s]
+    num_new = cu_seqlens[s + 1] - first_token
+    start = start_pos[s]
+    return first_token, num_new * group, tile * block_rows, start, int32(start + num_new)
+
+
 def default_tiling(head_dim: int) -> tuple[int, int, bool]:
     """(warp_m_tiles, block_keys, q_shared) for a head dim: the largest tiles whose accumulators (O:
     16 x head_dim, S: 16 x block_keys per mma tile) fit in registers with no spills (ptxas, sm_90).
@@ -395,15 +409,9 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
         scale_log2: scale * log2(e)."""
         kv_head = cuda.blockIdx.x
         s = cuda.blockIdx.y
-        tile = cuda.gridDim.z - 1 - cuda.blockIdx.z  # latest rows (most keys) first
-        first_token = cu_seqlens[s]
-        num_new = cu_seqlens[s + 1] - first_token
-        num_rows = num_new * group
-        first_row = tile * block_rows
+        first_token, num_rows, first_row, start, context_len = row_tile(cu_seqlens, start_pos, group, block_rows)
         if first_row >= num_rows:
             return  # this sequence has fewer rows than the longest one: the whole block leaves
-        start = start_pos[s]
-        context_len = int32(start + num_new)
         last_pos = int32(context_len - 1)
         table = block_tables[uint32(s)]  # (max_pages,) this sequence's page ids
         tid = cuda.threadIdx.x

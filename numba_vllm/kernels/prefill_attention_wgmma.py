@@ -100,7 +100,7 @@ from numba_vllm.kernels._launch import KernelError, hopper, launch
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import pack_bf16x2, store_shared_u32x4
 from numba_vllm.kernels.prefill_attention import check_prefill_args
-from numba_vllm.kernels.prefill_attention_tc import LOG2_E, RESCALE_LOG2
+from numba_vllm.kernels.prefill_attention_tc import LOG2_E, RESCALE_LOG2, row_tile
 from numba_vllm.kernels.reductions import FULL_MASK
 from numba_vllm.kernels.wgmma import (
     ATOM_BYTES,
@@ -390,15 +390,9 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         smem = cuda.shared.array(0, uint32)  # from a 1024-byte boundary: Q, stages x (K, V), mbarriers
         kv_head = cuda.blockIdx.x
         s = cuda.blockIdx.y
-        tile = cuda.gridDim.z - 1 - cuda.blockIdx.z  # latest rows (most keys) first
-        first_token = cu_seqlens[s]
-        num_new = cu_seqlens[s + 1] - first_token
-        num_rows = num_new * group
-        first_row = tile * block_rows
+        first_token, num_rows, first_row, start, context_len = row_tile(cu_seqlens, start_pos, group, block_rows)
         if first_row >= num_rows:
             return  # this sequence has fewer rows than the longest one: the whole block leaves
-        start = start_pos[s]
-        context_len = int32(start + num_new)
         last_row = min(first_row + block_rows, num_rows) - 1
         num_keys = int32(start + last_row // group + 1)  # keys 0 .. position of the block's last row
         num_key_tiles = (num_keys + block_keys - 1) // block_keys
