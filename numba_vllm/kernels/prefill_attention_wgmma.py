@@ -21,9 +21,9 @@ group's heads share every K/V tile (GQA).
   64 dims, 2 KB) per page, tensor and 64-dim panel, from the cache seen as a 2-D matrix (num_pages *
   16 rows, KVH * HD columns: a page's tokens of one kv head are 16 consecutive rows, the head's
   dims ``kv_head * HD ..``), into the 128-byte-swizzled layout, completion counted on the stage's
-  *full* mbarrier. The page id is ``block_tables[s, key // 16]``; a page past the block's last key
-  is copied from a row past the cache's end, which the TMA fills with zeros (its bytes still count):
-  no table entry past the sequence is read, and no stale value enters the stage.
+  *full* mbarrier. The page id is ``block_tables[s, key // 16]``; pages past the block's last key
+  are not copied (the mbarrier expects the bytes of the pages copied): no table entry past the
+  sequence is read.
 - Consumers: warpgroup ``c`` rounds its 64 rows of q to bf16 into shared memory once (K-major, the
   128-byte swizzle: the A operand of S), then per key tile waits on the stage's full mbarrier and
 
@@ -42,9 +42,9 @@ group's heads share every K/V tile (GQA).
   4. releases the stage (one arrival on its empty mbarrier), so the producer refills it while the
      next stage's copies, issued earlier, are already landing.
 
-  Tokens of the last page past the context (stale cache slots) are zeroed in the stage's V before
-  the P V product of the block's last tile (a NaN there would poison O even times P = 0); K's are
-  masked like any key past the row.
+  The V rows of the block's last tile past its valid keys (stale slots of the last page past the
+  context, and pages not copied, holding whatever the stage held before) are zeroed before its P V (a NaN there would
+  poison O even times P = 0); K's are masked like any key past the row.
 - At the end, the quad adds its shares of l and writes ``O / l`` (rows past the sequence's new
   tokens compute a copy of the last row and are not written).
 
@@ -299,15 +299,15 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
 
     @device_function
     def _zero_v_tail(smem, v_word0, first, tw, wg):
-        """Zero the V rows ``first`` .. the end of their page (stale slots past the context) in the
-        stage whose V tile starts at word ``v_word0``, every panel, and make the zeros visible to this
-        warpgroup's wgmma (the async proxy, every warp). The other warpgroup may write the same zeros."""
-        last = min(block_keys, (first + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
-        for i in range(tw, panels * PAGE_SIZE * 8, WARPGROUP_THREADS):  # panel, row, 16-byte chunk
-            row = first + (i // 8) % PAGE_SIZE
-            if row < last:
-                word = v_word0 + ((i // (PAGE_SIZE * 8)) * kv_panel_bytes + row * SWIZZLE_ROW_BYTES + (i % 8) * CHUNK_BYTES) // 4
-                store_shared_u32x4(smem, word, uint32(0), uint32(0), uint32(0), uint32(0))
+        """Zero the V rows ``first`` .. the tile's end (stale slots of the last page past the context,
+        and pages not copied: they hold whatever the stage held before) in the stage whose V tile
+        starts at word ``v_word0``, every panel, and make the zeros visible to this warpgroup's wgmma
+        (the async proxy, every warp). The other warpgroup may write the same zeros."""
+        rows = block_keys - first
+        for i in range(tw, panels * rows * 8, WARPGROUP_THREADS):  # panel, row, 16-byte chunk
+            row = first + (i // 8) % rows
+            word = v_word0 + ((i // (rows * 8)) * kv_panel_bytes + row * SWIZZLE_ROW_BYTES + (i % 8) * CHUNK_BYTES) // 4
+            store_shared_u32x4(smem, word, uint32(0), uint32(0), uint32(0), uint32(0))
         fence_proxy_async()
         named_barrier(1 + wg, WARPGROUP_THREADS)
 
@@ -333,7 +333,7 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
 
     @device_function
     def _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0, key0,
-                context_len, masked, scale_log2, qd, tw, wg):
+                valid_end, masked, scale_log2, qd, tw, wg):
         """One warpgroup's work on the key tile at key0, in order: S = Q K^T, the causal mask if
         ``masked``, the online softmax, O += P V. Called with ``masked`` a constant (two copies)."""
         _issue_s(smem, acc_s, desc_q, desc_k)
@@ -343,14 +343,14 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         if _softmax(acc_s, row_max, row_sum, alpha, scale_log2):
             _rescale(acc_o, alpha)
         _pack_p(acc_s, pa)
-        if key0 + block_keys > context_len:  # the block's last tile ends past the context
-            _zero_v_tail(smem, v_word0, context_len - key0, tw, wg)
+        if key0 + block_keys > valid_end:  # the block's last tile: rows past the copied keys of the context
+            _zero_v_tail(smem, v_word0, valid_end - key0, tw, wg)
         _issue_pv(smem, acc_o, pa, desc_v)
         wait_o(acc_o, pa)
 
     @device_function
     def _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0, key0,
-                           context_len, masked, scale_log2, qd, tw, wg, has_previous, desc_v_previous):
+                           valid_end, masked, scale_log2, qd, tw, wg, has_previous, desc_v_previous):
         """The key tile at key0 with the previous tile's P V in flight beside its softmax: issue S = Q K^T
         and (``has_previous``) the previous tile's O += P V; once S is done (the older group), the mask
         and the softmax run while the tensor cores add P V; then wait for it, rescale O, and round this
@@ -370,8 +370,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         if moved:
             _rescale(acc_o, alpha)
         _pack_p(acc_s, pa)
-        if key0 + block_keys > context_len:  # the block's last tile ends past the context
-            _zero_v_tail(smem, v_word0, context_len - key0, tw, wg)
+        if key0 + block_keys > valid_end:  # the block's last tile: rows past the copied keys of the context
+            _zero_v_tail(smem, v_word0, valid_end - key0, tw, wg)
 
     @device_function
     def _finish_pv(smem, acc_o, pa, desc_v, empty_barrier, tw):
@@ -396,6 +396,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         last_row = min(first_row + block_rows, num_rows) - 1
         num_keys = int32(start + last_row // group + 1)  # keys 0 .. position of the block's last row
         num_key_tiles = (num_keys + block_keys - 1) // block_keys
+        # Keys whose K/V rows hold values: the context, within the pages copied (whole pages up to num_keys)
+        valid_end = min(context_len, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
         tid = cuda.threadIdx.x
         wg = tid // WARPGROUP_THREADS
 
@@ -418,20 +420,18 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                 tensormap_acquire(k_map)
                 tensormap_acquire(v_map)
                 table = block_tables[s]
-                past_end = k_rows.shape[0]  # a row past the cache: the TMA fills the box with zeros
                 column = kv_head * head_dim
                 for kt in range(num_key_tiles):
                     i = kt % stages
                     if kt >= stages:  # wait for the consumers' release of the stage's previous use
                         mbarrier_wait(empty + i * BARRIER_BYTES, (kt // stages + 1) & 1)
                     barrier = full + i * BARRIER_BYTES
-                    mbarrier_arrive_expect_tx(barrier, stage_bytes)
+                    first_page = kt * pages_per_tile
+                    pages = min(pages_per_tile, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE - first_page)  # holding keys
+                    mbarrier_arrive_expect_tx(barrier, pages * 2 * panels * PAGE_BYTES)
                     k_tile = tile0 + q_bytes + i * stage_bytes
-                    for p in range(pages_per_tile):
-                        key = kt * block_keys + p * PAGE_SIZE
-                        row = past_end
-                        if key < num_keys:
-                            row = table[key // PAGE_SIZE] * PAGE_SIZE
+                    for p in range(pages):
+                        row = table[first_page + p] * PAGE_SIZE
                         for panel in range(panels):
                             dst = k_tile + panel * kv_panel_bytes + p * PAGE_BYTES
                             load_page(smem, dst, k_map, k_rows, column + panel * TILE_K, row, barrier)
@@ -502,16 +502,16 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                                                          kv_panel_bytes)  # (unused on the first tile)
                     if previous < 0 and masked:
                         _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
-                                           key0, context_len, True, scale_log2, qd, tw, wg, False, desc_v_previous)
+                                           key0, valid_end, True, scale_log2, qd, tw, wg, False, desc_v_previous)
                     elif previous < 0:
                         _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
-                                           key0, context_len, False, scale_log2, qd, tw, wg, False, desc_v_previous)
+                                           key0, valid_end, False, scale_log2, qd, tw, wg, False, desc_v_previous)
                     elif masked:
                         _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
-                                           key0, context_len, True, scale_log2, qd, tw, wg, True, desc_v_previous)
+                                           key0, valid_end, True, scale_log2, qd, tw, wg, True, desc_v_previous)
                     else:
                         _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
-                                           key0, context_len, False, scale_log2, qd, tw, wg, True, desc_v_previous)
+                                           key0, valid_end, False, scale_log2, qd, tw, wg, True, desc_v_previous)
                     if previous >= 0 and tw == 0:  # the previous tile's P V has completed
                         mbarrier_arrive(empty + previous * BARRIER_BYTES)
                     previous = i  # this stage is released once its P V has run
@@ -519,10 +519,10 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                 desc_v = smem_descriptor_mn(k_tile + kv_bytes, kv_panel_bytes)
                 if masked:
                     _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
-                            key0, context_len, True, scale_log2, qd, tw, wg)  # fmt: skip
+                            key0, valid_end, True, scale_log2, qd, tw, wg)  # fmt: skip
                 else:
                     _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
-                            key0, context_len, False, scale_log2, qd, tw, wg)  # fmt: skip
+                            key0, valid_end, False, scale_log2, qd, tw, wg)  # fmt: skip
             elif overlap and previous >= 0:  # past this warpgroup's rows: add the pending P V first
                 _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes,
                            kv_panel_bytes), empty + previous * BARRIER_BYTES, tw)  # fmt: skip

@@ -617,6 +617,9 @@ class PooledBlockManager:
     def run(self, grid_point, *args):
         block = Block(self._f, args, tuple(grid_point), tuple(self._block_dim), self._debug)
         if _cluster_size == 1:
+            from numba.cuda.simulator import kernel
+
+            _poison(kernel._kernel_context.shared._dynshared)
             _run_blocks([block])
             return
         _held_blocks.append(block)
@@ -634,7 +637,15 @@ class PooledBlockManager:
         for b in blocks:
             b.cluster = cluster
             b.shared = FakeCUDAShared(launch_module._shared._size)
+            _poison(b.shared._dynshared)
         _run_blocks(blocks)
+
+
+def _poison(dynamic_shared):
+    """Fill a block's dynamic shared memory with 0xFF bytes before it starts: NaN as bf16 and fp32,
+    as if an earlier block had left garbage there (a GPU never zeroes it), so a kernel that reads
+    what it never wrote fails its tests instead of reading the simulator's zeros."""
+    dynamic_shared.fill(-1)
 
 
 def _run_blocks(blocks):
