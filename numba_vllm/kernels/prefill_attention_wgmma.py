@@ -72,8 +72,8 @@ Tilings (``Tiling``; ``DEFAULT_TILINGS`` per head dim):
 - ``blocks_per_sm``: the launch bound (two blocks of one consumer warpgroup share an SM: the
   warpgroups of different blocks do not wait for each other).
 
-Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the default tilings 168 (head dim 64)
-and 167 (128), ``OVERLAP_TILING`` 166, ``OVERLAP_WIDE_TILING`` 168 at launch (240 in the consumers),
+Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the default tilings 167 (head dim 64)
+and 163 (128), ``OVERLAP_TILING`` 164, ``OVERLAP_WIDE_TILING`` 168 at launch (240 in the consumers),
 none spilling; no wgmma serialised (C7515).
 
 Not yet timed on a GPU: the engine keeps ``tensor_cores`` (``prefill_attention_tc``) by default until
