@@ -25,6 +25,7 @@ import numpy as np
 import pytest
 from numba import cuda
 
+from numba_vllm import LLM
 from numba_vllm.bench.kernel_report import ReportError, find_ptxas, select
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.prefill_attention_wgmma import (
@@ -38,6 +39,7 @@ from numba_vllm.loading.bf16 import upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
 from tests.helpers import ptx as ptx_check
 from tests.helpers.attention import EDGE_SEQS, PREFILL_SEQS, check_prefill
+from tests.helpers.tiny_llama import tiny_checkpoint
 
 check_prefill_wgmma = functools.partial(check_prefill, prefill_attention_wgmma)
 
@@ -130,6 +132,12 @@ def test_launcher_rejects_head_dims_without_whole_panels():
     with pytest.raises(KernelError, match="head_dim 32 not supported"):
         prefill_attention_wgmma(q, cache, cache, tables, cuda.to_device(np.array([0, 1], np.int32)),
                                 cuda.to_device(np.zeros(1, np.int32)), 1.0, cuda.device_array_like(q))  # fmt: skip
+
+
+def test_an_engine_asking_for_it_on_an_unsupported_head_dim_is_refused_when_built(tmp_path):
+    path = tiny_checkpoint(tmp_path, head_dim=16)
+    with pytest.raises(KernelError, match="head_dim 16 not supported .*'tensor_cores'"):
+        LLM(str(path), backend="sim", prefill_attention="wgmma")
 
 
 def test_default_tilings_fit_in_shared_memory():

@@ -550,6 +550,16 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
     return prefill_attention_wgmma_kernel
 
 
+def check_wgmma_attention(head_dim: int) -> None:
+    """Raise KernelError (one line) unless this kernel can run here: an H100 or H200 (or the
+    simulator), a head dim of whole 64-dim panels. The model checks it when it is built."""
+    if not simulator_enabled() and not hopper():
+        raise KernelError("prefill_attention 'wgmma' needs an H100 or H200 (sm_90a); other GPUs run 'tensor_cores'")
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KernelError(f"prefill_attention 'wgmma': head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS}); "
+                          "use 'tensor_cores'")  # fmt: skip
+
+
 def cache_rows(cache):
     """The cache (num_pages, PAGE_SIZE, KVH, HD) bf16 as the (num_pages * PAGE_SIZE, KVH * HD) uint16
     matrix the tensor maps describe (a view: the same memory)."""
@@ -570,10 +580,7 @@ def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start
     if shape is None:
         return
     group, head_dim, num_kv_heads, num_seqs, max_new_tokens = shape
-    if not simulator_enabled() and not hopper():
-        raise KernelError("prefill_attention_wgmma needs an H100 or H200 (sm_90a); other GPUs run 'tensor_cores'")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise KernelError(f"prefill_attention_wgmma: head_dim {head_dim} not supported (one of {SUPPORTED_HEAD_DIMS})")
+    check_wgmma_attention(head_dim)
     tiling = tiling or default_tiling(head_dim)
     kernel_ = prefill_attention_wgmma_kernel_for(group, head_dim, tiling)
     k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)

@@ -50,7 +50,7 @@ from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspa
 from numba_vllm.kernels.gemm_wgmma import TILE_COUNTERS
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
 from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
-from numba_vllm.kernels.prefill_attention_wgmma import prefill_attention_wgmma
+from numba_vllm.kernels.prefill_attention_wgmma import check_wgmma_attention, prefill_attention_wgmma
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
 from numba_vllm.kernels.sample import SAMPLE_WORKSPACE_SLOTS, PartWinners, sample_gumbel
@@ -110,6 +110,8 @@ class DeviceModel:
         the same names; one of `PREFILL_GEMMS`, `PREFILL_ATTENTIONS`, `DECODE_ATTENTIONS`)."""
         self.config = c = config
         self.gemm = prefill_gemm
+        if prefill_attention == "wgmma":
+            check_wgmma_attention(c.head_dim)
         self.prefill_attention = PREFILL_ATTENTIONS[prefill_attention]
         self.decode_attention = DECODE_ATTENTIONS[decode_attention]
         self.embed = upload_bf16(to_bf16(weights["model.embed_tokens.weight"]))  # (V, D)
