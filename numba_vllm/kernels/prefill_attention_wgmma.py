@@ -43,8 +43,8 @@ group's heads share every K/V tile (GQA).
      next stage's copies, issued earlier, are already landing.
 
   The V rows of the block's last tile past its valid keys (stale slots of the last page past the
-  context, and pages not copied, holding whatever the stage held before) are zeroed before its P V (a NaN there would
-  poison O even times P = 0); K's are masked like any key past the row.
+  context, and pages not copied, holding whatever the stage held before) are zeroed before its
+  P V (a NaN there would poison O even times P = 0); K's are masked like any key past the row.
 - At the end, the quad adds its shares of l and writes ``O / l`` (rows past the sequence's new
   tokens compute a copy of the last row and are not written).
 
