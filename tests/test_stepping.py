@@ -4,7 +4,8 @@ The callback mode (``on_hit``) captures a chosen thread's locals inside real ker
 compared with NumPy: in RMSNorm the thread's partial sum of squares, each warp_sum shuffle round,
 block_sum's shared ``scratch`` and the row's total; in paged decode attention a lane's partial dot
 product before and after each shuffle round, its scores, and the block's shared-memory partial
-softmaxes. The pdb mode is driven through a fake stdin. Lines are named by their text, so the tests
+softmaxes; in the wgmma prefill attention a thread's share of P at each key tile (the stepping
+guide's example). The pdb mode is driven through a fake stdin. Lines are named by their text, so the tests
 survive edits that move them. Simulator only: skipped when the tests run on a GPU.
 """
 
@@ -19,13 +20,15 @@ from numba import cuda
 from numba_vllm.kernels import reductions
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.decode_attention import decode_attention, decode_attention_kernel_for
+from numba_vllm.kernels.prefill_attention_wgmma import Tiling, prefill_attention_wgmma, prefill_attention_wgmma_kernel_for
 from numba_vllm.kernels.rmsnorm import rms_norm, rms_norm_kernel
-from numba_vllm.loading.bf16 import to_bf16, upload_bf16
+from numba_vllm.loading.bf16 import BF16, to_bf16, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
 from numba_vllm.sim import blocks as sim_blocks
 from numba_vllm.sim import stepping
 from numba_vllm.sim import warp as simulator
 from numba_vllm.sim.stepping import break_in
+from tests.helpers.attention import PagedCache
 
 pytestmark = pytest.mark.skipif(not simulator.simulator_enabled(), reason="tests the CUDA simulator")
 
@@ -212,6 +215,44 @@ def test_decode_attention_lane_after_shuffles_and_shared_partials():
 
 
 # ---- the helper itself ---------------------------------------------------------------------------
+
+
+# ---- prefill attention on wgmma (docs/stepping_through_kernels.md's example) -------------------------
+
+
+def test_wgmma_prefill_thread_holds_its_rows_p_at_each_key_tile():
+    """Thread 5 (warp 0, g 1, q 1) of warpgroup 0, stopped where each key tile's stage is released:
+    its acc_s holds P of row 1 (token 0, head 1, position 40) at keys 8j + 2, 8j + 3 of the tile
+    (``acc_s[4j + e]``), exp2((s - m) c) against the running max, zero past position 40; after the
+    loop, m is the row's max over its 41 keys."""
+    rng = np.random.default_rng(0)
+    start, new, group, head_dim = 40, 24, 4, 64
+    cache = PagedCache(rng, [start + new], 1, head_dim)
+    q = rng.standard_normal((new, group, head_dim)).astype(np.float32)
+    k_cache, v_cache, block_tables = cache.device()
+    tiling = Tiling(2, 32, 2)
+    scores = q.astype(BF16).astype(np.float64)[0, 1] @ cache.k[0][:, 0].astype(np.float64).T  # row 1's q . k
+    c = np.log2(np.e) / 8
+    seen = []
+
+    def tile_p(frame):
+        f = frame.f_locals
+        keys = [int(f["key0"]) + 8 * j + 2 + e for j in range(4) for e in range(2)]
+        p = np.array(f["acc_s"])[[4 * j + e for j in range(4) for e in range(2)]]
+        want = [np.exp2((scores[k] - float(f["row_max"][0])) * c) if k <= start else 0.0 for k in keys]
+        np.testing.assert_allclose(p, want, rtol=1e-5, atol=1e-7)
+        seen.append(keys[0])
+
+    def end(frame):
+        assert float(frame.f_locals["row_max"][0]) == pytest.approx(scores[: start + 1].max(), rel=1e-6)
+        seen.append("end")
+
+    kernel = prefill_attention_wgmma_kernel_for(group, head_dim, tiling)
+    with break_in(kernel, "if tw == 0:", thread=5, on_hit=tile_p), break_in(kernel, "if active:", thread=5, on_hit=end):
+        prefill_attention_wgmma(cuda.to_device(q), k_cache, v_cache, block_tables, cuda.to_device(np.array([0, new], np.int32)),
+                                cuda.to_device(np.array([start], np.int32)), 1 / 8, cuda.device_array(q.shape, np.float32),
+                                tiling=tiling)  # fmt: skip
+    assert seen == [2, 34, "end"]  # keys 0..63 in two 32-key tiles
 
 
 def test_only_the_chosen_thread_stops_and_max_hits_and_disarm():
