@@ -478,14 +478,17 @@ else:
         data = context.make_array(acc_type)(context, builder, value=acc).data
         return [cgutils.gep_inbounds(builder, data, i) for i in range(count)]
 
-    def _acc_asm(builder, pointers, text, extra_types=(), extra_operands=(), extra_constraints=()):
-        """Run ``text`` with the accumulators as in/out operands $0 .. $(count - 1) (their inputs,
-        tied, are $count .. $(2 count - 1)), then the extra inputs from $(2 count); store the
-        outputs back."""
+    def _acc_asm(builder, pointers, text, extra_types=(), extra_operands=(), extra_constraints=(), word_pointers=()):
+        """Run ``text`` with the accumulators (float32), then ``word_pointers``' values (uint32: A's
+        registers), as in/out operands $0 .. $(count - 1) (their inputs, tied, are $count ..
+        $(2 count - 1)), then the extra inputs from $(2 count); store the outputs back."""
+        pointers = list(pointers) + list(word_pointers)
         count = len(pointers)
-        constraints = ["=f"] * count + [str(i) for i in range(count)] + list(extra_constraints) + ["~{memory}"]
+        kinds = [_F32] * (count - len(word_pointers)) + [_I32] * len(word_pointers)
+        outputs = ["=f"] * (count - len(word_pointers)) + ["=r"] * len(word_pointers)
+        constraints = outputs + [str(i) for i in range(count)] + list(extra_constraints) + ["~{memory}"]
         asm = ir.InlineAsm(
-            ir.FunctionType(ir.LiteralStructType([_F32] * count), [_F32] * count + list(extra_types)),
+            ir.FunctionType(ir.LiteralStructType(kinds), kinds + list(extra_types)),
             text,
             ",".join(constraints),
             side_effect=True,
@@ -579,17 +582,8 @@ else:
             sig = types.void(acc, a_words)
 
             def codegen(context, builder, sig, args):
-                count = n // 2
-                pointers = (_acc_pointers(context, builder, sig.args[0], args[0], count)
-                            + _acc_pointers(context, builder, sig.args[1], args[1], words))  # fmt: skip
-                total = count + words
-                kinds = [_F32] * count + [_I32] * words
-                constraints = ["=f"] * count + ["=r"] * words + [str(i) for i in range(total)] + ["~{memory}"]
-                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType(kinds), kinds), text, ",".join(constraints),
-                                   side_effect=True)  # fmt: skip
-                result = builder.call(asm, [builder.load(p) for p in pointers])
-                for i, p in enumerate(pointers):
-                    builder.store(builder.extract_value(result, i), p)
+                _acc_asm(builder, _acc_pointers(context, builder, sig.args[0], args[0], n // 2), text,
+                         word_pointers=_acc_pointers(context, builder, sig.args[1], args[1], words))  # fmt: skip
                 return context.get_dummy_value()
 
             return sig, codegen
