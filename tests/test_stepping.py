@@ -5,8 +5,8 @@ compared with NumPy: in RMSNorm the thread's partial sum of squares, each warp_s
 block_sum's shared ``scratch`` and the row's total; in paged decode attention a lane's partial dot
 product before and after each shuffle round, its scores, and the block's shared-memory partial
 softmaxes; in the wgmma prefill attention a thread's share of P at each key tile (the stepping
-guide's example). The pdb mode is driven through a fake stdin. Lines are named by their text, so the tests
-survive edits that move them. Simulator only: skipped when the tests run on a GPU.
+guide's example). The pdb mode is driven through a fake stdin. Lines are named by their text, so
+the tests survive edits that move them. Simulator only: skipped when the tests run on a GPU.
 """
 
 import contextlib
@@ -214,9 +214,6 @@ def test_decode_attention_lane_after_shuffles_and_shared_partials():
         np.testing.assert_allclose(seen["part_acc"][part], p.T @ v, rtol=1e-4, atol=1e-5)
 
 
-# ---- the helper itself ---------------------------------------------------------------------------
-
-
 # ---- prefill attention on wgmma (docs/stepping_through_kernels.md's example) -------------------------
 
 
@@ -253,6 +250,9 @@ def test_wgmma_prefill_thread_holds_its_rows_p_at_each_key_tile():
                                 cuda.to_device(np.array([start], np.int32)), 1 / 8, cuda.device_array(q.shape, np.float32),
                                 tiling=tiling)  # fmt: skip
     assert seen == [2, 34, "end"]  # keys 0..63 in two 32-key tiles
+
+
+# ---- the helper itself ---------------------------------------------------------------------------
 
 
 def test_only_the_chosen_thread_stops_and_max_hits_and_disarm():
