@@ -37,6 +37,8 @@ from numba_vllm.kernels.wgmma import (
     ATOM_BYTES,
     DESC_K_STEP,
     fence_proxy_async,
+    named_barrier,
+    named_barrier_arrive,
     shared_address,
     smem_descriptor,
     smem_descriptor_mn,
@@ -207,6 +209,32 @@ def test_wgmma_with_a_in_registers_on_random_values():
     b = rng.standard_normal((16, RS_N)).astype(BF16)
     a64, b64 = a.astype(np.float64), b.astype(np.float64)
     assert np.all(np.abs(_run_rs_probe(a, b) - a64 @ b64) <= 1e-5 * (np.abs(a64) @ np.abs(b64)))
+
+
+@kernel
+def _turns_kernel(out, rounds):
+    """Warp 1 writes round r's value, then ``bar.arrive``; warp 0 ``bar.sync``s on the same barrier (64
+    threads: both warps' arrivals complete a phase) and reads it. Every round is a new phase."""
+    values = cuda.shared.array(8, float32)
+    lane = cuda.threadIdx.x % 32
+    for r in range(rounds):
+        if cuda.threadIdx.x >= 32:
+            if lane == 0:
+                values[r] = float32(r + 1)
+            cuda.syncwarp()
+            named_barrier_arrive(3, 64)
+        else:
+            named_barrier(3, 64)
+            out[r, lane] = values[r]
+
+
+def test_named_barrier_waits_for_the_arrivals_of_another_warp():
+    """``named_barrier_arrive`` (``bar.arrive``) counts toward the phase ``named_barrier`` (``bar.sync``)
+    waits for, as on the GPU: warp 0 sees what warp 1 wrote before arriving, round after round (the
+    wgmma attention's ping-pong turns are built on this)."""
+    out = cuda.to_device(np.zeros((4, 32), np.float32))
+    launch(_turns_kernel, 1, 64, out, 4)
+    np.testing.assert_array_equal(out.copy_to_host(), np.repeat(np.arange(1, 5, dtype=np.float32)[:, None], 32, axis=1))
 
 
 # ---- the GEMM ------------------------------------------------------------------------------------

@@ -48,8 +48,10 @@ with it, as inline PTX from ``@intrinsic`` functions, like ``mma.py``:
   warpgroup's registers per thread raised or lowered to ``count``. A block's register file is shared
   in quarters of warps (9 warps count as 12), so a block of three warpgroups gets 168 a thread; a
   producer warpgroup that lowers itself to 24 lets two consumer warpgroups raise themselves to 240.
-- ``named_barrier(index, threads)``: ``bar.sync index, threads``: a barrier of the first
-  ``threads`` threads (index 1-15; ``syncthreads`` is barrier 0).
+- ``named_barrier(index, threads)``: ``bar.sync index, threads``: wait until ``threads`` threads
+  (whole warps, any of the block's) have arrived on hardware barrier ``index`` (1-15; ``syncthreads``
+  is barrier 0); ``named_barrier_arrive(index, threads)``: ``bar.arrive``, arrive without waiting (a
+  signal from one group of warps to another that waits with ``named_barrier``).
 - ``tensormap_acquire(tensor_map)``: ``fence.proxy.tensormap::generic.acquire.gpu`` on the 128
   bytes of a tensor map in global memory (written by ordinary copies, read by the TMA's own proxy):
   issued once by the thread that issues the copies, before the first.
@@ -428,13 +430,39 @@ if simulator_enabled():
 
         return load
 
+    class _NamedBarrier:
+        """A hardware barrier 1-15: arrivals counted in this phase (whoever makes them), phases completed."""
+
+        def __init__(self, threads):
+            self.threads = threads
+            self.arrived = 0
+            self.phase = 0
+
+    def _named_arrival(index, threads):
+        """Count the calling thread's arrival on barrier ``index`` of its block; the phase it joined and the barrier."""
+        block = threading.current_thread().block
+        with _BARRIER_LOCK:
+            barrier = block.__dict__.setdefault("named_barriers", {}).setdefault(int(index), _NamedBarrier(int(threads)))
+            if barrier.arrived and barrier.threads != int(threads):
+                raise WarpSyncError(f"bar {index}: {int(threads)} threads expected while a phase of {barrier.threads} is open")
+            barrier.threads = int(threads)
+            phase = barrier.phase
+            barrier.arrived += 1
+            if barrier.arrived == barrier.threads:
+                barrier.arrived = 0
+                barrier.phase += 1
+        return barrier, phase
+
     def named_barrier(index, threads):
-        """bar.sync index, threads (simulator): a rendezvous of the ``threads`` consecutive threads,
-        from a multiple of ``threads``, that hold the caller (the warpgroups this project's kernels
-        synchronise: the first ``threads`` of a block, or one warpgroup)."""
-        thread = threading.current_thread()
-        first = thread.thread_id // int(threads) * int(threads)
-        thread.block.group_round(thread, f"bar.sync {index}", first, int(threads), None)
+        """bar.sync index, threads (simulator): wait until ``threads`` arrivals (this thread's, other
+        threads' ``named_barrier`` or ``named_barrier_arrive``) complete the barrier's phase."""
+        barrier, phase = _named_arrival(index, threads)
+        wait_on_cluster(threading.current_thread().block, lambda: barrier.phase != phase, lambda: barrier.arrived,
+                        lambda: f"on bar.sync {int(index)} ({barrier.arrived} of {barrier.threads} arrivals)")  # fmt: skip
+
+    def named_barrier_arrive(index, threads):
+        """bar.arrive index, threads (simulator): count this thread's arrival and go on."""
+        _named_arrival(index, threads)
 
     def tensormap_acquire(tensor_map):
         """fence.proxy.tensormap (simulator: the simulated TMA reads no tensor map)."""
@@ -709,9 +737,15 @@ else:
 
     @intrinsic
     def named_barrier(typingctx, index, threads):
-        """``bar.sync index, threads``: a barrier of the first ``threads`` threads of the block."""
+        """``bar.sync index, threads``: wait until ``threads`` threads have arrived on barrier ``index``."""
         _check_ints("named_barrier", (index, threads))
         return types.void(index, threads), _u32_operands_codegen("bar.sync $0, $1;")
+
+    @intrinsic
+    def named_barrier_arrive(typingctx, index, threads):
+        """``bar.arrive index, threads``: count this warp's threads on barrier ``index`` without waiting."""
+        _check_ints("named_barrier_arrive", (index, threads))
+        return types.void(index, threads), _u32_operands_codegen("bar.arrive $0, $1;")
 
     @functools.cache
     def set_max_registers(count, increase):
