@@ -19,9 +19,10 @@ kernel is checked always and timed with ``--cuda-cores`` (slow: ~80 ms a launch 
 
 A tiling ``MxK`` is warp_m_tiles x block_keys with Q's fragments in registers; ``MxKq`` keeps Q in
 shared memory (``prefill_attention_tc``'s ``tiling`` argument; the launcher's default is marked *).
-``--wgmma`` adds ``prefill_attention_wgmma`` (H100/H200) in tilings ``CxKsS[bB][o][pR]``: C consumer
-warpgroups, K keys a tile, S stages, B blocks an SM asked for, ``o`` the softmax overlapped with the
-previous tile's P V, R the registers of a producer warpgroup (its ``Tiling``; ``""`` leaves it out).
+``--wgmma`` adds ``prefill_attention_wgmma`` (H100/H200) in tilings ``CxKsS[bB][o][t][pR][P]``: C
+consumer warpgroups, K keys a tile, S stages, B blocks an SM asked for, ``o`` the softmax overlapped
+with the previous tile's P V, ``t`` the warpgroups' ping-pong turns, R the registers of a producer
+warpgroup, ``P`` a persistent grid (its ``Tiling``; ``""`` leaves it out).
 Each row of the timing table ends with every tiling's time over torch's.
 """
 
@@ -146,26 +147,27 @@ def torch_flash(inp):
 
 
 def _wg_tiling(text: str) -> Tiling:
-    """``CxKsS[bB][o][pR]`` as a Tiling (B blocks an SM asked for; o: the overlapped softmax; R: a producer
-    warpgroup's registers)."""
-    match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:b(\d+))?(o?)(?:p(\d+))?", text)
+    """``CxKsS[bB][o][t][pR][P]`` as a Tiling (B blocks an SM asked for; o: the overlapped softmax; t: the
+    warpgroups' ping-pong turns; R: a producer warpgroup's registers; P: a persistent grid)."""
+    match = re.fullmatch(r"(\d+)x(\d+)s(\d+)(?:b(\d+))?(o?)(t?)(?:p(\d+))?(P?)", text)
     if match is None:
-        raise SystemExit(f"--wgmma: {text!r} is not CxKsS[bB][o][pR]")
-    c, k, s, b, o, p = match.groups()
-    return Tiling(int(c), int(k), int(s), int(b or 1), o == "o", int(p or 0))
+        raise SystemExit(f"--wgmma: {text!r} is not CxKsS[bB][o][t][pR][P]")
+    c, k, s, b, o, t, p, persistent = match.groups()
+    return Tiling(int(c), int(k), int(s), int(b or 1), o == "o", int(p or 0), t == "t", persistent == "P")
 
 
 def _wg_name(tiling: Tiling) -> str:
     blocks = f"b{tiling.blocks_per_sm}" if tiling.blocks_per_sm > 1 else ""
     producer = f"p{tiling.producer_registers}" if tiling.producer_registers else ""
-    return f"{tiling.consumers}x{tiling.block_keys}s{tiling.stages}{blocks}{'o' * tiling.overlap}{producer}"
+    return (f"{tiling.consumers}x{tiling.block_keys}s{tiling.stages}{blocks}{'o' * tiling.overlap}{'t' * tiling.pingpong}"
+            f"{producer}{'P' * tiling.persistent}")
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tilings", default="2x64q,1x64q,2x32q,2x32,1x64", help="warp_m_tiles x block_keys[q], comma-separated")
     parser.add_argument("--wgmma", default="2x128s2,2x128s3,2x64s3o,2x128s3op24,1x128s2b2",
-                        help="prefill_attention_wgmma tilings: consumers x block_keys s stages [b blocks], comma-separated")
+                        help="prefill_attention_wgmma tilings: CxKsS[bB][o][t][pR][P] (the docstring), comma-separated")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cuda-cores", action="store_true", help="also time the CUDA-core kernel (slow at 16384)")
     parser.add_argument("--json", default=None)

@@ -113,7 +113,7 @@ def test_warm_up_runs_every_bucket_on_the_null_page_and_changes_no_output(tiny, 
     decode graph) write only the null page: the requests that follow still give NumPy's tokens."""
     path, want = tiny
     prefill_rows = []  # the prefill attention grid's longest chunk, per call
-    kernel = EngineConfig().prefill_attention  # the engine's default prefill attention
+    kernel = model.prefill_attention_name(EngineConfig().prefill_attention, 16)  # the default's kernel here (tiny: HD 16)
     prefill_attention = model.PREFILL_ATTENTIONS[kernel]
 
     def spy(*args):

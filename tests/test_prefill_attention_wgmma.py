@@ -18,8 +18,10 @@ local memory, no serialised wgmma. The ``gpu`` test runs Llama 3.2 1B's heads on
 from __future__ import annotations
 
 import functools
+import gc
 import re
 import subprocess
+import weakref
 
 import numpy as np
 import pytest
@@ -32,14 +34,18 @@ from numba_vllm.kernels.prefill_attention_wgmma import (
     DEFAULT_TILINGS,
     OVERLAP_TILING,
     OVERLAP_WIDE_TILING,
+    PERSISTENT_TILING,
+    PINGPONG_TILING,
     Tiling,
+    cache_operands,
     prefill_attention_wgmma,
 )
 from numba_vllm.loading.bf16 import upload_bf16
-from numba_vllm.model.config import PAGE_SIZE
+from numba_vllm.model import llama
+from numba_vllm.model.config import PAGE_SIZE, ModelConfig
 from tests.helpers import ptx as ptx_check
 from tests.helpers.attention import EDGE_SEQS, PREFILL_SEQS, check_prefill
-from tests.helpers.tiny_llama import tiny_checkpoint
+from tests.helpers.tiny_llama import random_weights, tiny_checkpoint, tiny_config_dict
 
 check_prefill_wgmma = functools.partial(check_prefill, prefill_attention_wgmma)
 
@@ -61,14 +67,20 @@ def test_prefill_wgmma(group, num_kv_heads, head_dim, seqs):
 @pytest.mark.parametrize(
     "tiling",
     [Tiling(1, 16, 2), Tiling(1, 32, 3), Tiling(2, 32, 2), Tiling(2, 64, 3), Tiling(2, 32, 2, overlap=True),
-     Tiling(1, 16, 3, overlap=True), Tiling(2, 32, 2, overlap=True, producer_registers=24)],
-    ids=["c1k16", "c1k32s3", "c2k32", "c2k64s3", "c2k32-overlap", "c1k16s3-overlap", "c2k32-overlap-p24"],
+     Tiling(1, 16, 3, overlap=True), Tiling(2, 32, 2, overlap=True, producer_registers=24),
+     Tiling(2, 32, 3, overlap=True, pingpong=True), Tiling(2, 16, 2, persistent=True),
+     Tiling(2, 32, 3, overlap=True, pingpong=True, persistent=True, producer_registers=24)],
+    ids=["c1k16", "c1k32s3", "c2k32", "c2k64s3", "c2k32-overlap", "c1k16s3-overlap", "c2k32-overlap-p24",
+         "c2k32s3-pingpong", "c2k16-persistent", "c2k32s3-pingpong-persistent-p24"],
 )
 def test_prefill_wgmma_tilings(tiling):
     """Other tilings, GQA 4 at head dim 64 after cached prefixes: several key tiles a block, the ring of
     stages reused, one consumer warpgroup a block, the softmax overlapped with the previous P V (a stage
     held one tile longer; in the simulator every wgmma completes at once, so this checks the order of
-    the steps, not the waits), a producer warpgroup (setmaxnreg: a no-op in the simulator)."""
+    the steps, not the waits), a producer warpgroup (setmaxnreg: a no-op in the simulator), the two
+    warpgroups taking turns to issue (ping-pong: the simulator counts bar.sync and bar.arrive as the
+    hardware does, so unmatched turns hang it), a persistent grid (one block in the simulator: every
+    work item of every sequence and kv head in turn, the stage ring running on across them)."""
     check_prefill_wgmma(np.random.default_rng(5), [(15, 2), (5, 28), (0, 17), (57, 12)], 4, 1, 64, tiling=tiling)
 
 
@@ -115,7 +127,7 @@ def test_prefill_wgmma_gpu():
     seed = int(np.random.SeedSequence().entropy % 2**32)
     seqs = [(0, 512), (0, 1), (100, 300), (1000, 200), (511, 1), (0, 333), (17, 100)]
     for head_dim, tiling in ((64, None), (64, Tiling(2, 64, 3)), (64, Tiling(1, 128, 2, 2)), (64, OVERLAP_TILING),
-                            (64, OVERLAP_WIDE_TILING), (128, None)):
+                            (64, OVERLAP_WIDE_TILING), (64, PINGPONG_TILING), (64, PERSISTENT_TILING), (128, None)):
         try:
             check_prefill_wgmma(np.random.default_rng(seed), seqs, 4, 8, head_dim, tiling=tiling)
         except AssertionError as e:
@@ -138,6 +150,32 @@ def test_an_engine_asking_for_it_on_an_unsupported_head_dim_is_refused_when_buil
     path = tiny_checkpoint(tmp_path, head_dim=16)
     with pytest.raises(KernelError, match="head_dim 16 not supported .*'tensor_cores'"):
         LLM(str(path), backend="sim", prefill_attention="wgmma")
+
+
+@pytest.mark.parametrize("on_hopper, head_dim, want", [(False, 64, "prefill_attention_tc"), (True, 64, "prefill_attention_wgmma"),
+                                                        (True, 16, "prefill_attention_tc")])  # fmt: skip
+def test_auto_runs_wgmma_on_hopper_where_the_head_dim_fits(monkeypatch, on_hopper, head_dim, want):
+    """EngineConfig's default, "auto": this kernel on an H100/H200 (compute capability 9.0) for head dims of
+    whole 64-dim panels, ``prefill_attention_tc`` elsewhere (no error: other GPUs and head dims just run it)."""
+    monkeypatch.setattr(llama, "hopper", lambda: on_hopper)
+    config = ModelConfig.from_dict(tiny_config_dict(head_dim=head_dim))
+    model = llama.DeviceModel(config, random_weights(config, dtype="bf16"))
+    assert model.prefill_attention.__name__ == want
+
+
+def test_cache_operands_are_made_once_per_cache_and_do_not_keep_it():
+    """The launcher's views and tensor maps of a layer's caches: the same objects on every call while the
+    cache lives (no host work per launch), dropped with the cache (a dropped engine's memory is freed)."""
+    k_cache, v_cache = (upload_bf16(np.zeros((3, PAGE_SIZE, 2, 64), np.float32)) for _ in range(2))
+    first = cache_operands(k_cache, v_cache)
+    assert all(a is b for a, b in zip(first, cache_operands(k_cache, v_cache), strict=True))
+    assert first[0].shape == (3 * PAGE_SIZE, 2 * 64)
+    other_v = upload_bf16(np.ones((3, PAGE_SIZE, 2, 64), np.float32))
+    assert cache_operands(k_cache, other_v)[1] is not first[1]  # another V array: made afresh
+    alive = weakref.ref(k_cache)
+    del k_cache, first
+    gc.collect()
+    assert alive() is None
 
 
 def test_default_tilings_fit_in_shared_memory():
@@ -166,12 +204,14 @@ def test_kernel_assembles_with_the_wgmma_kept_asynchronous(wgmma_ptx, tmp_path, 
     text = result["ptx"]
     assert ptx_check.ptx_problems(text, hot=True) == []
     head_dim = int(re.search(r"hd(\d+)", variant.variant).group(1))
-    tiling = {"overlap": OVERLAP_TILING, "overlap wide": OVERLAP_WIDE_TILING}.get(variant.variant.split("hd64 ")[-1])
+    tiling = {"overlap": OVERLAP_TILING, "overlap wide": OVERLAP_WIDE_TILING, "pingpong": PINGPONG_TILING,
+              "persistent": PERSISTENT_TILING}.get(variant.variant.split("hd64 ")[-1])  # fmt: skip
     block_keys = (tiling or DEFAULT_TILINGS[head_dim]).block_keys
     assert f"wgmma.mma_async.sync.aligned.m64n{block_keys}k16.f32.bf16.bf16" in text  # S = Q K^T
     pv = rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 [^;]*\}}, \{{"  # P V: A in registers
     assert re.search(pv, text)
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
+    assert ("bar.arrive" in text) == (tiling is PINGPONG_TILING)  # the turn handed over without waiting
     try:
         ptxas = find_ptxas()
     except ReportError as e:

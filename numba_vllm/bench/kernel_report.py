@@ -89,7 +89,7 @@ DECODE_FAST_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), float32, int32, f32(
 PREFILL_SIG = "(f32(3), u16(4), u16(4), i32(2), i32(1), i32(1), float32, f32(3))"  # ... cu_seqlens, start_pos ...
 PREFILL_TC_SIG = "(f32(3), u16(1), u16(1), i32(2), i32(1), i32(1), float32, f32(3))"  # flat caches
 # q, the caches' tensor maps and (num_pages * PAGE_SIZE, KVH * HD) views, tables, cu_seqlens, start_pos, scale, out
-PREFILL_WGMMA_SIG = f"(f32(3), {TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), i32(2), i32(1), i32(1), float32, f32(3))"
+PREFILL_WGMMA_SIG = f"(f32(3), {TENSOR_MAP}, {TENSOR_MAP}, u16(2), u16(2), i32(2), i32(1), i32(1), float32, f32(3), int32)"
 # flat qkv, positions, inv_freq, kv indices, flat q, k/v caches as rows of slots, H, KVH
 ROPE_SIG = "(f32(1), i32(1), f32(1), i32(1), f32(1), u16(2), u16(2), int32, int32)"
 PICK_TAIL = "int64, i32(1), f32(1), i32(1)"  # the samplers': part_cols, token_ids, the workspace's values and indices
@@ -188,12 +188,14 @@ REGISTRY: tuple[KernelVariant, ...] = (
         if hd in (64, 128)
     ),
     # the softmax beside the previous tile's P V: 64-key tiles (128 would spill at the 168 registers of 9
-    # warps), or 128-key ones with a producer warpgroup handing its registers to the consumers (setmaxnreg)
+    # warps), or 128-key ones with a producer warpgroup handing its registers to the consumers (setmaxnreg);
+    # with the warpgroups' ping-pong turns; the default tiles on a persistent grid
     *(
         KernelVariant("prefill_attention_wgmma", f"g4 hd64 {label}",
                       f"prefill_attention_wgmma:prefill_attention_wgmma_kernel_for(4, 64, {name})", PREFILL_WGMMA_SIG,
                       f"{name}.threads", f"{name}.shared_bytes(64)", arch_specific=True)  # fmt: skip
-        for label, name in (("overlap", "OVERLAP_TILING"), ("overlap wide", "OVERLAP_WIDE_TILING"))
+        for label, name in (("overlap", "OVERLAP_TILING"), ("overlap wide", "OVERLAP_WIDE_TILING"),
+                            ("pingpong", "PINGPONG_TILING"), ("persistent", "PERSISTENT_TILING"))
     ),
     KernelVariant("rope", "", "rope:rope_kernel", ROPE_SIG, "WARP_SIZE * ROPE_WARPS"),
     KernelVariant("rms_norm", "", "rmsnorm:rms_norm_kernel", "(f32(2), u16(1), f32(2), float32)", "RMSNORM_MAX_THREADS"),

@@ -12,8 +12,9 @@ SCHEDULING_MODES = ("continuous", "static")
 # auto: wgmma on compute capability 9.0, else tensor_cores; kernels/gemm_tc.py (bf16 mma.sync), kernels/gemm.py
 # (fp32 FMA, the readable one), kernels/gemm_wgmma.py (bf16 wgmma, sm_90a only)
 PREFILL_GEMMS = ("auto", "tensor_cores", "fp32", "wgmma")
-# kernels/prefill_attention.py (readable), prefill_attention_tc.py (mma.sync), prefill_attention_wgmma.py (sm_90a only)
-PREFILL_ATTENTIONS = ("cuda_cores", "tensor_cores", "wgmma")
+# auto: wgmma on compute capability 9.0 (head dims 64 and 128), else tensor_cores; kernels/prefill_attention.py
+# (readable), prefill_attention_tc.py (mma.sync), prefill_attention_wgmma.py (sm_90a only)
+PREFILL_ATTENTIONS = ("auto", "cuda_cores", "tensor_cores", "wgmma")
 # kernels/decode_attention.py (readable), decode_attention_fast.py (CUDA cores, tuned), decode_attention_tc.py
 DECODE_ATTENTIONS = ("reference", "fast", "tensor_cores")
 # auto: the model's generation_config.json sampling values are the requests' defaults; vllm: vLLM's neutral ones
@@ -36,7 +37,7 @@ class EngineConfig:
     async_scheduling: bool = True  # schedule and launch step n+1 before collecting step n's tokens (overlap)
     scheduling: str = "continuous"  # continuous: refill free slots every step; static: batch by batch
     prefill_gemm: str = "auto"  # the GEMM of steps with more than GEMV_MAX_TOKENS tokens (PREFILL_GEMMS)
-    prefill_attention: str = "tensor_cores"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
+    prefill_attention: str = "auto"  # the attention kernel of prompt chunks (PREFILL_ATTENTIONS)
     decode_attention: str = "tensor_cores"  # the attention kernel of decoding sequences (DECODE_ATTENTIONS)
     enable_prefix_caching: bool = True  # reuse the K/V pages of prompts' shared prefixes (engine/prefix_cache.py)
     generation_config: str = "auto"  # where requests' sampling defaults come from (GENERATION_CONFIGS)

@@ -158,13 +158,10 @@ RESCALE_LOG2 = 8.0  # a row's running max moves when a tile's max exceeds it by 
 
 
 @device_function
-def row_tile(cu_seqlens, start_pos, group, block_rows):
-    """The rows of the block at grid position (kv head, sequence s = blockIdx.y, row tile): row tiles
-    in reverse (the latest rows, with the most keys, run first). Returns the sequence's first token,
-    its rows (new tokens x group), the block's first row (past them: nothing to do), its cached start
-    and its context length."""
-    s = cuda.blockIdx.y
-    tile = cuda.gridDim.z - 1 - cuda.blockIdx.z
+def row_tile(cu_seqlens, start_pos, group, block_rows, s, tile):
+    """The rows of row tile ``tile`` of sequence ``s`` (a grid runs them in reverse: the latest rows,
+    with the most keys, first). Returns the sequence's first token, its rows (new tokens x group),
+    the tile's first row (past them: nothing to do), its cached start and its context length."""
     first_token = cu_seqlens[s]
     num_new = cu_seqlens[s + 1] - first_token
     start = start_pos[s]
@@ -409,7 +406,8 @@ def prefill_attention_tc_kernel_for(group: int, head_dim: int, warp_m_tiles: int
         scale_log2: scale * log2(e)."""
         kv_head = cuda.blockIdx.x
         s = cuda.blockIdx.y
-        first_token, num_rows, first_row, start, context_len = row_tile(cu_seqlens, start_pos, group, block_rows)
+        tile = cuda.gridDim.z - 1 - cuda.blockIdx.z  # row tiles in reverse: the latest rows first
+        first_token, num_rows, first_row, start, context_len = row_tile(cu_seqlens, start_pos, group, block_rows, s, tile)
         if first_row >= num_rows:
             return  # this sequence has fewer rows than the longest one: the whole block leaves
         last_pos = int32(context_len - 1)

@@ -15,17 +15,20 @@ warp; grid ``(KVH, S, row tiles)`` as ``prefill_attention_tc``'s (the tile with 
 first). A query row is a (new token, query head) pair of the kv head's group, token-major, so the
 group's heads share every K/V tile (GQA).
 
-- Producer (one thread): per key tile of ``block_keys`` keys (whole 16-token pages), waits until a
-  stage of the ring is free (its *empty* mbarrier: one arrival per consumer warpgroup), then copies
-  every page of K and V with the Tensor Memory Accelerator: one ``tma_load_2d(16)`` box (16 tokens x
-  64 dims, 2 KB) per page, tensor and 64-dim panel, from the cache seen as a 2-D matrix (num_pages *
-  16 rows, KVH * HD columns: a page's tokens of one kv head are 16 consecutive rows, the head's
-  dims ``kv_head * HD ..``), into the 128-byte-swizzled layout, completion counted on the stage's
-  *full* mbarrier. The page id is ``block_tables[s, key // 16]``; pages past the block's last key
-  are not copied (the mbarrier expects the bytes of the pages copied): no table entry past the
-  sequence is read.
-- Consumers: warpgroup ``c`` rounds its 64 rows of q to bf16 into shared memory once (K-major, the
-  128-byte swizzle: the A operand of S), then per key tile waits on the stage's full mbarrier and
+- Producer (one warp, lane p copying page p of each tile): per key tile of ``block_keys`` keys
+  (whole 16-token pages), each lane reads its page id ``block_tables[s, key // 16]`` (one load a
+  tile for the warp, issued before the wait below), waits until a stage of the ring is free (its
+  *empty* mbarrier: one arrival per consumer warpgroup), then copies its page of K and V with the
+  Tensor Memory Accelerator: one ``tma_load_2d(16)`` box (16 tokens x 64 dims, 2 KB) per tensor and
+  64-dim panel, from the cache seen as a 2-D matrix (num_pages * 16 rows, KVH * HD columns: a
+  page's tokens of one kv head are 16 consecutive rows, the head's dims ``kv_head * HD ..``), into
+  the 128-byte-swizzled layout, completion counted on the stage's *full* mbarrier (lane 0 tells it
+  the bytes to expect first). Pages past the block's last key are not copied: no table entry past
+  the sequence is read. (A single thread issuing every page in turn, each copy waiting for its
+  table load, kept the tensor cores waiting: 2,945 against 3,537 us at 16,384 tokens.)
+- Consumers: warpgroup ``c`` rounds its 64 rows of q to bf16 into shared memory once (16-byte loads,
+  all issued before the first store; K-major, the 128-byte swizzle: the A operand of S), then per key
+  tile waits on the stage's full mbarrier and
 
   1. ``S = Q K^T``: ``head_dim / 16`` wgmma m64n{block_keys}k16, A = Q, B = K as staged (a row per
      key, dims contiguous: K-major), S in 64 fp32 registers a thread (``block_keys`` = 128);
@@ -71,37 +74,55 @@ Tilings (``Tiling``; ``DEFAULT_TILINGS`` per head dim):
   (instead of a warp) that lowers itself to 24 with ``setmaxnreg`` raises the two consumers to 240.
 - ``blocks_per_sm``: the launch bound (two blocks of one consumer warpgroup share an SM: the
   warpgroups of different blocks do not wait for each other).
+- ``pingpong`` (with ``overlap``, two consumers): FlashAttention-3's warpgroup ping-pong. The two
+  warpgroups take turns to issue their products (hardware barriers ``TURN_BARRIER + c``: a
+  warpgroup waits for its turn with ``bar.sync``, issues S and the previous P V, and hands the turn
+  over with ``bar.arrive``), so one's softmax runs while the tensor cores do the other's products.
+  Every key tile is a turn of each warpgroup, work or not, so the turns stay paired.
+- ``persistent``: a grid of one SM's worth of blocks, each taking work items (kv head, sequence, row
+  tile) in the order the 3-D grid would run them, the stage ring and its mbarrier phases running on
+  from one item to the next (the producer copies the next item's first tiles while the consumers
+  finish the current one).
 
-Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the default tilings 167 (head dim 64)
-and 163 (128), ``OVERLAP_TILING`` 164, ``OVERLAP_WIDE_TILING`` 168 at launch (240 in the consumers),
-none spilling; no wgmma serialised (C7515).
+Measured (H200, ``benchmarks/attn_tc_gpu.py``, torch's cuDNN kernel beside it; head dim 64, GQA 4):
+the default tiling takes 70.8 us at 1 x 2048 tokens (torch 59.8: 1.18x), 71.9 at 8 x 512 (40.3:
+1.78x), 2,904 at 1 x 16,384 (2,480: 1.17x) and 682 for 2,048 tokens after 14,000 cached (885:
+0.77x); ``prefill_attention_tc`` takes 78.4, 72.5, 3,621 and 860. Neither ping-pong nor the
+persistent grid nor the overlapped order was faster (2x128 tiles with them: 70.2, 69.3, 2,929 and
+703 with ping-pong; 86.0, 76.3, 3,060, 719 persistent): the short prompts' time goes to each block's
+fixed steps (Q's loads, the first copies, the epilogue), which ``ncu``'s source view spreads over
+hundreds of instructions, not to the products' order.
 
-Not yet timed on a GPU: the engine keeps ``tensor_cores`` (``prefill_attention_tc``) by default until
-``benchmarks/attn_tc_gpu.py`` (which checks and times every tiling above beside it and torch) has
-run on an H200. The target is cuDNN's Hopper kernel, which torch runs there (``prefill_attention_tc``'s
-docstring: 38.2 us at 8 x 512 against the mma.sync kernel's 66.1).
+Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the default tilings 168 (head dims 64
+and 128), ``OVERLAP_TILING`` 162, ``OVERLAP_WIDE_TILING`` 168 at launch (240 in the consumers), none
+spilling; no wgmma serialised (C7515).
+
+The engine runs it on H100/H200 (``EngineConfig.prefill_attention`` "auto"), ``prefill_attention_tc``
+elsewhere.
 
 Simulator: wgmma, the TMA and mbarriers are emulated (``wgmma.py``), so the kernel runs as written,
 a warpgroup rendezvous per wgmma; every wgmma completes at once there, so the simulator checks the
 order of the steps, not the waits (ptxas checks those it can: C7515). Needs sm_90a on a GPU:
-``EngineConfig(prefill_attention="wgmma")`` runs it; other GPUs are refused with a one-line error.
+``EngineConfig(prefill_attention="wgmma")`` asks for it; other GPUs are refused with a one-line error.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 from numba import cuda, float32, int32, uint32
 
-from numba_vllm.kernels._launch import KernelError, hopper, launch
+from numba_vllm.kernels._launch import KernelError, hopper, launch, num_sms
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import pack_bf16x2, store_shared_u32x4
 from numba_vllm.kernels.prefill_attention import check_prefill_args
 from numba_vllm.kernels.prefill_attention_tc import LOG2_E, RESCALE_LOG2, row_tile
 from numba_vllm.kernels.reductions import FULL_MASK
+from numba_vllm.kernels.vector_load import load_f32x4, store_f32x2, vector_aligned
 from numba_vllm.kernels.wgmma import (
     ATOM_BYTES,
     DESC_K_STEP,
@@ -118,6 +139,7 @@ from numba_vllm.kernels.wgmma import (
     mbarrier_init,
     mbarrier_wait,
     named_barrier,
+    named_barrier_arrive,
     set_max_registers,
     shared_address,
     smem_descriptor,
@@ -143,6 +165,9 @@ PAGE_BYTES = PAGE_SIZE * SWIZZLE_ROW_BYTES  # one TMA box: a page's 16 tokens x 
 BARRIER_BYTES = 8
 REGISTERS_PER_SM = 65536
 CHUNK_BYTES = 16  # one swizzled chunk: 8 bf16
+TURN_BARRIER = 3  # ping-pong: warpgroup c waits on hardware barrier 3 + c for its turn (1 + c: its own barrier)
+Q_PASSES_AT_ONCE = 4  # Q's 16-byte chunks a thread loads before storing any (4 at head dim 64: all of them)
+CHAINS = 4  # a row's max and sum over a tile run as this many independent chains (few warps hide little latency)
 
 
 @dataclass(frozen=True)
@@ -156,6 +181,8 @@ class Tiling:
     blocks_per_sm: int = 1
     overlap: bool = False  # a tile's softmax beside the previous tile's P V on the tensor cores (FlashAttention-3)
     producer_registers: int = 0  # 0: a producer warp; else a producer warpgroup lowered to this many (setmaxnreg)
+    pingpong: bool = False  # (overlap, two consumers) the warpgroups take turns to issue their products
+    persistent: bool = False  # a grid of an SM's worth of blocks, each running work items in turn
 
     @property
     def block_rows(self) -> int:
@@ -188,6 +215,10 @@ DEFAULT_TILINGS = {64: Tiling(consumers=2, block_keys=128, stages=2), 128: Tilin
 OVERLAP_TILING = Tiling(consumers=2, block_keys=64, stages=3, overlap=True)
 # The same with 128-key tiles: a producer warpgroup lowered to 24 registers raises the consumers to 240.
 OVERLAP_WIDE_TILING = Tiling(consumers=2, block_keys=128, stages=3, overlap=True, producer_registers=24)
+# The wide overlapped order with the warpgroups' ping-pong turns; and the default tiles on a persistent grid
+# (its producer a warpgroup handing registers over: the item loop spills 60 bytes at 168). Neither is faster.
+PINGPONG_TILING = Tiling(consumers=2, block_keys=128, stages=3, overlap=True, producer_registers=24, pingpong=True)
+PERSISTENT_TILING = Tiling(consumers=2, block_keys=128, stages=2, producer_registers=24, persistent=True)
 
 
 def default_tiling(head_dim: int) -> Tiling:
@@ -203,12 +234,15 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
     if not 1 <= group <= MAX_GROUP:
         raise KernelError(f"prefill_attention_wgmma: {group} query heads per kv head, at most {MAX_GROUP}")
     consumers, block_keys, stages, overlap = tiling.consumers, tiling.block_keys, tiling.stages, tiling.overlap
+    pingpong, persistent = tiling.pingpong, tiling.persistent
     assert block_keys % PAGE_SIZE == 0 and block_keys <= 256 and stages >= 2
+    assert not pingpong or (overlap and consumers == 2), "ping-pong turns are the overlapped order's, between two warpgroups"
     block_rows = tiling.block_rows
     threads = tiling.threads
     panels = head_dim // TILE_K  # 64-dim panels of a staged row
     row_chunks = head_dim // 8  # 16-byte chunks of a row of q
     q_passes = WGMMA_M * row_chunks // WARPGROUP_THREADS  # chunks of Q each consumer thread stages
+    q_chunk_values = 8 * Q_PASSES_AT_ONCE  # (a multiple of it: head dims of whole 64-dim panels)
     q_panel_bytes = block_rows * SWIZZLE_ROW_BYTES  # one 64-dim panel of the Q tile
     q_bytes = panels * q_panel_bytes
     kv_panel_bytes = block_keys * SWIZZLE_ROW_BYTES  # one 64-dim panel of a K or V tile
@@ -241,6 +275,33 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         raise_registers = set_max_registers(tiling.consumer_registers, True)
 
     @device_function
+    def _work_item(item, num_kv_heads, row_tiles, cu_seqlens, start_pos):
+        """(kv head, sequence, first token, rows, first row, cached start, context length) of work item
+        ``item``: the block's own grid position, or (persistent) item = (row tiles - 1 - tile) x (kv heads
+        x sequences) + sequence x kv heads + kv head, the order a grid (KVH, S, row tiles) runs in."""
+        if persistent:
+            per_tile = num_kv_heads * (cu_seqlens.shape[0] - 1)
+            tile = int32(row_tiles - 1 - item // per_tile)
+            s = int32(item % per_tile // num_kv_heads)
+            kv_head = int32(item % num_kv_heads)
+        else:
+            tile = int32(cuda.gridDim.z - 1 - cuda.blockIdx.z)  # row tiles in reverse: the latest rows first
+            s = int32(cuda.blockIdx.y)
+            kv_head = int32(cuda.blockIdx.x)
+        first_token, num_rows, first_row, start, context_len = row_tile(cu_seqlens, start_pos, group, block_rows, s, tile)
+        return kv_head, s, first_token, num_rows, first_row, start, context_len
+
+    @device_function
+    def _take_turn(wg):
+        """Ping-pong: wait until the other warpgroup has issued its products (its ``_pass_turn``)."""
+        named_barrier(TURN_BARRIER + wg, 2 * WARPGROUP_THREADS)
+
+    @device_function
+    def _pass_turn(wg):
+        """Ping-pong: this warpgroup's products are issued; the other one may issue its own."""
+        named_barrier_arrive(TURN_BARRIER + 1 - wg, 2 * WARPGROUP_THREADS)
+
+    @device_function
     def _mask(acc_s, row_pos, key0, qd):
         """-inf for the keys past each row's position (causal), before the row max."""
         for j in range(key_blocks):
@@ -255,10 +316,14 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         on the wgmma layout: acc[4j + 2h + e] is row h). Returns whether some row of the warp moved its
         m: then O must be multiplied by ``alpha`` (``_rescale``) before this tile's P V is added."""
         moved = False
+        chains = cuda.local.array(CHAINS, float32)  # partial maxima, then sums: independent dependency chains
         for h in range(2):
-            tile_max = minus_inf
+            for c in range(CHAINS):
+                chains[c] = minus_inf
             for j in range(key_blocks):
-                tile_max = max(tile_max, max(acc_s[4 * j + 2 * h], acc_s[4 * j + 2 * h + 1]))
+                for e in range(2):
+                    chains[(2 * j + e) % CHAINS] = max(chains[(2 * j + e) % CHAINS], acc_s[4 * j + 2 * h + e])
+            tile_max = max(max(chains[0], chains[1]), max(chains[2], chains[3]))
             tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 1))  # the quad shares the row
             tile_max = max(tile_max, cuda.shfl_xor_sync(FULL_MASK, tile_max, 2))
             move = (tile_max - row_max[h]) * scale_log2 > rescale_log2  # True on the first tile (m = -inf)
@@ -269,13 +334,14 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
             row_sum[h] *= alpha[h]
         for h in range(2):
             m_scaled = row_max[h] * scale_log2
-            tile_sum = float32(0.0)
+            for c in range(CHAINS):
+                chains[c] = float32(0.0)
             for j in range(key_blocks):
                 for e in range(2):
                     p = math.exp2(acc_s[4 * j + 2 * h + e] * scale_log2 - m_scaled)
                     acc_s[4 * j + 2 * h + e] = p
-                    tile_sum += p
-            row_sum[h] += tile_sum
+                    chains[(2 * j + e) % CHAINS] += p
+            row_sum[h] += (chains[0] + chains[1]) + (chains[2] + chains[3])
         return cuda.any_sync(FULL_MASK, moved)
 
     @device_function
@@ -303,11 +369,10 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         and pages not copied: they hold whatever the stage held before) in the stage whose V tile
         starts at word ``v_word0``, every panel, and make the zeros visible to this warpgroup's wgmma
         (the async proxy, every warp). The other warpgroup may write the same zeros."""
-        rows = block_keys - first
-        for i in range(tw, panels * rows * 8, WARPGROUP_THREADS):  # panel, row, 16-byte chunk
-            row = first + (i // 8) % rows
-            word = v_word0 + ((i // (rows * 8)) * kv_panel_bytes + row * SWIZZLE_ROW_BYTES + (i % 8) * CHUNK_BYTES) // 4
-            store_shared_u32x4(smem, word, uint32(0), uint32(0), uint32(0), uint32(0))
+        for panel in range(panels):
+            for i in range(first * 8 + tw, block_keys * 8, WARPGROUP_THREADS):  # row i // 8, 16-byte chunk i % 8
+                word = v_word0 + (panel * kv_panel_bytes + (i // 8) * SWIZZLE_ROW_BYTES + (i % 8) * CHUNK_BYTES) // 4
+                store_shared_u32x4(smem, word, uint32(0), uint32(0), uint32(0), uint32(0))
         fence_proxy_async()
         named_barrier(1 + wg, WARPGROUP_THREADS)
 
@@ -356,9 +421,14 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         and the softmax run while the tensor cores add P V; then wait for it, rescale O, and round this
         tile's P into ``pa``. Leaves this tile's P V to the next call (or ``_finish_pv``). Called with
         ``masked`` and ``has_previous`` constants (four copies, no branch around a wgmma)."""
+        if pingpong:
+            _take_turn(wg)
         _issue_s(smem, acc_s, desc_q, desc_k)
         if has_previous:
             _issue_pv(smem, acc_o, pa, desc_v_previous)
+        if pingpong:
+            _pass_turn(wg)  # the other warpgroup's products run while this one's softmax does
+        if has_previous:
             wait_s_but_one(acc_s)  # S's group has completed; the P V after it may still run
         else:
             wait_s(acc_s)
@@ -374,33 +444,28 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
             _zero_v_tail(smem, v_word0, valid_end - key0, tw, wg)
 
     @device_function
-    def _finish_pv(smem, acc_o, pa, desc_v, empty_barrier, tw):
-        """The pending tile's O += P V, waited for; then its stage is released."""
+    def _finish_pv(smem, acc_o, pa, desc_v, empty_barrier, tw, wg, turn):
+        """The pending tile's O += P V (issued in this warpgroup's ping-pong turn if ``turn``, a constant),
+        waited for; then its stage is released."""
+        if turn:
+            _take_turn(wg)
         _issue_pv(smem, acc_o, pa, desc_v)
+        if turn:
+            _pass_turn(wg)
         wait_o(acc_o, pa)
         if tw == 0:
             mbarrier_arrive(empty_barrier)
 
     @kernel(fastmath=True, launch_bounds=(threads, tiling.blocks_per_sm))
     def prefill_attention_wgmma_kernel(q, k_map, v_map, k_rows, v_rows, block_tables, cu_seqlens, start_pos, scale_log2,
-                                       out):  # fmt: skip
+                                       out, row_tiles):  # fmt: skip
         """q, out: (T, H, HD) f32; k_map, v_map (16,) uint64: tensor maps of k_rows, v_rows, the caches
         as (num_pages * PAGE_SIZE, KVH * HD) uint16 (bf16 bits; boxes of 16 x 64); block_tables: (S,
-        max_pages) int32; cu_seqlens: (S + 1,) int32; start_pos: (S,) int32; scale_log2: scale * log2(e)."""
+        max_pages) int32; cu_seqlens: (S + 1,) int32; start_pos: (S,) int32; scale_log2: scale * log2(e);
+        row_tiles: row tiles of the longest sequence (the grid's z without ``persistent``)."""
         smem = cuda.shared.array(0, uint32)  # from a 1024-byte boundary: Q, stages x (K, V), mbarriers
-        kv_head = cuda.blockIdx.x
-        s = cuda.blockIdx.y
-        first_token, num_rows, first_row, start, context_len = row_tile(cu_seqlens, start_pos, group, block_rows)
-        if first_row >= num_rows:
-            return  # this sequence has fewer rows than the longest one: the whole block leaves
-        last_row = min(first_row + block_rows, num_rows) - 1
-        num_keys = int32(start + last_row // group + 1)  # keys 0 .. position of the block's last row
-        num_key_tiles = (num_keys + block_keys - 1) // block_keys
-        # Keys whose K/V rows hold values: the context, within the pages copied (whole pages up to num_keys)
-        valid_end = min(context_len, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
         tid = cuda.threadIdx.x
         wg = tid // WARPGROUP_THREADS
-
         base = shared_address(smem, 0)
         pad = (ATOM_BYTES - (base & (ATOM_BYTES - 1))) & (ATOM_BYTES - 1)  # bytes up to an aligned address
         tile0 = base + pad  # shared address of the Q tile; stage i at tile0 + q_bytes + i * stage_bytes
@@ -412,30 +477,48 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                 mbarrier_init(empty + i * BARRIER_BYTES, consumers)
             fence_mbarrier_init()
         cuda.syncthreads()
+        # Work items (kv head, sequence, row tile), latest row tiles first: one a block, or (persistent)
+        # every gridDim.x-th from blockIdx.x, the stage ring running on from one item to the next.
+        num_kv_heads = k_rows.shape[1] // head_dim
+        num_items = num_kv_heads * (cu_seqlens.shape[0] - 1) * row_tiles if persistent else 1
+        first_item = cuda.blockIdx.x if persistent else 0
+        item_step = cuda.gridDim.x if persistent else 1
 
         if wg == consumers:  # the producer warp (or warpgroup): one thread issues every copy
             if set_registers:
                 lower_registers()  # (the whole warpgroup) its registers go to the consumers
-            if tid == consumer_threads:
+            if tid < consumer_threads + WARP_LANES:  # its first warp: lane p copies page p of each tile
+                p = tid - consumer_threads
                 tensormap_acquire(k_map)
                 tensormap_acquire(v_map)
-                table = block_tables[s]
-                column = kv_head * head_dim
-                for kt in range(num_key_tiles):
-                    i = kt % stages
-                    if kt >= stages:  # wait for the consumers' release of the stage's previous use
-                        mbarrier_wait(empty + i * BARRIER_BYTES, (kt // stages + 1) & 1)
-                    barrier = full + i * BARRIER_BYTES
-                    first_page = kt * pages_per_tile
-                    pages = min(pages_per_tile, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE - first_page)  # holding keys
-                    mbarrier_arrive_expect_tx(barrier, pages * 2 * panels * PAGE_BYTES)
-                    k_tile = tile0 + q_bytes + i * stage_bytes
-                    for p in range(pages):
-                        row = table[first_page + p] * PAGE_SIZE
-                        for panel in range(panels):
-                            dst = k_tile + panel * kv_panel_bytes + p * PAGE_BYTES
-                            load_page(smem, dst, k_map, k_rows, column + panel * TILE_K, row, barrier)
-                            load_page(smem, dst + kv_bytes, v_map, v_rows, column + panel * TILE_K, row, barrier)
+                it = 0  # key tiles copied so far (all items): stage it % stages
+                for item in range(first_item, num_items, item_step):
+                    kv_head, s, first_token, num_rows, first_row, start, context_len = _work_item(
+                        item, num_kv_heads, row_tiles, cu_seqlens, start_pos)
+                    if first_row >= num_rows:
+                        continue  # this sequence has fewer rows than the longest one: nothing to do
+                    last_row = min(first_row + block_rows, num_rows) - 1
+                    num_keys = int32(start + last_row // group + 1)  # keys 0 .. position of the item's last row
+                    column = kv_head * head_dim
+                    for kt in range((num_keys + block_keys - 1) // block_keys):
+                        i = it % stages
+                        first_page = kt * pages_per_tile
+                        pages = min(pages_per_tile, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE - first_page)  # holding keys
+                        # the lane's table entry, read while the stage may still be in use (one load a tile, not a
+                        # page: a page's copy waits for its entry)
+                        row = block_tables[s, first_page + p] * PAGE_SIZE if p < pages else 0
+                        if it >= stages:  # wait for the consumers' release of the stage's previous use
+                            mbarrier_wait(empty + i * BARRIER_BYTES, (it // stages + 1) & 1)
+                        it += 1
+                        barrier = full + i * BARRIER_BYTES
+                        if p == 0:
+                            mbarrier_arrive_expect_tx(barrier, pages * 2 * panels * PAGE_BYTES)
+                        cuda.syncwarp()  # (the bytes are expected before any copy can complete them)
+                        if p < pages:
+                            for panel in range(panels):
+                                dst = tile0 + q_bytes + i * stage_bytes + panel * kv_panel_bytes + p * PAGE_BYTES
+                                load_page(smem, dst, k_map, k_rows, column + panel * TILE_K, row, barrier)
+                                load_page(smem, dst + kv_bytes, v_map, v_rows, column + panel * TILE_K, row, barrier)
             return
 
         if set_registers:
@@ -445,30 +528,6 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         warp = tw // WARP_LANES
         g = lane >> 2
         qd = lane & 3
-        wg_row0 = first_row + wg * WGMMA_M
-        active = wg_row0 < num_rows  # else all its rows are padding: it only releases the stages
-
-        # Q: this warpgroup's 64 rows rounded to bf16, 16 bytes (8 dims) a store, chunk c of row r at
-        # chunk c ^ (r % 8) of its 64-dim panel (the 128-byte swizzle).
-        for j in range(q_passes):
-            i = tw + j * WARPGROUP_THREADS
-            r = i // row_chunks
-            c = i % row_chunks
-            row = min(wg_row0 + r, num_rows - 1)  # padding repeats the last row
-            token = first_token + row // group
-            head = kv_head * group + row % group
-            d = c * 8
-            offset = (c // 8) * q_panel_bytes + (wg * WGMMA_M + r) * SWIZZLE_ROW_BYTES + ((c % 8) ^ (r % 8)) * CHUNK_BYTES
-            store_shared_u32x4(
-                smem, (pad + offset) // 4,
-                pack_bf16x2(q[token, head, d], q[token, head, d + 1]),
-                pack_bf16x2(q[token, head, d + 2], q[token, head, d + 3]),
-                pack_bf16x2(q[token, head, d + 4], q[token, head, d + 5]),
-                pack_bf16x2(q[token, head, d + 6], q[token, head, d + 7]),
-            )  # fmt: skip
-        fence_proxy_async()  # the stores are visible to the wgmma (the async proxy) ...
-        named_barrier(1 + wg, WARPGROUP_THREADS)  # ... of every warp of the warpgroup
-
         acc_s = cuda.local.array(s_count, float32)  # S, then P, of one key tile (64 x block_keys)
         acc_o = cuda.local.array(o_count, float32)  # O, unnormalised (64 x head_dim)
         pa = cuda.local.array(p_words, uint32)  # P rounded to bf16 pairs: A of the P V wgmma
@@ -476,76 +535,133 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         row_sum = cuda.local.array(2, float32)  # this thread's share of their l
         row_pos = cuda.local.array(2, int32)  # their positions
         alpha = cuda.local.array(2, float32)  # their rescale factors on one key tile
-        for h in range(2):
-            row = min(wg_row0 + warp * 16 + h * 8 + g, num_rows - 1)
-            row_pos[h] = start + row // group
-            row_max[h] = minus_inf
-            row_sum[h] = float32(0.0)
-        for i in range(o_count):
-            acc_o[i] = float32(0.0)
-        wg_first_pos = int32(start + min(wg_row0, num_rows - 1) // group)
-        wg_last_pos = int32(start + (min(wg_row0 + WGMMA_M, num_rows) - 1) // group)
+        q_chunks = cuda.local.array(q_chunk_values, float32)  # the thread's share of Q on its way to shared memory
         desc_q = smem_descriptor(tile0 + wg * WGMMA_M * SWIZZLE_ROW_BYTES)
+        if pingpong and wg == 1:
+            named_barrier_arrive(TURN_BARRIER, 2 * WARPGROUP_THREADS)  # warpgroup 0 takes the first turn
+        # (*) A stage is released by one thread once the warpgroup is done with it; its next use can then
+        # complete the full mbarrier's next phase. A thread that had not yet waited for the skipped use
+        # would then wait on the parity of a phase two ahead (the parity of one still to come): it hangs.
+        it = 0  # key tiles consumed so far (all items): stage it % stages, phase it // stages
+        for item in range(first_item, num_items, item_step):
+            kv_head, s, first_token, num_rows, first_row, start, context_len = _work_item(
+                item, num_kv_heads, row_tiles, cu_seqlens, start_pos)
+            if first_row >= num_rows:
+                continue
+            last_row = min(first_row + block_rows, num_rows) - 1
+            num_keys = int32(start + last_row // group + 1)
+            # Keys whose K/V rows hold values: the context, within the pages copied (whole pages up to num_keys)
+            valid_end = min(context_len, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
+            wg_row0 = first_row + wg * WGMMA_M
+            active = wg_row0 < num_rows  # else all its rows are padding: it only releases the stages
 
-        previous = -1  # overlap: the stage of the tile whose P V is still to add, if any
-        for kt in range(num_key_tiles):
-            i = kt % stages
-            mbarrier_wait(full + i * BARRIER_BYTES, (kt // stages) & 1)
-            key0 = int32(kt * block_keys)
-            if active and key0 <= wg_last_pos:
-                k_tile = tile0 + q_bytes + i * stage_bytes
-                desc_k = smem_descriptor(k_tile)
-                v_word0 = (pad + q_bytes + i * stage_bytes + kv_bytes) // 4
-                masked = int32(key0 + (block_keys - 1)) > wg_first_pos  # the tile reaches past the first row's position
-                if overlap:
-                    desc_v_previous = smem_descriptor_mn(tile0 + q_bytes + max(previous, 0) * stage_bytes + kv_bytes,
-                                                         kv_panel_bytes)  # (unused on the first tile)
-                    if previous < 0 and masked:
-                        _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
-                                           key0, valid_end, True, scale_log2, qd, tw, wg, False, desc_v_previous)
-                    elif previous < 0:
-                        _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
-                                           key0, valid_end, False, scale_log2, qd, tw, wg, False, desc_v_previous)
-                    elif masked:
-                        _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
-                                           key0, valid_end, True, scale_log2, qd, tw, wg, True, desc_v_previous)
-                    else:
-                        _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, v_word0,
-                                           key0, valid_end, False, scale_log2, qd, tw, wg, True, desc_v_previous)
-                    if previous >= 0 and tw == 0:  # the previous tile's P V has completed
-                        mbarrier_arrive(empty + previous * BARRIER_BYTES)
-                    previous = i  # this stage is released once its P V has run
-                    continue
-                desc_v = smem_descriptor_mn(k_tile + kv_bytes, kv_panel_bytes)
-                if masked:
-                    _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
-                            key0, valid_end, True, scale_log2, qd, tw, wg)  # fmt: skip
-                else:
-                    _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
-                            key0, valid_end, False, scale_log2, qd, tw, wg)  # fmt: skip
-            elif overlap and previous >= 0:  # past this warpgroup's rows: add the pending P V first
-                _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes,
-                           kv_panel_bytes), empty + previous * BARRIER_BYTES, tw)  # fmt: skip
-                previous = -1
-            if tw == 0:
-                mbarrier_arrive(empty + i * BARRIER_BYTES)
-        if overlap and previous >= 0:
-            _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes, kv_panel_bytes),
-                       empty + previous * BARRIER_BYTES, tw)  # fmt: skip
-
-        if active:
-            for h in range(2):
-                total = row_sum[h]
-                total += cuda.shfl_xor_sync(FULL_MASK, total, 1)  # the quad's four shares of l
-                total += cuda.shfl_xor_sync(FULL_MASK, total, 2)
-                row = wg_row0 + warp * 16 + h * 8 + g
-                if row < num_rows:
+            # Q: this warpgroup's 64 rows rounded to bf16, 16 bytes (8 dims) a store, chunk c of row r at
+            # chunk c ^ (r % 8) of its 64-dim panel (the 128-byte swizzle).
+            if persistent:
+                named_barrier(1 + wg, WARPGROUP_THREADS)  # every warp's wgmma on the previous item's Q is done
+            for j0 in range(0, q_passes, Q_PASSES_AT_ONCE):  # a group's loads first (16 bytes each): their latencies overlap
+                for j in range(Q_PASSES_AT_ONCE):
+                    i = tw + (j0 + j) * WARPGROUP_THREADS
+                    row = min(wg_row0 + i // row_chunks, num_rows - 1)  # padding repeats the last row
                     token = first_token + row // group
                     head = kv_head * group + row % group
-                    inv = float32(1.0) / total
-                    for j in range(dim_blocks):
-                        out[token, head, 8 * j + 2 * qd] = acc_o[4 * j + 2 * h] * inv
-                        out[token, head, 8 * j + 2 * qd + 1] = acc_o[4 * j + 2 * h + 1] * inv
+                    d = i % row_chunks * 8
+                    q_chunks[8 * j], q_chunks[8 * j + 1], q_chunks[8 * j + 2], q_chunks[8 * j + 3] = load_f32x4(
+                        q, (token, head, d))
+                    q_chunks[8 * j + 4], q_chunks[8 * j + 5], q_chunks[8 * j + 6], q_chunks[8 * j + 7] = load_f32x4(
+                        q, (token, head, d + 4))
+                for j in range(Q_PASSES_AT_ONCE):
+                    i = tw + (j0 + j) * WARPGROUP_THREADS
+                    r = i // row_chunks
+                    c = i % row_chunks
+                    offset = ((c // 8) * q_panel_bytes + (wg * WGMMA_M + r) * SWIZZLE_ROW_BYTES
+                              + ((c % 8) ^ (r % 8)) * CHUNK_BYTES)  # fmt: skip
+                    v = 8 * j  # the chunk's first value in q_chunks
+                    store_shared_u32x4(
+                        smem, (pad + offset) // 4,
+                        pack_bf16x2(q_chunks[v], q_chunks[v + 1]), pack_bf16x2(q_chunks[v + 2], q_chunks[v + 3]),
+                        pack_bf16x2(q_chunks[v + 4], q_chunks[v + 5]), pack_bf16x2(q_chunks[v + 6], q_chunks[v + 7]),
+                    )  # fmt: skip
+            fence_proxy_async()  # the stores are visible to the wgmma (the async proxy) ...
+            named_barrier(1 + wg, WARPGROUP_THREADS)  # ... of every warp of the warpgroup
+
+            for h in range(2):
+                row = min(wg_row0 + warp * 16 + h * 8 + g, num_rows - 1)
+                row_pos[h] = start + row // group
+                row_max[h] = minus_inf
+                row_sum[h] = float32(0.0)
+            for i in range(o_count):
+                acc_o[i] = float32(0.0)
+            wg_first_pos = int32(start + min(wg_row0, num_rows - 1) // group)
+            wg_last_pos = int32(start + (min(wg_row0 + WGMMA_M, num_rows) - 1) // group)
+
+            previous = -1  # overlap: the stage of the tile whose P V is still to add, if any
+            for kt in range((num_keys + block_keys - 1) // block_keys):
+                i = it % stages
+                key0 = int32(kt * block_keys)
+                uses = active and key0 <= wg_last_pos
+                if uses or tw == 0:  # a tile this warpgroup skips: only the thread that releases it waits (*)
+                    mbarrier_wait(full + i * BARRIER_BYTES, (it // stages) & 1)
+                it += 1
+                if uses:
+                    k_tile = tile0 + q_bytes + i * stage_bytes
+                    desc_k = smem_descriptor(k_tile)
+                    v_word0 = (pad + q_bytes + i * stage_bytes + kv_bytes) // 4
+                    masked = int32(key0 + (block_keys - 1)) > wg_first_pos  # the tile reaches past the first row's position
+                    if overlap:
+                        desc_v_previous = smem_descriptor_mn(tile0 + q_bytes + max(previous, 0) * stage_bytes + kv_bytes,
+                                                             kv_panel_bytes)  # (unused on the first tile)
+                        if previous < 0 and masked:
+                            _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k,
+                                               v_word0, key0, valid_end, True, scale_log2, qd, tw, wg, False, desc_v_previous)
+                        elif previous < 0:
+                            _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k,
+                                               v_word0, key0, valid_end, False, scale_log2, qd, tw, wg, False, desc_v_previous)
+                        elif masked:
+                            _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k,
+                                               v_word0, key0, valid_end, True, scale_log2, qd, tw, wg, True, desc_v_previous)
+                        else:
+                            _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k,
+                                               v_word0, key0, valid_end, False, scale_log2, qd, tw, wg, True, desc_v_previous)
+                        if previous >= 0 and tw == 0:  # the previous tile's P V has completed
+                            mbarrier_arrive(empty + previous * BARRIER_BYTES)
+                        previous = i  # this stage is released once its P V has run
+                        continue
+                    desc_v = smem_descriptor_mn(k_tile + kv_bytes, kv_panel_bytes)
+                    if masked:
+                        _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
+                                key0, valid_end, True, scale_log2, qd, tw, wg)  # fmt: skip
+                    else:
+                        _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
+                                key0, valid_end, False, scale_log2, qd, tw, wg)  # fmt: skip
+                elif overlap and previous >= 0:  # past this warpgroup's rows: add the pending P V first (its turn)
+                    _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes,
+                               kv_panel_bytes), empty + previous * BARRIER_BYTES, tw, wg, pingpong)  # fmt: skip
+                    previous = -1
+                elif pingpong:  # nothing to issue: pass the turn on
+                    _take_turn(wg)
+                    _pass_turn(wg)
+                if tw == 0:
+                    mbarrier_arrive(empty + i * BARRIER_BYTES)
+            if overlap and previous >= 0:  # (no turn: the other warpgroup may have none left in this item)
+                _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes,
+                           kv_panel_bytes), empty + previous * BARRIER_BYTES, tw, wg, False)  # fmt: skip
+
+            if active:
+                for h in range(2):
+                    total = row_sum[h]
+                    total += cuda.shfl_xor_sync(FULL_MASK, total, 1)  # the quad's four shares of l
+                    total += cuda.shfl_xor_sync(FULL_MASK, total, 2)
+                    row = wg_row0 + warp * 16 + h * 8 + g
+                    if row < num_rows:
+                        token = first_token + row // group
+                        head = kv_head * group + row % group
+                        inv = float32(1.0) / total
+                        for j in range(dim_blocks):
+                            store_f32x2(out, (token, head, 8 * j + 2 * qd), acc_o[4 * j + 2 * h] * inv,
+                                        acc_o[4 * j + 2 * h + 1] * inv)  # fmt: skip
+        if pingpong and wg == 0:
+            named_barrier(TURN_BARRIER, 2 * WARPGROUP_THREADS)  # warpgroup 1's last pass: every arrival met
 
     return prefill_attention_wgmma_kernel
 
@@ -567,6 +683,23 @@ def cache_rows(cache):
     return cache.view(np.uint16).reshape(pages * page_size, kv_heads * head_dim)
 
 
+_cache_operands: dict = {}  # id(k_cache) -> (k_cache and v_cache weak references, k_rows, v_rows, k_map, v_map)
+
+
+def cache_operands(k_cache, v_cache):
+    """(k_rows, v_rows, k_map, v_map) of a layer's caches, made once per cache array and kept while it
+    lives: the views and their tensor-map lookups cost more host time than the launch itself. (Kept
+    beside the cache, not holding it: a dropped engine's cache memory is freed.)"""
+    entry = _cache_operands.get(id(k_cache))
+    if entry is None or entry[0]() is not k_cache or entry[1]() is not v_cache:
+        k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
+        entry = (weakref.ref(k_cache), weakref.ref(v_cache), k_rows, v_rows,
+                 tensor_map_2d(k_rows, k_rows.shape[0], PAGE_SIZE), tensor_map_2d(v_rows, v_rows.shape[0], PAGE_SIZE))
+        _cache_operands[id(k_cache)] = entry
+        weakref.finalize(k_cache, _cache_operands.pop, id(k_cache), None)
+    return entry[2:]
+
+
 def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,
                             max_new_tokens: int | None = None, tiling: Tiling | None = None) -> None:
     """Causal attention of a ragged batch of new tokens over their sequences' cached K/V, on Hopper's
@@ -581,12 +714,14 @@ def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start
         return
     group, head_dim, num_kv_heads, num_seqs, max_new_tokens = shape
     check_wgmma_attention(head_dim)
+    if not (vector_aligned(q) and vector_aligned(out)):
+        raise KernelError("prefill_attention_wgmma: q and out must start 16-byte aligned (whole rows of a device array)")
     tiling = tiling or default_tiling(head_dim)
     kernel_ = prefill_attention_wgmma_kernel_for(group, head_dim, tiling)
-    k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
-    k_map = tensor_map_2d(k_rows, k_rows.shape[0], PAGE_SIZE)
-    v_map = tensor_map_2d(v_rows, v_rows.shape[0], PAGE_SIZE)
+    k_rows, v_rows, k_map, v_map = cache_operands(k_cache, v_cache)
     num_row_tiles = -(-max_new_tokens * group // tiling.block_rows)
-    launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), tiling.threads, q, k_map, v_map, k_rows, v_rows,
-           block_tables, cu_seqlens, start_pos, np.float32(scale * LOG2_E), out,
-           shared_bytes=tiling.shared_bytes(head_dim))  # fmt: skip
+    grid = (num_kv_heads, num_seqs, num_row_tiles)
+    if tiling.persistent:
+        grid = (min(num_kv_heads * num_seqs * num_row_tiles, num_sms() * tiling.blocks_per_sm), 1, 1)
+    launch(kernel_, grid, tiling.threads, q, k_map, v_map, k_rows, v_rows, block_tables, cu_seqlens, start_pos,
+           np.float32(scale * LOG2_E), out, np.int32(num_row_tiles), shared_bytes=tiling.shared_bytes(head_dim))

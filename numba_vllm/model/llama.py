@@ -40,7 +40,7 @@ from numba import cuda
 
 from numba_vllm.kernels import decode_attention_fast as fast_decode
 from numba_vllm.kernels import matmul
-from numba_vllm.kernels._launch import num_sms
+from numba_vllm.kernels._launch import hopper, num_sms
 from numba_vllm.kernels.decode_attention import decode_attention as decode_attention_reference
 from numba_vllm.kernels.decode_attention import split_workspace_floats as reference_split_floats
 from numba_vllm.kernels.decode_attention_tc import decode_attention_tc
@@ -50,6 +50,7 @@ from numba_vllm.kernels.gemm_tc import split_workspace_floats as gemm_tc_workspa
 from numba_vllm.kernels.gemm_wgmma import TILE_COUNTERS
 from numba_vllm.kernels.prefill_attention import prefill_attention as prefill_attention_cuda_cores
 from numba_vllm.kernels.prefill_attention_tc import prefill_attention_tc
+from numba_vllm.kernels.prefill_attention_wgmma import SUPPORTED_HEAD_DIMS as WGMMA_HEAD_DIMS
 from numba_vllm.kernels.prefill_attention_wgmma import check_wgmma_attention, prefill_attention_wgmma
 from numba_vllm.kernels.rmsnorm import rms_norm
 from numba_vllm.kernels.rope import rope_and_cache_write
@@ -71,6 +72,15 @@ DECODE_ATTENTIONS = {  # by EngineConfig.decode_attention
     "fast": fast_decode.decode_attention_fast,
     "tensor_cores": decode_attention_tc,
 }
+
+
+def prefill_attention_name(choice: str, head_dim: int) -> str:
+    """The ``PREFILL_ATTENTIONS`` entry ``EngineConfig.prefill_attention`` stands for here: "auto" is the
+    Hopper kernel on an H100/H200 where the head dim fits it (docs/benchmarks.md: within 3% of the
+    mma.sync one at 8 x 512 tokens, faster from 2,048, 1.26x at 16K), ``tensor_cores`` elsewhere."""
+    if choice != "auto":
+        return choice
+    return "wgmma" if hopper() and head_dim in WGMMA_HEAD_DIMS else "tensor_cores"
 
 
 def attention_workspace_floats(num_heads: int, num_kv_heads: int, head_dim: int) -> int:
@@ -103,13 +113,14 @@ class DeviceModel:
 
     def __init__(
         self, config: ModelConfig, weights: dict[str, np.ndarray], prefill_gemm: str = "tensor_cores",
-        prefill_attention: str = "tensor_cores", decode_attention: str = "tensor_cores",
+        prefill_attention: str = "auto", decode_attention: str = "tensor_cores",
     ):
         """Upload the weights. `prefill_gemm` and `prefill_attention` name the kernels of steps with more
         than a few tokens, `decode_attention` the kernel of decoding rows (`EngineConfig`'s fields of
         the same names; one of `PREFILL_GEMMS`, `PREFILL_ATTENTIONS`, `DECODE_ATTENTIONS`)."""
         self.config = c = config
         self.gemm = prefill_gemm
+        prefill_attention = prefill_attention_name(prefill_attention, c.head_dim)
         if prefill_attention == "wgmma":
             check_wgmma_attention(c.head_dim)
         self.prefill_attention = PREFILL_ATTENTIONS[prefill_attention]
