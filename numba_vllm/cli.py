@@ -18,7 +18,15 @@ from pathlib import Path
 
 import click
 
-from numba_vllm.engine.config import BACKENDS, GENERATION_CONFIGS, SCHEDULING_MODES, EngineConfig
+from numba_vllm.engine.config import (
+    BACKENDS,
+    DECODE_ATTENTIONS,
+    GENERATION_CONFIGS,
+    PREFILL_ATTENTIONS,
+    PREFILL_GEMMS,
+    SCHEDULING_MODES,
+    EngineConfig,
+)
 from numba_vllm.engine.lengths import MaxTokensError
 from numba_vllm.engine.llm_engine import LLMEngine
 from numba_vllm.engine.sampling import SamplingParams
@@ -96,6 +104,18 @@ ASYNC_SCHEDULING_OPTION = click.option(
     show_default=True,
     help="Schedule and launch each step before the previous step's tokens are back (overlapped scheduling).",
 )
+# Which kernel runs each part of a step (EngineConfig's fields of the same names; docs/architecture.md)
+KERNEL_OPTIONS = [
+    click.option("--prefill-gemm", type=click.Choice(PREFILL_GEMMS), default="auto", show_default=True,
+                 help="Matrix products of steps with many tokens: auto (wgmma on H100/H200, else tensor_cores), "
+                 "tensor_cores (mma.sync), fp32 (the readable CUDA-core GEMM), wgmma."),
+    click.option("--prefill-attention", type=click.Choice(PREFILL_ATTENTIONS), default="auto", show_default=True,
+                 help="Attention of prompt chunks: auto (wgmma on H100/H200, else tensor_cores), tensor_cores "
+                 "(mma.sync), cuda_cores (the readable kernel), wgmma."),
+    click.option("--decode-attention", type=click.Choice(DECODE_ATTENTIONS), default="tensor_cores", show_default=True,
+                 help="Attention of decoding sequences: tensor_cores, fast (CUDA cores), reference (the readable kernel)."),
+]  # fmt: skip
+
 PREFIX_CACHING_OPTION = click.option(
     "--enable-prefix-caching/--no-enable-prefix-caching",
     default=True,
@@ -144,6 +164,7 @@ def engine_options(command):
             help="auto: the sampling values of the model's generation_config.json (temperature, top_p, top_k) are the "
             "defaults of every request that does not set them; vllm: vLLM's neutral defaults instead.",
         ),
+        *KERNEL_OPTIONS,
     ]
     for option in reversed(options):
         command = option(command)
@@ -569,6 +590,7 @@ def bench_options(command):
         click.option("--enforce-eager", is_flag=True, help="cuda: no CUDA graphs."),
         ASYNC_SCHEDULING_OPTION,
         PREFIX_CACHING_OPTION,
+        *KERNEL_OPTIONS,
         click.option(
             "--seed", type=click.IntRange(0), default=0, show_default=True, help="Seed of the workload's lengths and token ids."
         ),

@@ -102,6 +102,9 @@ class EngineOptions:
     enforce_eager: bool = False  # cuda: no CUDA graphs (where the engine has them)
     async_scheduling: bool = True  # overlapped scheduling (where the engine has it)
     enable_prefix_caching: bool = True  # reuse cached prompt-prefix pages (where the engine has them)
+    prefill_gemm: str = "auto"  # the kernels (EngineConfig's fields of the same names, where the engine has them)
+    prefill_attention: str = "auto"
+    decode_attention: str = "tensor_cores"
 
     def engine_config(self, max_model_len: int, scheduling: str | None = None) -> EngineConfig:
         kwargs = dict(
@@ -128,6 +131,12 @@ class EngineOptions:
             kwargs["async_scheduling"] = self.async_scheduling
         if engine_config_has("enable_prefix_caching"):
             kwargs["enable_prefix_caching"] = self.enable_prefix_caching
+        for name in ("prefill_gemm", "prefill_attention", "decode_attention"):
+            value = getattr(self, name)
+            if engine_config_has(name):
+                kwargs[name] = value
+            elif value != EngineOptions.__dataclass_fields__[name].default:
+                raise BenchError(f"--{name.replace('_', '-')} needs EngineConfig.{name}, which this engine does not have")
         return EngineConfig(**kwargs)
 
     def to_dict(self) -> dict:
