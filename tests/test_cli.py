@@ -264,3 +264,19 @@ def test_run_takes_its_sampling_defaults_from_generation_config(tmp_path):
     assert ids("--generation-config", "vllm", "--temperature", "1", "--seed", "1")[0] != greedy
     help_text = CliRunner().invoke(main, ["run", "--help"]).output
     assert "generation_config.json" in help_text and "--generation-config [auto|vllm]" in help_text
+
+
+def test_kernel_options_choose_the_kernels_and_a_kernel_that_cannot_run_is_one_line(tiny_dir):
+    """--prefill-gemm, --prefill-attention and --decode-attention reach EngineConfig: the readable kernels
+    run a request in the simulator; the Hopper attention on a head dim it cannot take (the tiny model's
+    16) is refused when the model is built, in one line naming the kernel to use instead."""
+    args = ["--model", str(tiny_dir), "--backend", "sim", "--prompt-ids", "5,6,7", "--max-tokens", "2", "--ignore-eos",
+            "--json", "--max-num-seqs", "1"]  # fmt: skip
+    readable = run(*args, "--prefill-gemm", "fp32", "--prefill-attention", "cuda_cores", "--decode-attention", "reference")
+    assert readable.exit_code == 0, readable.output
+    assert len(json.loads(readable.stdout)["token_ids"]) == 2
+    r = run(*args, "--prefill-attention", "wgmma")
+    assert r.exit_code != 0 and "head_dim 16 not supported" in r.output and "'tensor_cores'" in r.output, r.output
+    assert "Traceback" not in r.output and len(r.output.strip().splitlines()) == 1
+    r = run(*args, "--decode-attention", "fastest")
+    assert r.exit_code == 2 and "--decode-attention" in r.output
