@@ -561,13 +561,17 @@ class _Cluster:
             self.generation += 1
 
 
+POLL_FIRST_S = 1e-4  # a polling wait's first pause, doubled up to the longest
+POLL_LONGEST_S = 2e-3
+
+
 def wait_on_cluster(block, done, progress, describe):
     """Poll until ``done()``, for a wait on other blocks of ``block``'s cluster (a barrier.cluster, an
     mbarrier). It unwinds when a block of the cluster has failed, and raises SimulatorDeadlockError
     after ``hang_timeout_s`` per block of the cluster (read now: stepping raises it) with no change
     of ``progress()``: the blocks' threads share one interpreter, and one can trail the others."""
     patience = hang_timeout_s * len(block.cluster_blocks())
-    state, deadline = ABSENT, None
+    state, deadline, pause = ABSENT, None, POLL_FIRST_S
     while not done():
         block.raise_if_cluster_failed()
         now = progress()
@@ -575,7 +579,8 @@ def wait_on_cluster(block, done, progress, describe):
             state, deadline = now, time.monotonic() + patience
         if time.monotonic() > deadline:
             raise SimulatorDeadlockError(f"waited more than {patience:g} s with no arrival {describe()}")
-        time.sleep(1e-4)
+        time.sleep(pause)
+        pause = min(2 * pause, POLL_LONGEST_S)  # many pollers of one long wait leave the interpreter to the rest
 
 
 class _BlockShared:
