@@ -106,13 +106,15 @@ ASYNC_SCHEDULING_OPTION = click.option(
 )
 # Which kernel runs each part of a step (EngineConfig's fields of the same names; docs/architecture.md)
 KERNEL_OPTIONS = [
-    click.option("--prefill-gemm", type=click.Choice(PREFILL_GEMMS), default="auto", show_default=True,
+    click.option("--prefill-gemm", type=click.Choice(PREFILL_GEMMS), default=EngineConfig.prefill_gemm, show_default=True,
                  help="Matrix products of steps with many tokens: auto (wgmma on H100/H200, else tensor_cores), "
                  "tensor_cores (mma.sync), fp32 (the readable CUDA-core GEMM), wgmma."),
-    click.option("--prefill-attention", type=click.Choice(PREFILL_ATTENTIONS), default="auto", show_default=True,
+    click.option("--prefill-attention", type=click.Choice(PREFILL_ATTENTIONS), default=EngineConfig.prefill_attention,
+                 show_default=True,
                  help="Attention of prompt chunks: auto (wgmma on H100/H200, else tensor_cores), tensor_cores "
                  "(mma.sync), cuda_cores (the readable kernel), wgmma."),
-    click.option("--decode-attention", type=click.Choice(DECODE_ATTENTIONS), default="tensor_cores", show_default=True,
+    click.option("--decode-attention", type=click.Choice(DECODE_ATTENTIONS), default=EngineConfig.decode_attention,
+                 show_default=True,
                  help="Attention of decoding sequences: tensor_cores, fast (CUDA cores), reference (the readable kernel)."),
 ]  # fmt: skip
 

@@ -102,9 +102,9 @@ class EngineOptions:
     enforce_eager: bool = False  # cuda: no CUDA graphs (where the engine has them)
     async_scheduling: bool = True  # overlapped scheduling (where the engine has it)
     enable_prefix_caching: bool = True  # reuse cached prompt-prefix pages (where the engine has them)
-    prefill_gemm: str = "auto"  # the kernels (EngineConfig's fields of the same names, where the engine has them)
-    prefill_attention: str = "auto"
-    decode_attention: str = "tensor_cores"
+    prefill_gemm: str = EngineConfig.prefill_gemm  # the kernels (EngineConfig's fields, where the engine has them)
+    prefill_attention: str = EngineConfig.prefill_attention
+    decode_attention: str = EngineConfig.decode_attention
 
     def engine_config(self, max_model_len: int, scheduling: str | None = None) -> EngineConfig:
         kwargs = dict(

@@ -276,9 +276,10 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
 
     @device_function
     def _work_item(item, num_kv_heads, row_tiles, cu_seqlens, start_pos):
-        """(kv head, sequence, first token, rows, first row, cached start, context length) of work item
-        ``item``: the block's own grid position, or (persistent) item = (row tiles - 1 - tile) x (kv heads
-        x sequences) + sequence x kv heads + kv head, the order a grid (KVH, S, row tiles) runs in."""
+        """(kv head, sequence, first token, rows, first row, cached start, context length, keys) of work
+        item ``item``: the block's own grid position, or (persistent) item = (row tiles - 1 - tile) x (kv
+        heads x sequences) + sequence x kv heads + kv head, the order a grid (KVH, S, row tiles) runs in.
+        Keys: 0 .. the position of the item's last row; 0 if its sequence has fewer rows (nothing to do)."""
         if persistent:
             per_tile = num_kv_heads * (cu_seqlens.shape[0] - 1)
             tile = int32(row_tiles - 1 - item // per_tile)
@@ -289,7 +290,15 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
             s = int32(cuda.blockIdx.y)
             kv_head = int32(cuda.blockIdx.x)
         first_token, num_rows, first_row, start, context_len = row_tile(cu_seqlens, start_pos, group, block_rows, s, tile)
-        return kv_head, s, first_token, num_rows, first_row, start, context_len
+        num_keys = int32(0)
+        if first_row < num_rows:
+            num_keys = int32(start + (min(first_row + block_rows, num_rows) - 1) // group + 1)
+        return kv_head, s, first_token, num_rows, first_row, start, context_len, num_keys
+
+    @device_function
+    def _v_descriptor(tile0, stage):
+        """The MN-major descriptor of the V tile in ``stage`` (the B of P V)."""
+        return smem_descriptor_mn(tile0 + q_bytes + stage * stage_bytes + kv_bytes, kv_panel_bytes)
 
     @device_function
     def _take_turn(wg):
@@ -484,7 +493,7 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         first_item = cuda.blockIdx.x if persistent else 0
         item_step = cuda.gridDim.x if persistent else 1
 
-        if wg == consumers:  # the producer warp (or warpgroup): one thread issues every copy
+        if wg == consumers:  # the producer warp (or warpgroup, whose first warp copies)
             if set_registers:
                 lower_registers()  # (the whole warpgroup) its registers go to the consumers
             if tid < consumer_threads + WARP_LANES:  # its first warp: lane p copies page p of each tile
@@ -493,12 +502,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                 tensormap_acquire(v_map)
                 it = 0  # key tiles copied so far (all items): stage it % stages
                 for item in range(first_item, num_items, item_step):
-                    kv_head, s, first_token, num_rows, first_row, start, context_len = _work_item(
+                    kv_head, s, first_token, num_rows, first_row, start, context_len, num_keys = _work_item(
                         item, num_kv_heads, row_tiles, cu_seqlens, start_pos)
-                    if first_row >= num_rows:
-                        continue  # this sequence has fewer rows than the longest one: nothing to do
-                    last_row = min(first_row + block_rows, num_rows) - 1
-                    num_keys = int32(start + last_row // group + 1)  # keys 0 .. position of the item's last row
                     column = kv_head * head_dim
                     for kt in range((num_keys + block_keys - 1) // block_keys):
                         i = it % stages
@@ -544,12 +549,10 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         # would then wait on the parity of a phase two ahead (the parity of one still to come): it hangs.
         it = 0  # key tiles consumed so far (all items): stage it % stages, phase it // stages
         for item in range(first_item, num_items, item_step):
-            kv_head, s, first_token, num_rows, first_row, start, context_len = _work_item(
+            kv_head, s, first_token, num_rows, first_row, start, context_len, num_keys = _work_item(
                 item, num_kv_heads, row_tiles, cu_seqlens, start_pos)
-            if first_row >= num_rows:
-                continue
-            last_row = min(first_row + block_rows, num_rows) - 1
-            num_keys = int32(start + last_row // group + 1)
+            if num_keys == 0:
+                continue  # this sequence has fewer rows than the longest one (the producer copies nothing)
             # Keys whose K/V rows hold values: the context, within the pages copied (whole pages up to num_keys)
             valid_end = min(context_len, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
             wg_row0 = first_row + wg * WGMMA_M
@@ -609,8 +612,7 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                     v_word0 = (pad + q_bytes + i * stage_bytes + kv_bytes) // 4
                     masked = int32(key0 + (block_keys - 1)) > wg_first_pos  # the tile reaches past the first row's position
                     if overlap:
-                        desc_v_previous = smem_descriptor_mn(tile0 + q_bytes + max(previous, 0) * stage_bytes + kv_bytes,
-                                                             kv_panel_bytes)  # (unused on the first tile)
+                        desc_v_previous = _v_descriptor(tile0, max(previous, 0))  # (unused on the first tile)
                         if previous < 0 and masked:
                             _attend_overlapped(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k,
                                                v_word0, key0, valid_end, True, scale_log2, qd, tw, wg, False, desc_v_previous)
@@ -627,7 +629,7 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                             mbarrier_arrive(empty + previous * BARRIER_BYTES)
                         previous = i  # this stage is released once its P V has run
                         continue
-                    desc_v = smem_descriptor_mn(k_tile + kv_bytes, kv_panel_bytes)
+                    desc_v = _v_descriptor(tile0, i)
                     if masked:
                         _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
                                 key0, valid_end, True, scale_log2, qd, tw, wg)  # fmt: skip
@@ -635,8 +637,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                         _attend(smem, acc_s, acc_o, pa, row_max, row_sum, row_pos, alpha, desc_q, desc_k, desc_v, v_word0,
                                 key0, valid_end, False, scale_log2, qd, tw, wg)  # fmt: skip
                 elif overlap and previous >= 0:  # past this warpgroup's rows: add the pending P V first (its turn)
-                    _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes,
-                               kv_panel_bytes), empty + previous * BARRIER_BYTES, tw, wg, pingpong)  # fmt: skip
+                    _finish_pv(smem, acc_o, pa, _v_descriptor(tile0, previous), empty + previous * BARRIER_BYTES, tw, wg,
+                               pingpong)  # fmt: skip
                     previous = -1
                 elif pingpong:  # nothing to issue: pass the turn on
                     _take_turn(wg)
@@ -644,8 +646,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                 if tw == 0:
                     mbarrier_arrive(empty + i * BARRIER_BYTES)
             if overlap and previous >= 0:  # (no turn: the other warpgroup may have none left in this item)
-                _finish_pv(smem, acc_o, pa, smem_descriptor_mn(tile0 + q_bytes + previous * stage_bytes + kv_bytes,
-                           kv_panel_bytes), empty + previous * BARRIER_BYTES, tw, wg, False)  # fmt: skip
+                _finish_pv(smem, acc_o, pa, _v_descriptor(tile0, previous), empty + previous * BARRIER_BYTES, tw, wg,
+                           False)  # fmt: skip
 
             if active:
                 for h in range(2):
