@@ -8,6 +8,7 @@ them after a kernel change or on another Hopper GPU. Needs an H100 or H200 (sm_9
     python benchmarks/gemm_plans.py --silu --json plans.json          # + the gate/up product with SwiGLU
     python benchmarks/gemm_plans.py --accumulate                      # out += x @ w.T (o, down: the residual)
     python benchmarks/gemm_plans.py --clusters                        # + splits summed in a cluster ("/c2", "/c4")
+    python benchmarks/gemm_plans.py --multicast                       # + clusters sharing tiles' copies ("/1m2x1")
 
 Each product runs as the model runs it: x's bf16 copy already in the workspace (``x_copy``), split
 parts and counters in a workspace. Timing: an L2 flush, a sleeping kernel, then CUDA events around
@@ -78,28 +79,36 @@ def name_of(config: gw.TileConfig) -> str:
     return NAMES.get(config, f"{config.consumers}x{config.block_n}x{config.stages}")
 
 
-def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floats: int, clusters: bool):
-    """The (tiling, split, in_cluster) worth timing at (M, N, K): parts of at least MIN_PART_SLICES
-    slices, at most twice the blocks the SMs hold at once, split parts within ``parts_floats``; with
-    ``clusters`` also every split of ``gw.CLUSTER_SPLITS`` summed in a cluster (tilings whose parts
-    fit beside their stages)."""
+def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floats: int, clusters: bool,
+               multicast: bool = False):  # fmt: skip
+    """The (tiling, split, in_cluster, multicast) worth timing at (M, N, K): parts of at least
+    MIN_PART_SLICES slices, at most twice the blocks the SMs hold at once, split parts within
+    ``parts_floats``; with ``clusters`` also every split of ``gw.CLUSTER_SPLITS`` summed in a cluster
+    (tilings whose parts fit beside their stages); with ``multicast`` every unsplit tiling in
+    clusters of ``gw.MULTICASTS`` that share its tiles' copies (where the matrix has the tiles)."""
     slices = -(-k // gw.BLOCK_K)
     for config, split in itertools.product(tilings, splits):
         tiles = gw.tile_count(config, m, n)
         if split > 1 and slices // split < MIN_PART_SLICES:
             continue
         if clusters and split in gw.CLUSTER_SPLITS[1:] and config.shared_bytes_for(split) <= gw.SHARED_BYTES_PER_SM - 1024:
-            yield config, split, True
+            yield config, split, True, gw.NO_MULTICAST
+        if multicast and split == 1:
+            for mc in gw.MULTICASTS[1:]:
+                if gw.multicast_fits(config, mc) and -(-m // config.block_m) >= mc[0] and -(-n // config.block_n) >= mc[1]:
+                    yield config, 1, False, mc
         if split > 1 and (tiles * split > 2 * num_sms * gw.blocks_per_sm(config)
                           or split * tiles * config.block_m * config.block_n > parts_floats
                           or tiles > gw.TILE_COUNTERS):  # fmt: skip
             continue
-        yield config, split, False
+        yield config, split, False, gw.NO_MULTICAST
 
 
-def plan_name(config: gw.TileConfig, split: int, in_cluster: bool) -> str:
-    """'TINY/4' (a split through global memory), 'TINY/c4' (summed in a cluster of 4)."""
-    return f"{name_of(config)}/{'c' if in_cluster else ''}{split}"
+def plan_name(config: gw.TileConfig, split: int, in_cluster: bool, multicast=gw.NO_MULTICAST) -> str:
+    """'TINY/4' (a split through global memory), 'TINY/c4' (summed in a cluster of 4), 'TINY/1m2x1'
+    (a cluster of two M tiles sharing each w tile's copy)."""
+    shared = "" if tuple(multicast) == gw.NO_MULTICAST else f"m{multicast[0]}x{multicast[1]}"
+    return f"{name_of(config)}/{'c' if in_cluster else ''}{split}{shared}"
 
 
 def main() -> None:
@@ -112,6 +121,7 @@ def main() -> None:
     parser.add_argument("--silu", action="store_true", help="also the gate/up products with SwiGLU in the epilogue")
     parser.add_argument("--accumulate", action="store_true", help="out += x @ w.T (the o and down products), torch too")
     parser.add_argument("--clusters", action="store_true", help="also splits summed in a thread-block cluster")
+    parser.add_argument("--multicast", action="store_true", help="also clusters whose blocks share their tiles' copies")
     parser.add_argument("--iters", type=positive, default=15)
     parser.add_argument("--all", action="store_true", help="print every tiling and split's time")
     parser.add_argument("--json", help="write every time here")
@@ -135,32 +145,34 @@ def main() -> None:
         parts_floats = workspace.partials.shape[0]
         plan = gw.pick_plan(m, n, k, sms)
 
-        def product(config, split, in_cluster, ops=ops, workspace=workspace, x_copy=x_copy):
+        def product(config, split, in_cluster, multicast, ops=ops, workspace=workspace, x_copy=x_copy):
             gw.gemm_wgmma(ops.x, ops.w, ops.out, args.accumulate, config=config, split=split, workspace=workspace,
-                          x_copy=x_copy, in_cluster=in_cluster)  # fmt: skip
+                          x_copy=x_copy, in_cluster=in_cluster, multicast=multicast)  # fmt: skip
 
         checked = np.arange(0, m, max(1, m // CHECKED_ROWS))  # a few rows, float64
         x64, w64 = to_bf16(ops.x_host[checked]).astype(np.float64), ops.w_host.astype(np.float64)
 
-        def relative_error(config, split, in_cluster, ops=ops, checked=checked, x64=x64, w64=w64):
+        def relative_error(config, split, in_cluster, multicast, ops=ops, checked=checked, x64=x64, w64=w64):
             ops.out.copy_to_device(np.zeros(ops.out.shape, np.float32))  # (accumulate: 0 + the product)
-            product(config, split, in_cluster)
+            product(config, split, in_cluster, multicast)
             err = np.abs(ops.out.copy_to_host()[checked] - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-30)
             return float(err.max())
 
-        plans = list(candidates(m, n, k, tilings, args.splits, sms, parts_floats, args.clusters))
-        errors = [relative_error(*plan)] + [relative_error(*p) for p in plans if p[2]]  # the plan and every cluster split
-        row = {"m": m, "n": n, "k": k, "plan": plan_name(*plan), "relative_error": max(errors), "us": {}}
+        plans = list(candidates(m, n, k, tilings, args.splits, sms, parts_floats, args.clusters, args.multicast))
+        clustered = [p for p in plans if p[2] or p[3] != gw.NO_MULTICAST]
+        errors = {plan_name(*p): relative_error(*p) for p in [plan, *clustered]}  # the plan and every cluster
+        row = {"m": m, "n": n, "k": k, "plan": plan_name(*plan), "relative_error": max(errors.values()), "us": {},
+               "wrong": [name for name, error in errors.items() if not error <= ERROR_BOUND]}  # fmt: skip
         if torch is not None:
             torch_product = torch_linear(torch, ops, torch.bfloat16, args.accumulate)
             row["torch_us"] = kernel_times_behind_sleep(torch_product, flush, args.iters) * 1e6
-        for config, split, in_cluster in plans:
-            seconds = kernel_times_behind_sleep(lambda: product(config, split, in_cluster), flush, args.iters)  # noqa: B023
-            row["us"][plan_name(config, split, in_cluster)] = seconds * 1e6
+        for p in plans:
+            seconds = kernel_times_behind_sleep(lambda: product(*p), flush, args.iters)  # noqa: B023
+            row["us"][plan_name(*p)] = seconds * 1e6
         if args.silu and n == 2 * 8192:
             act = cuda.device_array((m, n // 2), np.uint16)
             silu_splits = [s for s in args.splits if s <= 4]
-            for config, split, _ in candidates(m, n, k, tilings, silu_splits, sms, parts_floats, False):
+            for config, split, _, _ in candidates(m, n, k, tilings, silu_splits, sms, parts_floats, False):
                 def silu(config=config, split=split, act=act, ops=ops, workspace=workspace, x_copy=x_copy):
                     gw.gemm_wgmma_silu_mul(ops.x, ops.w, act, config=config, workspace=workspace, x_copy=x_copy, split=split)
 
@@ -184,7 +196,7 @@ def report(row: dict, every: bool) -> None:
     line = f"M={row['m']:5d} N={row['n']:6d} K={row['k']:5d}  torch {torch_us or float('nan'):7.1f} us"
     line += f"  picked {row['plan']:<15s} {picked:7.1f}{ratio(picked)}"
     line += f"  fastest {fastest:<15s} {plain[fastest]:7.1f}{ratio(plain[fastest])}"
-    line += "  checked" if row["relative_error"] <= ERROR_BOUND else f"  WRONG (relative error {row['relative_error']:.1e})"
+    line += "  checked" if not row["wrong"] else f"  WRONG: {', '.join(row['wrong'])} (error {row['relative_error']:.1e})"
     print(line, flush=True)
     if every:
         for key, t in sorted(row["us"].items(), key=lambda kv: kv[1]):

@@ -330,14 +330,19 @@ def test_gemm_plans_tries_only_splits_that_keep_their_parts_and_fit():
     from numba_vllm.kernels import gemm_wgmma as gw
 
     plans = _benchmark_script("gemm_plans")
+    none = gw.NO_MULTICAST
     tried = set(plans.candidates(64, 2048, 2048, [gw.TINY, gw.LARGE], [1, 2, 4, 8, 16], 132, 10**9, False))
-    assert tried == {(gw.TINY, s, False) for s in (1, 2, 4, 8)} | {(gw.LARGE, s, False) for s in (1, 2, 4, 8)}  # 32 slices
-    assert (gw.TINY, 8, False) not in set(plans.candidates(512, 2048, 2048, [gw.TINY], [8], 132, 10**9, False))  # 256 x 8 blocks
-    assert set(plans.candidates(64, 2048, 2048, [gw.TINY], [1, 2], 132, 2 * 32 * 4096 - 1, False)) == {(gw.TINY, 1, False)}
+    assert tried == {(c, s, False, none) for c in (gw.TINY, gw.LARGE) for s in (1, 2, 4, 8)}  # 32 slices
+    assert (gw.TINY, 8, False, none) not in set(plans.candidates(512, 2048, 2048, [gw.TINY], [8], 132, 10**9, False))  # 256 x 8
+    assert set(plans.candidates(64, 2048, 2048, [gw.TINY], [1, 2], 132, 2 * 32 * 4096 - 1, False)) == {(gw.TINY, 1, False, none)}
     # with --clusters: also 2- and 4-way splits summed in a cluster, where the receive buffer fits (not LARGE)
     clustered = {p for p in plans.candidates(64, 2048, 2048, [gw.TINY, gw.LARGE], [1, 2, 3, 4], 132, 10**9, True) if p[2]}
-    assert clustered == {(gw.TINY, 2, True), (gw.TINY, 4, True)}
+    assert clustered == {(gw.TINY, 2, True, none), (gw.TINY, 4, True, none)}
+    # with --multicast: unsplit tilings in every cluster shape whose tiles the product has (M = 128: two 64-row tiles)
+    shared = {p[3] for p in plans.candidates(128, 2048, 2048, [gw.TINY], [1, 2], 132, 10**9, False, True)}
+    assert shared == {none, (2, 1), (1, 2), (1, 4), (2, 2)}
     assert plans.plan_name(gw.TINY, 2, True) == "TINY/c2" and plans.plan_name(gw.TINY, 4, False) == "TINY/4"
+    assert plans.plan_name(gw.TINY, 1, False, (2, 1)) == "TINY/1m2x1"
     assert plans.parse_weight("2048x8192") == (2048, 8192)
     for bad in ("2048", "3x64", "64x12", "ax8"):
         with pytest.raises(argparse.ArgumentTypeError):

@@ -331,6 +331,60 @@ def test_a_cluster_split_is_two_or_four_ways_without_swiglu():
         gw.gemm_wgmma(x, w, cuda.device_array((4, 16), np.float32), config=gw.TINY, split=3, in_cluster=True)
 
 
+MULTICAST_CASES = [  # (config, (mc_m, mc_n), (M, N, K, accumulate)); TINY_SHALLOW: 4 stages, the ring wraps
+    (gw.TINY_SHALLOW, (2, 1), (70, 100, 136, True)),  # two M tiles share a w tile (the second partial); 2 N tiles
+    (gw.TINY, (1, 2), (5, 150, 72, False)),  # x shared by two N tiles; the third N tile's partner past the matrix
+    (gw.TINY_SHALLOW, (2, 2), (130, 70, 136, True)),  # both shared; 3 M tiles: the second cluster's lower half past M
+]
+
+
+@pytest.mark.parametrize("config, multicast, shape", MULTICAST_CASES, ids=["2x1", "1x2", "2x2"])
+def test_gemm_wgmma_multicast_shares_tile_copies_in_a_cluster(monkeypatch, config, multicast, shape):
+    """Clusters whose blocks share the copies of the tiles they have in common: each copies a slice of
+    the shared x or w tile into every block that needs it (multicast) and releases a stage in every
+    block of the cluster; one cluster (one SM) walks every tile of the cluster's grid, its ring of
+    stages running on across them; blocks past the matrix copy their zero-filled slices and store
+    nothing."""
+    launches = []
+    monkeypatch.setattr(gw, "launch", lambda kernel_, grid, *a, **kw: (launches.append((grid, kw.get("cluster"))),
+                                                                        launch(kernel_, grid, *a, **kw)))  # fmt: skip
+    m, n, k, accumulate = shape
+    mc = multicast[0] * multicast[1]
+    run_gemm_wgmma(m, n, k, accumulate, seed=mc, launcher=functools.partial(gw.gemm_wgmma, config=config, multicast=multicast))
+    assert launches[-1] == ((1, 1, mc), (1, 1, mc))
+
+
+@pytest.mark.slow
+def test_gemm_wgmma_multicast_of_four_and_of_two_consumers():
+    """Four blocks sharing a w tile (16-row slices), four sharing an x tile, and MEDIUM's 128 x 128 tiles
+    (two consumer warpgroups, both releasing each block's stage) shared two ways."""
+    for config, multicast, (m, n, k, accumulate) in ((gw.TINY, (4, 1), (200, 70, 72, True)),
+                                                     (gw.TINY, (1, 4), (9, 300, 136, False)),
+                                                     (gw.MEDIUM, (2, 1), (200, 130, 200, True))):  # fmt: skip
+        launcher = functools.partial(gw.gemm_wgmma, config=config, multicast=multicast)
+        run_gemm_wgmma(m, n, k, accumulate, seed=m, launcher=launcher)
+
+
+def test_gemm_wgmma_silu_mul_multicast():
+    """SwiGLU with the w tile shared by two M tiles: each block copies half the gate rows and half the
+    same up rows of the tile into both."""
+    m, f, k = 70, 40, 72
+    x, w, _ = random_case(np.random.default_rng(12), m, 2 * f, k, False)
+    out_bits = cuda.to_device(np.full((m, f), 0xFFFF, np.uint16))
+    gw.gemm_wgmma_silu_mul(cuda.to_device(x), upload_bf16(w), out_bits, config=gw.TINY, multicast=(2, 1))
+    check_swiglu(out_bits.copy_to_host(), x, w)
+
+
+def test_multicast_needs_whole_swizzle_atoms_and_an_unsplit_k():
+    x, w = cuda.to_device(np.zeros((4, 256), np.float32)), upload_bf16(np.zeros((64, 256), np.float32))
+    out = cuda.device_array((4, 64), np.float32)
+    for kwargs in ({"multicast": (2, 1), "split": 2}, {"multicast": (3, 1)}, {"multicast": (2, 1), "in_cluster": True}):
+        with pytest.raises(KernelError, match="multicast"):
+            gw.gemm_wgmma(x, w, out, config=gw.TINY, **kwargs)
+    assert gw.multicast_fits(gw.TINY, (4, 1)) and gw.multicast_fits(gw.TINY, (4, 1), silu_mul=True)  # 16 and 8 rows
+    assert not gw.multicast_fits(gw.TileConfig(1, 32, 2), (4, 1), silu_mul=True)  # 4 rows of each half
+
+
 def test_gemm_wgmma_silu_mul_split_k():
     """SwiGLU after a K split: the last part of each tile sums gate and up columns, then applies it."""
     m, f, k = 9, 40, 328
@@ -581,7 +635,7 @@ def test_the_plan_is_the_fastest_measured(m, n, k, want):
     the shallower; TINY tiles that leave half the SMs idle, on a K split at most two ways otherwise
     (2048 or 8192 here, not 512), split it between the two blocks of a cluster, and so do 128 x 128
     tiles past 256 rows where their grid is at most half the SMs (not the 3072-row weight's)."""
-    assert gw.pick_plan(m, n, k, num_sms=132) == want
+    assert gw.pick_plan(m, n, k, num_sms=132) == (*want, gw.NO_MULTICAST)
 
 
 @pytest.mark.parametrize(
@@ -724,6 +778,28 @@ def test_gemm_wgmma_gpu_split_over_a_cluster(m, n, k, accumulate, config, split)
     cluster walks several: the exchange buffer reused), and K = 200 (4 slices: 1 each at 4 ways)."""
     launcher = functools.partial(gw.gemm_wgmma, config=config, split=split, in_cluster=True)
     run_gemm_wgmma(m, n, k, accumulate, seed=m + split, launcher=launcher)
+
+
+MULTICAST_TILINGS = [(c, mc) for c in gw.TILE_CONFIGS for mc in ((2, 1), (1, 2))] + [(gw.TINY, (2, 2)), (gw.TINY, (4, 1))]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config, multicast", MULTICAST_TILINGS,
+                         ids=[f"{TILING_IDS[gw.TILE_CONFIGS.index(c)]}-{a}x{b}" for c, (a, b) in MULTICAST_TILINGS])  # fmt: skip
+@pytest.mark.parametrize("m,n,k,accumulate", [(300, 2000, 1000, True), (77, 8192, 200, False)])
+def test_gemm_wgmma_gpu_multicast(m, n, k, accumulate, config, multicast):
+    """Tile copies shared in a cluster on the GPU: decode-sized products, more cluster tiles than
+    clusters (each walks several), partial M and N tiles (blocks past the matrix in a cluster)."""
+    launcher = functools.partial(gw.gemm_wgmma, config=config, multicast=multicast)
+    run_gemm_wgmma(m, n, k, accumulate, seed=m + multicast[0], launcher=launcher)
+
+
+@pytest.mark.gpu
+def test_gemm_wgmma_silu_mul_gpu_multicast():
+    x, w, _ = random_case(np.random.default_rng(5), 300, 2 * 8192, 2048, False)
+    out_bits = cuda.to_device(np.full((300, 8192), 0xFFFF, np.uint16))
+    gw.gemm_wgmma_silu_mul(cuda.to_device(x), upload_bf16(w), out_bits, config=gw.SMALL, multicast=(2, 1))
+    check_swiglu(out_bits.copy_to_host(), x, w)
 
 
 @pytest.mark.gpu

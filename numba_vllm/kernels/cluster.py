@@ -23,13 +23,21 @@ through global memory. This module emits, as inline PTX from ``@intrinsic`` func
 - ``mbarrier_wait_cluster(address, parity)``: ``mbarrier.try_wait.parity.acquire.cluster`` on an
   mbarrier of this block, until the phase of that parity has completed; afterwards the writes
   that the arrivals released (from any block of the cluster) are visible.
+- ``tma_load_2d_multicast(rows)``: the intrinsic ``load(smem, dst, tensor_map, src, col, row,
+  barrier, cta_mask)``: ``wgmma.tma_load_2d``'s copy of a box (``rows`` x 64, the tensor map's) with
+  ``.multicast::cluster``: one read of global memory lands at the same shared address ``dst`` in
+  every block of the cluster whose bit is set in ``cta_mask`` (bit r: the block of rank r), each
+  copy counted on the mbarrier at the same address ``barrier`` of its block. Blocks that need the
+  same tile (``gemm_wgmma``: the M tiles of one N tile share w's) each copy a slice of it to all of
+  them: the L2 is read once per cluster, not once per block.
 
 Under the simulator (``NUMBA_ENABLE_CUDASIM=1``) a cluster launch runs each cluster's blocks at
 once, each with its own shared memory (``sim/blocks.py``); a cluster address is the byte offset in
 the target block's dynamic shared memory with the rank in bits 24 and up, a remote store writes
 that block's memory, a remote arrival counts on that block's mbarrier (``wgmma.py``'s), and
-``cluster_sync`` is a rendezvous of every thread of the cluster. A launch without a cluster is a
-cluster of one block.
+``cluster_sync`` is a rendezvous of every thread of the cluster, and a multicast copy writes each
+target block's memory and counts its bytes on that block's mbarrier. A launch without a cluster is
+a cluster of one block.
 """
 
 from numba_vllm.sim.warp import simulator_enabled
@@ -37,11 +45,12 @@ from numba_vllm.sim.warp import simulator_enabled
 RANK_SHIFT = 24  # simulator: a cluster address is (rank << RANK_SHIFT) | byte offset
 
 if simulator_enabled():
+    import functools
     import threading
 
     import numpy as np
 
-    from numba_vllm.kernels.wgmma import mbarrier_arrive, mbarrier_wait
+    from numba_vllm.kernels.wgmma import SWIZZLE_ROW_BYTES, complete_tx, copy_box, mbarrier_arrive, mbarrier_wait
     from numba_vllm.sim.blocks import WarpSyncError
 
     def _target(address):
@@ -79,13 +88,42 @@ if simulator_enabled():
 
     mbarrier_wait_cluster = mbarrier_wait  # (simulator: one memory, the acquire orders nothing more)
 
+    @functools.cache
+    def tma_load_2d_multicast(rows):
+        """``load(smem, dst, tensor_map, src, col, row, barrier, cta_mask)`` (simulator): the box into
+        the shared memory of every block of ``cta_mask``, its bytes counted on each one's mbarrier."""
+
+        def load(smem, dst, tensor_map, src, col, row, barrier, cta_mask):
+            blocks = threading.current_thread().block.cluster_blocks()
+            mask = int(cta_mask)
+            if mask == 0 or mask >> len(blocks):
+                raise WarpSyncError(f"tma_load_2d_multicast: mask {mask:#x} in a cluster of {len(blocks)} blocks")
+            for rank, block in enumerate(blocks):
+                if mask >> rank & 1:
+                    copy_box(block.dynamic_shared(), dst, src, col, row, rows)
+                    complete_tx(barrier, rows * SWIZZLE_ROW_BYTES, block)
+
+        return load
+
 else:
+    import functools
+
     from llvmlite import ir
     from numba import types
     from numba.cuda.extending import intrinsic
 
-    from numba_vllm.kernels.wgmma import _check_ints, _u32, _u32_operands_codegen, _void_asm
+    from numba_vllm.kernels.wgmma import (
+        TMA_CONSTRAINTS,
+        TMA_OPERAND_TYPES,
+        _check_ints,
+        _u32,
+        _u32_operands_codegen,
+        _void_asm,
+        tma_operands,
+        tma_signature,
+    )
 
+    _I16 = ir.IntType(16)
     _I32 = ir.IntType(32)
     _F32 = ir.FloatType()
 
@@ -139,3 +177,29 @@ else:
             "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1;\n@!p bra WAIT_CLUSTER;\n}"
         )
         return types.void(barrier, parity), _u32_operands_codegen(text)
+
+    @functools.cache
+    def tma_load_2d_multicast(rows):
+        """The intrinsic ``load(smem, dst, tensor_map, src, col, row, barrier, cta_mask)``: one 2-D TMA
+        copy of a box (rows x 64, the tensor map's) to shared address ``dst`` of every block of the
+        cluster in ``cta_mask``, completed on the mbarrier at ``barrier`` of each."""
+
+        @intrinsic
+        def load(typingctx, smem, dst, tensor_map, src, col, row, barrier, cta_mask):
+            sig = tma_signature("tma_load_2d_multicast", smem, dst, tensor_map, src, col, row, barrier, cta_mask)
+
+            def codegen(context, builder, sig, args):
+                mask = builder.trunc(_u32(context, builder, args[7], sig.args[7]), _I16)  # (a 16-bit operand)
+                _void_asm(
+                    builder,
+                    "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes.multicast::cluster "
+                    "[$0], [$1, {$2, $3}], [$4], $5;",
+                    (*TMA_OPERAND_TYPES, _I16),
+                    [*tma_operands(context, builder, sig, args), mask],
+                    TMA_CONSTRAINTS + ",h",
+                )
+                return context.get_dummy_value()
+
+            return sig, codegen
+
+        return load

@@ -148,6 +148,7 @@ from numba_vllm.kernels.cluster import (
     mbarrier_arrive_cluster,
     mbarrier_wait_cluster,
     store_cluster_f32x4,
+    tma_load_2d_multicast,
 )
 from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
@@ -190,6 +191,9 @@ MIN_SPLIT_TILES = 32  # split K only into parts of at least this many BLOCK_K sl
 MIN_CLUSTER_PART_SLICES = 8  # a split over a cluster keeps parts of at least this many slices (512 of K)
 CONVERT_THREADS = 256
 CLUSTER_SPLITS = (1, 2, 4)  # blocks of a cluster that split K between them (1: no cluster)
+NO_MULTICAST = (1, 1)
+MULTICASTS = (NO_MULTICAST, (2, 1), (1, 2), (4, 1), (1, 4), (2, 2))  # (M tiles sharing w, N tiles sharing x) of a cluster
+MIN_SLICE_ROWS = 8  # a multicast slice of a tile: whole 1024-byte swizzle atoms (TMA's alignment)
 TILE_COUNTERS = 4096  # output tiles a K-split product may have (one int32 counter each)
 SHARED_BYTES_PER_SM = 228 * 1024  # H100/H200: shared memory an SM gives its blocks (1 KB each reserved)
 
@@ -262,14 +266,24 @@ def reduce_buffer_offset(config: TileConfig) -> int:
     return -(-end // 16) * 16
 
 
-def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False, cluster: int = 1):
-    """The kernel for one tiling, epilogue and cluster split, made once (``_kernel_for``: one cache
-    key however the arguments are written)."""
-    return _kernel_for(config, bool(silu_mul), int(cluster))
+def gemm_wgmma_kernel_for(config: TileConfig, silu_mul: bool = False, cluster: int = 1, multicast=(1, 1)):
+    """The kernel for one tiling, epilogue, cluster split and multicast, made once (``_kernel_for``:
+    one cache key however the arguments are written)."""
+    return _kernel_for(config, bool(silu_mul), int(cluster), tuple(int(v) for v in multicast))
+
+
+def multicast_fits(config: TileConfig, multicast, silu_mul: bool = False) -> bool:
+    """Whether a cluster of ``multicast`` = (mc_m, mc_n) blocks can share ``config``'s tiles: a
+    known shape, no more blocks than 4, and slices of whole swizzle atoms (x's block_m / mc_n rows,
+    w's block_n / mc_m, with SwiGLU a half's)."""
+    mc_m, mc_n = multicast
+    w_rows = config.block_n // 2 if silu_mul else config.block_n
+    return (tuple(multicast) in MULTICASTS and config.block_m % (mc_n * MIN_SLICE_ROWS) == 0
+            and w_rows % (mc_m * MIN_SLICE_ROWS) == 0)  # fmt: skip
 
 
 @functools.cache
-def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
+def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tuple):
     """Compile-time specialisation of the kernel for one tiling (its sizes are constants in it).
 
     ``silu_mul``: w is [gate; up] (2F, K) and the block's ``block_n`` columns are ``block_n / 2`` gate
@@ -279,11 +293,20 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
 
     ``cluster`` > 1: K is split over the ``cluster`` blocks of a thread-block cluster (launched with
     clusters of (1, 1, cluster), ``gridDim.z == cluster``) and the parts are summed through their
-    shared memory (``TileConfig.shared_bytes_for``), not through ``parts`` and ``counters``."""
+    shared memory (``TileConfig.shared_bytes_for``), not through ``parts`` and ``counters``.
+
+    ``multicast`` = (mc_m, mc_n), not (1, 1): a cluster of mc_m x mc_n blocks (launched as (1, 1,
+    mc), ``gridDim.z == mc``, K not split) computes mc_m consecutive M tiles of mc_n consecutive N
+    tiles; the block of rank r = rm + mc_m * rn takes M tile rm and N tile rn of them. The mc_m
+    blocks of an N tile need the same w slice each step: each copies 1 / mc_m of its rows to all of
+    them (``tma_load_2d_multicast``), and likewise x among the mc_n blocks of an M tile."""
     block_m, block_n, stages, threads = config.block_m, config.block_n, config.stages, config.threads
     consumers = config.consumers
     assert block_n % 16 == 0 and block_n <= 256 and stages >= 2
     assert cluster in CLUSTER_SPLITS and not (silu_mul and cluster > 1), (cluster, silu_mul)
+    mc_m, mc_n = multicast
+    mc = mc_m * mc_n  # blocks of a multicast cluster (1: none)
+    assert multicast_fits(config, multicast, silu_mul) and (mc == 1 or cluster == 1), (multicast, cluster)
     acc_count = block_n // 2  # accumulators per consumer thread
     slice_values = acc_count // cluster  # accumulators a thread sends each block of the cluster (4 per 8 columns)
     slice_groups = slice_values // 4  # 16-byte stores of them
@@ -299,18 +322,24 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
     fence_acc = wgmma_fence(block_n)
     wait_but_one = wgmma_wait(block_n, 1)
     wait_all = wgmma_wait(block_n, 0)
+    x_rows = block_m // mc_n  # rows of the x tile a block copies (all of it without multicast)
+    w_rows = (half_n if silu_mul else block_n) // mc_m  # rows of the w box (each half with silu_mul) a block copies
     load_x = tma_load_2d(block_m)
     load_w = tma_load_2d(half_n if silu_mul else block_n)
+    load_x_shared = tma_load_2d_multicast(x_rows)  # (mc_n > 1)
+    load_w_shared = tma_load_2d_multicast(w_rows)  # (mc_m > 1)
+    last_sync = mc > 1  # blocks that copy into each other's memory meet before any exits
 
     @kernel(launch_bounds=(threads, blocks_per_sm(config, cluster)))
     def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, m_fastest):
-        # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes block_m x 64 and block_n x 64,
-        # with silu_mul block_n / 2 x 64)
+        # x_map, w_map (16,) uint64: CUtensorMaps of x_bits and w_bits (boxes x_rows x 64 and w_rows x 64:
+        # block_m and block_n, with silu_mul block_n / 2, divided by a multicast's sharing blocks)
         # x_bits (M, K) uint16: bf16 bits; w_bits (N, K) uint16; K % 8 == 0
         # out (M, N) f32; with silu_mul (M, F / 2) uint32: (M, F) bf16 in pairs, N = 2F, F % 4 == 0
         # Output tiles: block b of gridDim.x takes tiles b, b + gridDim.x, ... (persistent: a grid of at
         # most the blocks that fit at once walks every tile); tile t is (t % grid_m, t // grid_m) when
-        # m_fastest, else (t // grid_n, t % grid_n) (M tile, N tile).
+        # m_fastest, else (t // grid_n, t % grid_n) (M tile, N tile). With multicast, the same over
+        # the clusters' tiles of mc_m x mc_n output tiles (cluster b of gridDim.x, its block blockIdx.z).
         # K split over blockIdx.z (gridDim.z parts, part z the BLOCK_K slices z * S / parts ..
         # (z + 1) * S / parts of the S of K, never empty): with cluster > 1 the blocks of a cluster, else
         # parts (>= splits * tiles * block_m * block_n,) f32, each block's accumulators as the threads
@@ -325,14 +354,19 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
         k_dim = x_bits.shape[1]
         grid_m = (num_tokens + block_m - 1) // block_m
         grid_n = (num_rows + block_n - 1) // block_n  # (silu_mul: F / (block_n / 2) as well)
-        out_tiles = grid_m * grid_n
+        cluster_m = (grid_m + mc_m - 1) // mc_m  # the clusters' tiles (without multicast: the output tiles)
+        cluster_n = (grid_n + mc_n - 1) // mc_n
+        out_tiles = cluster_m * cluster_n
         tid = cuda.threadIdx.x
         group = tid // WARPGROUP_THREADS
-        rank = cuda.blockIdx.z  # the part of K (with cluster > 1: the block's rank in its cluster)
+        rank = cuda.blockIdx.z  # the part of K (with cluster > 1 or multicast: the block's rank in its cluster)
+        rm = rank % mc_m if mc > 1 else 0  # with multicast: the block's M tile and N tile within its cluster's
+        rn = rank // mc_m if mc > 1 else 0
         k_slices = uint32((k_dim + BLOCK_K - 1) // BLOCK_K)
-        k_parts = uint32(cuda.gridDim.z)  # (32-bit divisions: a 64-bit one is a call, whose stack made LARGE spill)
-        first_slice = uint32(rank) * k_slices // k_parts
-        num_slices = (uint32(rank) + 1) * k_slices // k_parts - first_slice  # K steps per tile
+        k_parts = uint32(1 if mc > 1 else cuda.gridDim.z)  # (32-bit divisions: a 64-bit one is a call, whose
+        k_part = uint32(0 if mc > 1 else rank)  # stack made LARGE spill)
+        first_slice = k_part * k_slices // k_parts
+        num_slices = (k_part + 1) * k_slices // k_parts - first_slice  # K steps per tile
         k_first = first_slice * BLOCK_K
 
         base = shared_address(smem, 0)
@@ -350,12 +384,12 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
         if tid == 0:
             for s in range(stages):
                 mbarrier_init(full + s * BARRIER_BYTES, 1)
-                mbarrier_init(empty + s * BARRIER_BYTES, consumers)
+                mbarrier_init(empty + s * BARRIER_BYTES, consumers * mc)  # with multicast: every block's consumers
             if cluster > 1:
                 mbarrier_init(parts_in, cluster * consumer_threads)
                 mbarrier_init(parts_read, cluster * consumer_threads)
             fence_mbarrier_init()
-        if cluster > 1:
+        if cluster > 1 or mc > 1:
             cluster_sync()  # every block's mbarriers are initialised before any other block arrives on them
         else:
             cuda.syncthreads()
@@ -367,25 +401,50 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
             if tid % WARPGROUP_THREADS == 0:
                 tensormap_acquire(x_map)
                 tensormap_acquire(w_map)
+                x_mask = uint32(0)  # with multicast: the blocks of this M tile, and of this N tile
+                for j in range(mc_n):
+                    x_mask |= uint32(1) << uint32(rm + mc_m * j)
+                w_mask = uint32((1 << mc_m) - 1) << uint32(mc_m * rn)
+                x_slice = rn * x_rows  # the rows of the tiles this block copies (to the blocks sharing them)
+                w_slice = rm * w_rows
                 step = 0
                 for t in range(cuda.blockIdx.x, out_tiles, cuda.gridDim.x):
-                    m_tile, n_tile = _tile_of(t, grid_m, grid_n, m_fastest)
+                    m_tile, n_tile = _tile_of(t, cluster_m, cluster_n, m_fastest)
+                    m_tile = m_tile * mc_m + rm  # (past the matrix in a cluster's last tile: the TMA fills zeros)
+                    n_tile = n_tile * mc_n + rn
                     for kt in range(num_slices):
                         s = step % stages
                         if step >= stages:  # wait for the consumers' release of the stage's previous use
-                            mbarrier_wait(empty + s * BARRIER_BYTES, (step // stages + 1) & 1)
+                            if mc > 1:  # (the consumers of every block that this one copies into)
+                                mbarrier_wait_cluster(empty + s * BARRIER_BYTES, (step // stages + 1) & 1)
+                            else:
+                                mbarrier_wait(empty + s * BARRIER_BYTES, (step // stages + 1) & 1)
                         barrier = full + s * BARRIER_BYTES
-                        mbarrier_arrive_expect_tx(barrier, stage_bytes)
+                        mbarrier_arrive_expect_tx(barrier, stage_bytes)  # (the whole stage: its own copies and the others')
                         stage = stage0 + s * stage_bytes
                         k = k_first + kt * BLOCK_K
-                        load_x(smem, stage, x_map, x_bits, k, m_tile * block_m, barrier)
-                        if silu_mul:  # gate rows, then the same rows of up (N / 2 further down w)
-                            load_w(smem, stage + x_bytes, w_map, w_bits, k, n_tile * half_n, barrier)
-                            load_w(smem, stage + x_bytes + half_bytes, w_map, w_bits, k, num_rows // 2 + n_tile * half_n,
-                                   barrier)  # fmt: skip
+                        x_dst = stage + x_slice * SWIZZLE_ROW_BYTES
+                        if mc_n > 1:
+                            load_x_shared(smem, x_dst, x_map, x_bits, k, m_tile * block_m + x_slice, barrier, x_mask)
                         else:
-                            load_w(smem, stage + x_bytes, w_map, w_bits, k, n_tile * block_n, barrier)
+                            load_x(smem, x_dst, x_map, x_bits, k, m_tile * block_m, barrier)
+                        w_dst = stage + x_bytes + w_slice * SWIZZLE_ROW_BYTES
+                        if silu_mul:  # gate rows, then the same rows of up (N / 2 further down w)
+                            gate = n_tile * half_n + w_slice
+                            if mc_m > 1:
+                                load_w_shared(smem, w_dst, w_map, w_bits, k, gate, barrier, w_mask)
+                                load_w_shared(smem, w_dst + half_bytes, w_map, w_bits, k, num_rows // 2 + gate, barrier, w_mask)
+                            else:
+                                load_w(smem, w_dst, w_map, w_bits, k, gate, barrier)
+                                load_w(smem, w_dst + half_bytes, w_map, w_bits, k, num_rows // 2 + gate, barrier)
+                        elif mc_m > 1:
+                            load_w_shared(smem, w_dst, w_map, w_bits, k, n_tile * block_n + w_slice, barrier, w_mask)
+                        else:
+                            load_w(smem, w_dst, w_map, w_bits, k, n_tile * block_n, barrier)
                         step += 1
+            if last_sync:
+                cuda.syncwarp()  # (the copying thread back with its warp: the barrier is .aligned)
+                cluster_sync()  # (the consumers' meeting at the end: every thread of the cluster takes part)
             return
 
         acc = cuda.local.array(acc_count, float32)  # this thread's part of the warpgroup's 64 x block_n
@@ -393,7 +452,9 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
         step = 0
         done = 0  # tiles this block has finished
         for t in range(cuda.blockIdx.x, out_tiles, cuda.gridDim.x):
-            m_tile, n_tile = _tile_of(t, grid_m, grid_n, m_fastest)
+            m_tile, n_tile = _tile_of(t, cluster_m, cluster_n, m_fastest)
+            m_tile = m_tile * mc_m + rm
+            n_tile = n_tile * mc_n + rn
             for i in range(acc_count):
                 acc[i] = float32(0.0)
             kt = 0
@@ -410,16 +471,16 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
                 wgmma_commit()
                 wait_but_one(acc)  # the previous step's wgmma have completed: release its stage
                 if kt > 0 and leader:
-                    mbarrier_arrive(empty + ((step - 1) % stages) * BARRIER_BYTES)
+                    _release(empty + ((step - 1) % stages) * BARRIER_BYTES, mc)
                 step += 1
                 kt += 1
                 if kt >= num_slices:
                     break
             wait_all(acc)
             if leader:  # the tile's last stage
-                mbarrier_arrive(empty + ((step - 1) % stages) * BARRIER_BYTES)
+                _release(empty + ((step - 1) % stages) * BARRIER_BYTES, mc)
 
-            splits = cuda.gridDim.z
+            splits = cuda.gridDim.z if mc == 1 else 1
             if cluster > 1:  # K split over the cluster: block r sums and stores the columns 8j of j // slice_blocks == r
                 last_tile = t + cuda.gridDim.x >= out_tiles
                 if done > 0:  # every block has read what this one sent for the previous tile
@@ -502,8 +563,22 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int):
                         if (cluster == 1 or j // slice_blocks == rank) and m + 8 * h < num_tokens and n + 8 * j < num_rows:
                             store_f32x2(out, (m + 8 * h, n + 8 * j), acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1])
             done += 1
+        if last_sync:  # no block exits while another may still arrive on its mbarriers (with the producer's)
+            cluster_sync()
 
     return gemm_wgmma_kernel
+
+
+@device_function
+def _release(barrier, blocks):
+    """A consumer warpgroup is done with a stage: one arrival on its empty mbarrier at ``barrier``;
+    with multicast (``blocks`` > 1) on that of every block of the cluster, since each copies into
+    this block's stage and must not refill it before this block's consumers are done."""
+    if blocks > 1:
+        for r in range(blocks):
+            mbarrier_arrive_cluster(cluster_address(barrier, r))
+    else:
+        mbarrier_arrive(barrier)
 
 
 @device_function
@@ -593,7 +668,7 @@ def pick_tile_config(num_tokens: int, num_rows: int, num_sms: int) -> TileConfig
     return TILE_SHAPES[-1]
 
 
-def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple[TileConfig, int, bool]:
+def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple[TileConfig, int, bool, tuple[int, int]]:
     """The tiling, K split and whether the split's parts meet in a cluster: the tile size
     (``pick_tile_config``), its split (``pick_k_split``), then the stages for the grid that makes: a
     grid of at most one block per SM gets the deeper pipeline (SMALL_DEEP), one of more blocks than
@@ -607,14 +682,14 @@ def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple
     split = pick_k_split(config, tiles, k_dim, num_sms)
     cluster_k = -(-k_dim // BLOCK_K) >= 2 * MIN_CLUSTER_PART_SLICES  # slices enough for two parts
     if config == TINY and split <= 2 and 2 * tiles <= num_sms and cluster_k:
-        return TINY, 2, True  # half the SMs idle: two blocks of a cluster share each tile's K
+        return TINY, 2, True, NO_MULTICAST  # half the SMs idle: two blocks of a cluster share each tile's K
     if config == SMALL and num_tokens > 4 * WGMMA_M and 2 * tile_count(MEDIUM, num_tokens, num_rows) <= num_sms and cluster_k:
-        return MEDIUM, 2, True  # 512 x 2048 x 2048: 16.5 us against SMALL_DEEP's 17.6 (adding into out: 21.3, 24.8)
+        return MEDIUM, 2, True, NO_MULTICAST  # 512 x 2048 x 2048: 16.5 us against SMALL_DEEP's 17.6 (adding into out: 21.3, 24.8)
     if config == SMALL and tiles * split <= num_sms:
-        return SMALL_DEEP, split, False
+        return SMALL_DEEP, split, False, NO_MULTICAST
     if config == TINY and tiles * split > num_sms:
-        return TINY_SHALLOW, split, False
-    return config, split, False
+        return TINY_SHALLOW, split, False, NO_MULTICAST
+    return config, split, False, NO_MULTICAST
 
 
 def pick_k_split(config: TileConfig, num_blocks: int, k_dim: int, num_sms: int) -> int:
@@ -636,14 +711,15 @@ def pick_k_split(config: TileConfig, num_blocks: int, k_dim: int, num_sms: int) 
 
 def gemm_wgmma(
     x, w, out, accumulate: bool = False, config: TileConfig | None = None, split: int | None = None, workspace=None,
-    x_copy=None, in_cluster: bool | None = None,
+    x_copy=None, in_cluster: bool | None = None, multicast: tuple[int, int] | None = None,
 ) -> None:
     """out = x @ w.T (or out += x @ w.T) with Hopper's wgmma; x is rounded to bf16.
 
     x (M, K) f32, w (N, K) bf16 device array (or its uint16 bits), out (M, N) f32. ``config``,
     ``split`` and ``in_cluster`` force a tiling, a K split and how its parts are summed: True, in a
     cluster of ``split`` blocks (2 or 4) through their shared memory; False, through global memory
-    (tests, benchmarks). ``workspace``: the model's
+    (tests, benchmarks). ``multicast``: force clusters of (mc_m, mc_n) blocks sharing their tiles'
+    copies (``MULTICASTS``; (1, 1): none), K unsplit. ``workspace``: the model's
     `matmul.GemmWorkspace` (split-K parts and the bf16 buffers); without one, a split allocates its
     parts and x goes through a default copy buffer.
 
@@ -655,11 +731,12 @@ def gemm_wgmma(
     must not have skipped it).
     """
     check_linear_args(x, w, out)
-    _run(x, w, out, accumulate, config, split, in_cluster, workspace, x_copy, False)
+    _run(x, w, out, accumulate, config, split, in_cluster, workspace, x_copy, False, multicast)
 
 
 def gemm_wgmma_silu_mul(
-    x, w, out_bits, config: TileConfig | None = None, workspace=None, x_copy=None, split: int | None = None
+    x, w, out_bits, config: TileConfig | None = None, workspace=None, x_copy=None, split: int | None = None,
+    multicast: tuple[int, int] | None = None,
 ) -> None:
     """out_bits = bf16(silu(x @ gate.T) * (x @ up.T)) for w = [gate; up]: SwiGLU in the product's epilogue.
 
@@ -670,17 +747,17 @@ def gemm_wgmma_silu_mul(
     writes bf16(silu(g) * u) with ``activation.swiglu``: the bits that ``silu_and_mul``'s bf16 copy
     of the f32 product would hold, while the (M, 2F) f32 product is never written nor read back (at
     2,048 tokens of Llama 3.2 1B, 268 MB less traffic a layer). Split over K like ``gemm_wgmma`` (``split``:
-    forced, for tests): the block that sums a tile's parts applies SwiGLU.
+    forced, for tests): the block that sums a tile's parts applies SwiGLU. ``multicast``: as in ``gemm_wgmma``.
     """
     num_rows = w.shape[0]
     num_tokens, num_rows, k_dim = check_linear_args(x, w, out_bits, out_cols=num_rows // 2, out_dtype=np.uint16)
     if not _silu_mul_fits(w):
         raise KernelError(f"gemm_wgmma_silu_mul: w ({num_rows} x {k_dim}) needs 2F and K multiples of 16 and 8, 16-byte aligned")
     pairs = _cached_views("pairs", out_bits, tuple(out_bits.shape), lambda: (out_bits.view(np.uint32),))[0]  # (M, F / 2)
-    _run(x, w, pairs, False, config, split, False, workspace, x_copy, True)
+    _run(x, w, pairs, False, config, split, False, workspace, x_copy, True, multicast)
 
 
-def _run(x, w, out, accumulate, config, split, in_cluster, workspace, x_copy, silu_mul: bool) -> None:
+def _run(x, w, out, accumulate, config, split, in_cluster, workspace, x_copy, silu_mul: bool, multicast) -> None:
     """gemm_wgmma's and gemm_wgmma_silu_mul's common path (arguments checked): x's bf16 copy as the
     producer left it in ``x_copy``, else converted into the x workspace, in row chunks when it does
     not fit; then the product (``out``: (M, N) f32, or with ``silu_mul`` the (M, F / 2) uint32 pairs)."""
@@ -703,7 +780,8 @@ def _run(x, w, out, accumulate, config, split, in_cluster, workspace, x_copy, si
         gemm_tc(x, w, out, accumulate, workspace=partials)  # no TMA copies of such rows; no Llama shape comes here
         return
     if written is not None:
-        _product(x_copy, written, w_bits, out, accumulate, config, split, in_cluster, partials, counters, silu_mul)
+        _product(x_copy, written, w_bits, out, accumulate, config, split, in_cluster, partials, counters, silu_mul,
+                 multicast)  # fmt: skip
         return
     x_workspace = x_copy_buffer(workspace)
     rows = min(num_tokens, x_capacity(x_workspace, k_dim))
@@ -713,7 +791,7 @@ def _run(x, w, out, accumulate, config, split, in_cluster, workspace, x_copy, si
         blocks = min(-(-pairs.size // CONVERT_THREADS), 8 * num_sms())
         launch(_x_to_bf16_kernel, blocks, CONVERT_THREADS, part, pairs)
         _product(x_workspace, x_bits, w_bits, part_out, accumulate, config, split, in_cluster, partials, counters,
-                 silu_mul)  # fmt: skip
+                 silu_mul, multicast)  # fmt: skip
 
 
 def bf16_x_destination(workspace, num_tokens: int, k_dim: int, w=None, buffer=None):
@@ -755,29 +833,39 @@ def x_copy_buffer(workspace):
 
 
 def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, in_cluster, partials, counters,
-             silu_mul: bool) -> None:  # fmt: skip
+             silu_mul: bool, multicast) -> None:  # fmt: skip
     """The wgmma product of x's bf16 copy (a view from the start of the buffer ``x_workspace``) and w
-    (uint16 bits), split or not, over a cluster or through global memory, by ``pick_plan`` unless
-    the caller forces a tiling, split or way of splitting; with ``silu_mul`` SwiGLU in the epilogue."""
+    (uint16 bits), split or not, over a cluster or through global memory, its tiles' copies
+    multicast in clusters or not, by ``pick_plan`` unless the caller forces a tiling, split, way of
+    splitting or multicast; with ``silu_mul`` SwiGLU in the epilogue."""
     num_tokens, k_dim = x_bits.shape
     num_rows = w_bits.shape[0]
     if config is None:
-        config, picked, picked_cluster = pick_plan(num_tokens, num_rows, k_dim, num_sms())
+        config, picked, picked_cluster, picked_multicast = pick_plan(num_tokens, num_rows, k_dim, num_sms())
         split = split or picked
         in_cluster = picked_cluster if in_cluster is None else in_cluster
+        multicast = picked_multicast if multicast is None else multicast
+    multicast = (1, 1) if multicast is None else tuple(multicast)
+    mc_m, mc_n = multicast
     grid_n, grid_m = -(-num_rows // config.block_n), -(-num_tokens // config.block_m)  # (silu_mul: F / (block_n / 2))
+    if mc_m * mc_n > 1:
+        if not multicast_fits(config, multicast, silu_mul) or (split or 1) > 1 or in_cluster:
+            raise KernelError(f"gemm_wgmma: multicast {multicast} is one of {MULTICASTS[1:]}, with slices of "
+                              f"{MIN_SLICE_ROWS}+ rows and K unsplit")  # fmt: skip
+        split = 1
     split = split or pick_k_split(config, grid_n * grid_m, k_dim, num_sms())
     splits = min(split, -(-k_dim // BLOCK_K))  # no empty part
     if in_cluster and (splits not in CLUSTER_SPLITS or silu_mul):
         raise KernelError(f"gemm_wgmma: a K split over a cluster is {CLUSTER_SPLITS[1:]} ways, without SwiGLU (asked: {splits})")
     cluster = splits if in_cluster else 1
-    m_fastest = 1 if grid_m <= 16 else 0
+    cluster_m, cluster_n = -(-grid_m // mc_m), -(-grid_n // mc_n)  # a multicast cluster's tiles (else: the output tiles)
+    m_fastest = 1 if cluster_m <= 16 else 0
     tiles = grid_n * grid_m
-    blocks = min(tiles, max(1, blocks_per_sm(config, cluster) * num_sms() // splits))  # persistent: at most one wave
-    capacity = x_capacity(x_workspace, k_dim)
-    x_map = tensor_map_2d(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m)
-    w_map = tensor_map_2d(w_bits, num_rows, config.block_n // 2 if silu_mul else config.block_n)
-    kernel_ = gemm_wgmma_kernel_for(config, silu_mul, cluster)
+    blocks = min(cluster_m * cluster_n, max(1, blocks_per_sm(config, cluster) * num_sms() // (splits * mc_m * mc_n)))
+    capacity = x_capacity(x_workspace, k_dim)  # (blocks: persistent, at most one wave; with multicast, clusters)
+    x_map = tensor_map_2d(_x_views(x_workspace, capacity, k_dim)[0], capacity, config.block_m // mc_n)
+    w_map = tensor_map_2d(w_bits, num_rows, (config.block_n // 2 if silu_mul else config.block_n) // mc_m)
+    kernel_ = gemm_wgmma_kernel_for(config, silu_mul, cluster, multicast)
     global_parts = splits > 1 and cluster == 1
     size = splits * tiles * config.block_m * config.block_n if global_parts else 1  # every block's accumulators
     if global_parts and tiles > TILE_COUNTERS:
@@ -791,7 +879,10 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, in_clu
         parts = partials
     args = (x_map, w_map, x_bits, w_bits, out, parts, counters, 1 if accumulate else 0, m_fastest)
     shared_bytes = config.shared_bytes_for(cluster)
-    if cluster > 1:  # as many clusters as run at once (one GPC holds a cluster's blocks: can be fewer than blocks / cluster)
-        blocks = min(blocks, max_active_clusters(kernel_, args, config.threads, shared_bytes, (1, 1, cluster)))
-    launch(kernel_, (blocks, 1, splits), config.threads, *args, shared_bytes=shared_bytes,
-           cluster=(1, 1, cluster) if cluster > 1 else None)  # fmt: skip
+    blocks_z = splits * mc_m * mc_n  # a cluster's blocks (K parts, or multicast ranks) along z
+    if blocks_z > 1 and (cluster > 1 or mc_m * mc_n > 1):  # as many clusters as run at once (one GPC holds a
+        # cluster's blocks: can be fewer than blocks / cluster)
+        blocks = min(blocks, max_active_clusters(kernel_, args, config.threads, shared_bytes, (1, 1, blocks_z)))
+        launch(kernel_, (blocks, 1, blocks_z), config.threads, *args, shared_bytes=shared_bytes, cluster=(1, 1, blocks_z))
+        return
+    launch(kernel_, (blocks, 1, splits), config.threads, *args, shared_bytes=shared_bytes)

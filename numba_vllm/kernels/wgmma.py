@@ -417,18 +417,28 @@ if simulator_enabled():
         zeros outside src) into the swizzled tile at ``dst``, its bytes completed on ``barrier`` (simulator)."""
 
         def load(smem, dst, tensor_map, src, col, row, barrier):
-            box = np.zeros((rows, TILE_K), np.uint16)
-            r_end, c_end = min(row + rows, src.shape[0]), min(col + TILE_K, src.shape[1])
-            if r_end > row and c_end > col:
-                box[: r_end - row, : c_end - col] = src[row:r_end, col:c_end]
-            r = np.arange(rows)[:, None]
-            k = np.arange(TILE_K)[None, :]
-            smem.view(np.uint8).view(np.uint16)[_swizzled(int(dst) + r * SWIZZLE_ROW_BYTES + 2 * k) // 2] = box
-            barrier_ = _mbarrier(barrier)
-            with _BARRIER_LOCK:
-                barrier_.update(0, -rows * SWIZZLE_ROW_BYTES)
+            copy_box(smem, dst, src, col, row, rows)
+            complete_tx(barrier, rows * SWIZZLE_ROW_BYTES)
 
         return load
+
+    def copy_box(smem, dst, src, col, row, rows):
+        """The simulated TMA's copy: the box src[row:row + rows, col:col + 64] (zeros outside src) into
+        the 128-byte swizzled tile at byte ``dst`` of the shared array ``smem`` (any dtype)."""
+        box = np.zeros((rows, TILE_K), np.uint16)
+        r_end, c_end = min(row + rows, src.shape[0]), min(col + TILE_K, src.shape[1])
+        if r_end > row and c_end > col:
+            box[: r_end - row, : c_end - col] = src[row:r_end, col:c_end]
+        r = np.arange(rows)[:, None]
+        k = np.arange(TILE_K)[None, :]
+        smem.view(np.uint8).view(np.uint16)[_swizzled(int(dst) + r * SWIZZLE_ROW_BYTES + 2 * k) // 2] = box
+
+    def complete_tx(address, tx_bytes, block=None):
+        """A TMA copy's ``complete_tx``: ``tx_bytes`` of the mbarrier at ``address`` (of ``block``,
+        default the calling thread's) have landed (simulator)."""
+        barrier = _mbarrier(address, block)
+        with _BARRIER_LOCK:
+            barrier.update(0, -int(tx_bytes))
 
     class _NamedBarrier:
         """A hardware barrier 1-15: arrivals counted in this phase (whoever makes them), phases completed."""
@@ -789,30 +799,39 @@ else:
 
         @intrinsic
         def load(typingctx, smem, dst, tensor_map, src, col, row, barrier):
-            _check_ints("tma_load_2d", (dst, col, row, barrier))
-            if not isinstance(tensor_map, types.Array) or tensor_map.dtype != types.uint64:
-                raise TypingError(f"tma_load_2d: tensor_map must be a uint64 device array, got {tensor_map}")
-            sig = types.void(smem, dst, tensor_map, src, col, row, barrier)
+            sig = tma_signature("tma_load_2d", smem, dst, tensor_map, src, col, row, barrier)
 
             def codegen(context, builder, sig, args):
-                map_data = context.make_array(sig.args[2])(context, builder, value=args[2]).data
-                operands = [
-                    _u32(context, builder, args[1], sig.args[1]),
-                    builder.ptrtoint(map_data, _I64),
-                    _u32(context, builder, args[4], sig.args[4]),
-                    _u32(context, builder, args[5], sig.args[5]),
-                    _u32(context, builder, args[6], sig.args[6]),
-                ]
                 _void_asm(
                     builder,
                     "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
                     "[$0], [$1, {$2, $3}], [$4];",
-                    (_I32, _I64, _I32, _I32, _I32),
-                    operands,
-                    "r,l,r,r,r",
+                    TMA_OPERAND_TYPES,
+                    tma_operands(context, builder, sig, args),
+                    TMA_CONSTRAINTS,
                 )
                 return context.get_dummy_value()
 
             return sig, codegen
 
         return load
+
+    TMA_OPERAND_TYPES = (_I32, _I64, _I32, _I32, _I32)  # a copy's destination, tensor map, column, row, mbarrier
+    TMA_CONSTRAINTS = "r,l,r,r,r"
+
+    def tma_signature(name, smem, dst, tensor_map, src, col, row, barrier, *more_ints):
+        """Typing of a TMA copy intrinsic ``(smem, dst, tensor_map, src, col, row, barrier, *more_ints)``."""
+        _check_ints(name, (dst, col, row, barrier, *more_ints))
+        if not isinstance(tensor_map, types.Array) or tensor_map.dtype != types.uint64:
+            raise TypingError(f"{name}: tensor_map must be a uint64 device array, got {tensor_map}")
+        return types.void(smem, dst, tensor_map, src, col, row, barrier, *more_ints)
+
+    def tma_operands(context, builder, sig, args):
+        """A TMA copy's operands (``TMA_OPERAND_TYPES``): shared destination, the tensor map's global
+        address, column, row, mbarrier."""
+        map_data = context.make_array(sig.args[2])(context, builder, value=args[2]).data
+        return [
+            _u32(context, builder, args[1], sig.args[1]),
+            builder.ptrtoint(map_data, _I64),
+            *(_u32(context, builder, args[i], sig.args[i]) for i in (4, 5, 6)),
+        ]
