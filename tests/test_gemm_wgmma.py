@@ -213,8 +213,10 @@ def test_wgmma_with_a_in_registers_on_random_values():
 
 @kernel
 def _turns_kernel(out, rounds):
-    """Warp 1 writes round r's value, then ``bar.arrive``; warp 0 ``bar.sync``s on the same barrier (64
-    threads: both warps' arrivals complete a phase) and reads it. Every round is a new phase."""
+    """Turns, as the wgmma attention's ping-pong takes them: warp 1 writes round r's value, then
+    ``bar.arrive`` on barrier 3 and ``bar.sync`` on barrier 4; warp 0 ``bar.sync``s on barrier 3 (64
+    threads: both warps' arrivals complete a phase), reads the value, and ``bar.arrive``s on barrier 4
+    (so warp 1 cannot run a round ahead and arrive twice in one phase). Every round is a new phase of both."""
     values = cuda.shared.array(8, float32)
     lane = cuda.threadIdx.x % 32
     for r in range(rounds):
@@ -223,9 +225,11 @@ def _turns_kernel(out, rounds):
                 values[r] = float32(r + 1)
             cuda.syncwarp()
             named_barrier_arrive(3, 64)
+            named_barrier(4, 64)
         else:
             named_barrier(3, 64)
             out[r, lane] = values[r]
+            named_barrier_arrive(4, 64)
 
 
 def test_named_barrier_waits_for_the_arrivals_of_another_warp():

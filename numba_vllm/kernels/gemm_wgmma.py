@@ -85,6 +85,22 @@ GPC, so fewer fit at once: the launch caps the persistent grid at the clusters t
 ``_launch.max_active_clusters``). LARGE has no room for the receive buffer (block_m x block_n f32);
 SwiGLU's epilogue needs gate and up columns a whole tile apart, so it splits through global memory.
 
+Tiles' copies shared in a cluster (``multicast`` = (mc_m, mc_n), ``cluster.tma_load_2d_multicast``):
+the blocks of a decode-sized product all stream tiles the others stream too (the M tiles of one N
+tile read the same w slices, the N tiles of one M tile the same x slices), and each block's copies
+are its own reads of the L2. A cluster of mc_m x mc_n blocks takes mc_m consecutive M tiles of mc_n
+consecutive N tiles (the cluster's tile; clusters walk them as blocks walk output tiles); per K
+step, each block copies 1 / mc_m of the w slice into the mc_m blocks of its N tile at once, and 1 /
+mc_n of the x slice into the mc_n blocks of its M tile: the L2 sends each byte once per cluster,
+to several SMs. Each block's *full* mbarrier still expects the whole stage's bytes (its own copies
+and the others'), and a block may refill a stage only when the consumers of every block it copies
+into have released it: a consumer arrives on the *empty* mbarrier of every block of the cluster
+(``mbarrier_arrive_cluster``), which expects ``consumers x mc`` arrivals. A block whose tile lies
+past the matrix still copies its slices (zeros past M, N) and stores nothing; at the end the
+cluster meets (``cluster_sync``) so that no block exits while another may still arrive on its
+mbarriers. cuBLAS's kernels for these shapes do the same (Nsight Compute on an H200: 64 x 64 tiles
+in clusters of 2 x 1 at M = 256, 128 x 64 in 1 x 2 at M = 512 of a 2048 x 2048 weight).
+
 Requirements: K % 8 == 0 and w 16-byte aligned (TMA row strides and addresses), and N even with
 out 8-byte aligned (the epilogue stores column pairs); otherwise ``gemm_wgmma`` hands the product
 to ``gemm_tc``. Every Llama-family shape meets them. The x workspace is shared by every call:
