@@ -64,6 +64,17 @@ def parse_weight(spec: str) -> tuple[int, int]:
     return n, k
 
 
+def parse_multicast(spec: str) -> tuple[int, int]:
+    """'2x1' -> (2, 1): a cluster of 2 M tiles sharing w (one of ``gw.MULTICASTS``)."""
+    try:
+        shape = tuple(int(v) for v in spec.lower().split("x"))
+    except ValueError:
+        shape = ()
+    if shape not in gw.MULTICASTS[1:]:
+        raise argparse.ArgumentTypeError(f"{spec!r}: want one of {', '.join(f'{a}x{b}' for a, b in gw.MULTICASTS[1:])}")
+    return shape
+
+
 def positive(text: str) -> int:
     """An argparse type: an integer of at least 1."""
     try:
@@ -80,12 +91,12 @@ def name_of(config: gw.TileConfig) -> str:
 
 
 def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floats: int, clusters: bool,
-               multicast: bool = False):  # fmt: skip
+               multicasts=()):  # fmt: skip
     """The (tiling, split, in_cluster, multicast) worth timing at (M, N, K): parts of at least
     MIN_PART_SLICES slices, at most twice the blocks the SMs hold at once, split parts within
     ``parts_floats``; with ``clusters`` also every split of ``gw.CLUSTER_SPLITS`` summed in a cluster
-    (tilings whose parts fit beside their stages); with ``multicast`` every unsplit tiling in
-    clusters of ``gw.MULTICASTS`` that share its tiles' copies (where the matrix has the tiles)."""
+    (tilings whose parts fit beside their stages); every unsplit tiling in clusters of each of
+    ``multicasts`` (shapes of ``gw.MULTICASTS``) that share its tiles' copies, where the matrix has the tiles."""
     slices = -(-k // gw.BLOCK_K)
     for config, split in itertools.product(tilings, splits):
         tiles = gw.tile_count(config, m, n)
@@ -93,8 +104,8 @@ def candidates(m: int, n: int, k: int, tilings, splits, num_sms: int, parts_floa
             continue
         if clusters and split in gw.CLUSTER_SPLITS[1:] and config.shared_bytes_for(split) <= gw.SHARED_BYTES_PER_SM - 1024:
             yield config, split, True, gw.NO_MULTICAST
-        if multicast and split == 1:
-            for mc in gw.MULTICASTS[1:]:
+        if split == 1:
+            for mc in multicasts:
                 if gw.multicast_fits(config, mc) and -(-m // config.block_m) >= mc[0] and -(-n // config.block_n) >= mc[1]:
                     yield config, 1, False, mc
         if split > 1 and (tiles * split > 2 * num_sms * gw.blocks_per_sm(config)
@@ -117,11 +128,14 @@ def main() -> None:
     parser.add_argument("--weights", type=parse_weight, nargs="+", default=WEIGHTS,
                         help="weights NxK (default: Llama 3.2 1B's five)")  # fmt: skip
     parser.add_argument("--splits", type=positive, nargs="+", default=[1, 2, 3, 4, 8])
+    parser.add_argument("--tilings", nargs="+", choices=list(NAMES.values()), default=list(NAMES.values()),
+                        help="which of the launcher's tilings to try (default: all)")  # fmt: skip
     parser.add_argument("--extra", type=parse_tiling, nargs="*", default=[], help="more tilings, CONSUMERSxBLOCK_NxSTAGES")
     parser.add_argument("--silu", action="store_true", help="also the gate/up products with SwiGLU in the epilogue")
     parser.add_argument("--accumulate", action="store_true", help="out += x @ w.T (the o and down products), torch too")
     parser.add_argument("--clusters", action="store_true", help="also splits summed in a thread-block cluster")
-    parser.add_argument("--multicast", action="store_true", help="also clusters whose blocks share their tiles' copies")
+    parser.add_argument("--multicast", nargs="*", type=parse_multicast, default=None,
+                        help="also clusters whose blocks share their tiles' copies: these MC_MxMC_N shapes (none given: all)")
     parser.add_argument("--iters", type=positive, default=15)
     parser.add_argument("--all", action="store_true", help="print every tiling and split's time")
     parser.add_argument("--json", help="write every time here")
@@ -138,7 +152,7 @@ def main() -> None:
     torch = torch_or_none()
     flush = L2Flusher()
     sms = num_sms()
-    tilings = list(gw.TILE_CONFIGS) + list(args.extra)
+    tilings = [config for config, name in NAMES.items() if name in args.tilings] + list(args.extra)
     rows = []
     for (n, k), m in itertools.product(args.weights, args.tokens):
         ops, workspace, x_copy = wgmma_operands(m, n, k, seed=n + k + m)
@@ -158,7 +172,8 @@ def main() -> None:
             err = np.abs(ops.out.copy_to_host()[checked] - x64 @ w64.T) / (np.abs(x64) @ np.abs(w64).T + 1e-30)
             return float(err.max())
 
-        plans = list(candidates(m, n, k, tilings, args.splits, sms, parts_floats, args.clusters, args.multicast))
+        multicasts = () if args.multicast is None else args.multicast or gw.MULTICASTS[1:]
+        plans = list(candidates(m, n, k, tilings, args.splits, sms, parts_floats, args.clusters, multicasts))
         clustered = [p for p in plans if p[2] or p[3] != gw.NO_MULTICAST]
         errors = {plan_name(*p): relative_error(*p) for p in [plan, *clustered]}  # the plan and every cluster
         row = {"m": m, "n": n, "k": k, "plan": plan_name(*plan), "relative_error": max(errors.values()), "us": {},

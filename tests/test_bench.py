@@ -339,10 +339,12 @@ def test_gemm_plans_tries_only_splits_that_keep_their_parts_and_fit():
     clustered = {p for p in plans.candidates(64, 2048, 2048, [gw.TINY, gw.LARGE], [1, 2, 3, 4], 132, 10**9, True) if p[2]}
     assert clustered == {(gw.TINY, 2, True, none), (gw.TINY, 4, True, none)}
     # with --multicast: unsplit tilings in every cluster shape whose tiles the product has (M = 128: two 64-row tiles)
-    shared = {p[3] for p in plans.candidates(128, 2048, 2048, [gw.TINY], [1, 2], 132, 10**9, False, True)}
+    shared = {p[3] for p in plans.candidates(128, 2048, 2048, [gw.TINY], [1, 2], 132, 10**9, False, gw.MULTICASTS[1:])}
     assert shared == {none, (2, 1), (1, 2), (1, 4), (2, 2)}
     assert plans.plan_name(gw.TINY, 2, True) == "TINY/c2" and plans.plan_name(gw.TINY, 4, False) == "TINY/4"
-    assert plans.plan_name(gw.TINY, 1, False, (2, 1)) == "TINY/1m2x1"
+    assert plans.plan_name(gw.TINY, 1, False, (2, 1)) == "TINY/1m2x1" and plans.parse_multicast("1x2") == (1, 2)
+    with pytest.raises(argparse.ArgumentTypeError):
+        plans.parse_multicast("3x1")
     assert plans.parse_weight("2048x8192") == (2048, 8192)
     for bad in ("2048", "3x64", "64x12", "ax8"):
         with pytest.raises(argparse.ArgumentTypeError):

@@ -95,7 +95,9 @@ mc_n of the x slice into the mc_n blocks of its M tile: the L2 sends each byte o
 to several SMs. Each block's *full* mbarrier still expects the whole stage's bytes (its own copies
 and the others'), and a block may refill a stage only when the consumers of every block it copies
 into have released it: a consumer arrives on the *empty* mbarrier of every block of the cluster
-(``mbarrier_arrive_cluster``), which expects ``consumers x mc`` arrivals. A block whose tile lies
+(``mbarrier_arrive_remote``: CTA-scope release, since the arrival only says that reads are done; with
+the cluster-scope release of ``mbarrier_arrive_cluster`` the fence it costs stalled each K step by
+~0.7 us on an H200, 2.5-3.5x the whole product), which expects ``consumers x mc`` arrivals. A block whose tile lies
 past the matrix still copies its slices (zeros past M, N) and stores nothing; at the end the
 cluster meets (``cluster_sync``) so that no block exits while another may still arrive on its
 mbarriers. cuBLAS's kernels for these shapes do the same (Nsight Compute on an H200: 64 x 64 tiles
@@ -162,6 +164,7 @@ from numba_vllm.kernels.cluster import (
     cluster_address,
     cluster_sync,
     mbarrier_arrive_cluster,
+    mbarrier_arrive_remote,
     mbarrier_wait_cluster,
     store_cluster_f32x4,
     tma_load_2d_multicast,
@@ -430,11 +433,9 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
                     n_tile = n_tile * mc_n + rn
                     for kt in range(num_slices):
                         s = step % stages
-                        if step >= stages:  # wait for the consumers' release of the stage's previous use
-                            if mc > 1:  # (the consumers of every block that this one copies into)
-                                mbarrier_wait_cluster(empty + s * BARRIER_BYTES, (step // stages + 1) & 1)
-                            else:
-                                mbarrier_wait(empty + s * BARRIER_BYTES, (step // stages + 1) & 1)
+                        if step >= stages:  # wait for the consumers' release of the stage's previous use (with
+                            # multicast: the consumers of every block that this one copies into)
+                            mbarrier_wait(empty + s * BARRIER_BYTES, (step // stages + 1) & 1)
                         barrier = full + s * BARRIER_BYTES
                         mbarrier_arrive_expect_tx(barrier, stage_bytes)  # (the whole stage: its own copies and the others')
                         stage = stage0 + s * stage_bytes
@@ -589,10 +590,11 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
 def _release(barrier, blocks):
     """A consumer warpgroup is done with a stage: one arrival on its empty mbarrier at ``barrier``;
     with multicast (``blocks`` > 1) on that of every block of the cluster, since each copies into
-    this block's stage and must not refill it before this block's consumers are done."""
+    this block's stage and must not refill it before this block's consumers are done. The arrival
+    says only that the stage's reads are done (the wgmma wait before it): no cluster-scope release."""
     if blocks > 1:
         for r in range(blocks):
-            mbarrier_arrive_cluster(cluster_address(barrier, r))
+            mbarrier_arrive_remote(cluster_address(barrier, r))
     else:
         mbarrier_arrive(barrier)
 
@@ -705,6 +707,8 @@ def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple
         return SMALL_DEEP, split, False, NO_MULTICAST
     if config == TINY and tiles * split > num_sms:
         return TINY_SHALLOW, split, False, NO_MULTICAST
+    if config == TINY and split == 1 and num_tokens > WGMMA_M:
+        return TINY, 1, False, (2, 1)  # two M tiles share each w tile's copies (cuBLAS's shape at these sizes)
     return config, split, False, NO_MULTICAST
 
 
