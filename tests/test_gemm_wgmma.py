@@ -696,6 +696,7 @@ def test_kernel_compiles_to_wgmma_and_tma(wgmma_ptx, variant):
     assert f"wgmma.mma_async.sync.aligned.m64n{block_n}k16.f32.bf16.bf16" in text
     assert "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes" in text
     assert "mbarrier.try_wait.parity.shared::cta.b64" in text
+    assert (".multicast::cluster" in text) == ("multicast" in variant.variant)
 
 
 @pytest.mark.slow

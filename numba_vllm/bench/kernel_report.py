@@ -131,6 +131,12 @@ REGISTRY: tuple[KernelVariant, ...] = (
                           ("TINY_SHALLOW", "64x64"), ("MEDIUM", "128x128"))
         if cluster == 1 or tile != "LARGE"  # (LARGE's parts would not fit beside its stages)
     ),
+    *(  # tiles' copies multicast in a cluster (benchmarks and sweeps: pick_plan does not choose them)
+        KernelVariant("gemm_wgmma", f"{tile} {cfg} multicast {a}x{b}",
+                      f"gemm_wgmma:gemm_wgmma_kernel_for({tile}, False, 1, ({a}, {b}))", GEMM_WGMMA_SIG, f"{tile}.threads",
+                      dynamic_shared=f"{tile}.shared_bytes", arch_specific=True, hot=False)  # fmt: skip
+        for tile, cfg, (a, b) in (("TINY", "64x64", (2, 1)), ("SMALL", "64x128", (1, 2)))
+    ),
     KernelVariant("x_to_bf16", "", "gemm_wgmma:_x_to_bf16_kernel", "(f32(2), u32(2))", "CONVERT_THREADS"),
     KernelVariant("gemm", "", "gemm:gemm_kernel", LINEAR_SIG, "BLOCK_THREADS"),
     # capped at 128 registers for two blocks per SM: spills by design (gemm.py)

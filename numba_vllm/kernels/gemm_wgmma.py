@@ -94,14 +94,21 @@ step, each block copies 1 / mc_m of the w slice into the mc_m blocks of its N ti
 mc_n of the x slice into the mc_n blocks of its M tile: the L2 sends each byte once per cluster,
 to several SMs. Each block's *full* mbarrier still expects the whole stage's bytes (its own copies
 and the others'), and a block may refill a stage only when the consumers of every block it copies
-into have released it: a consumer arrives on the *empty* mbarrier of every block of the cluster
-(``mbarrier_arrive_remote``: CTA-scope release, since the arrival only says that reads are done; with
-the cluster-scope release of ``mbarrier_arrive_cluster`` the fence it costs stalled each K step by
-~0.7 us on an H200, 2.5-3.5x the whole product), which expects ``consumers x mc`` arrivals. A block whose tile lies
-past the matrix still copies its slices (zeros past M, N) and stores nothing; at the end the
-cluster meets (``cluster_sync``) so that no block exits while another may still arrive on its
-mbarriers. cuBLAS's kernels for these shapes do the same (Nsight Compute on an H200: 64 x 64 tiles
-in clusters of 2 x 1 at M = 256, 128 x 64 in 1 x 2 at M = 512 of a 2048 x 2048 weight).
+into have released it: a consumer arrives on the *empty* mbarrier of every block of the cluster,
+which expects ``consumers x mc`` arrivals (``mbarrier_arrive_remote``: a CTA-scope release, since
+the arrival only says that reads are done; the cluster-scope release of ``mbarrier_arrive_cluster``
+costs a fence that stalled every K step by ~0.7 us on an H200, the product 2.5-3.5x). A block
+whose tile lies past the matrix still copies its slices (zeros past M, N) and stores nothing. At
+the end the copying thread waits until every stage it filled has been released by every block's
+consumers before its block may exit: then no arrival on its mbarriers is still to come. cuBLAS's
+kernels for these shapes share their tiles the same way (Nsight Compute on an H200: 64 x 64 tiles,
+13 stages, three warpgroups, in clusters of 2 x 1 at M = 256; 128 x 64 in 1 x 2 at M = 512 of a
+2048 x 2048 weight). Here it does not pay, and ``pick_plan`` does not choose it: on an H200
+(``gemm_plans.py --multicast 2x1 1x2``, events behind a sleeping kernel) 256 x 2048 x 2048 took
+12.9 us as TINY tiles, 13.3 in clusters of 2 x 1 or 1 x 2 (cuBLAS 9.9); 256 x 2048 x 8192 33.3
+and 34.3 (24.0); 512 x 2048 x 2048 17.2 as SMALL tiles, 18.1 and 18.7 shared. A quarter fewer L2
+reads changed nothing because the L2 is not what bounds these products: Nsight Compute put its
+throughput at 29-41% of peak during them. Each block's K loop is what bounds them (below).
 
 Requirements: K % 8 == 0 and w 16-byte aligned (TMA row strides and addresses), and N even with
 out 8-byte aligned (the epilogue stores column pairs); otherwise ``gemm_wgmma`` hands the product
@@ -146,10 +153,12 @@ cluster (above) it does, where half the SMs would idle. At M = 256 and 512 on th
 weight every SM already has a tile, and no tiling or split, in a cluster or not, came within 1.4x
 of cuBLAS (``gemm_plans.py --clusters --extra 2x128x4``: 128 x 128 tiles split 2 ways in a cluster
 6% faster at M = 512, 14% when adding into out, slower at 256; ``pick_plan`` takes them at 512).
-Prefetching the tensor maps or dropping their acquire fence changed nothing (< 0.5 us). The next
-steps: launches that overlap the previous kernel's tail (programmatic dependent launch), 2-block
-clusters multicasting the shared operand, and ``setmaxnreg`` to give the consumers the producer's
-registers.
+Prefetching the tensor maps or dropping their acquire fence changed nothing (< 0.5 us), nor did
+clusters multicasting the shared operand (above). What cuBLAS's 64 x 64 kernel has that this one
+lacks is a second consumer warpgroup on the same tile: the next thing to try is two consumer
+warpgroups taking alternate K steps of one tile (two chains of wait, wgmma and release in flight,
+their accumulators summed at the end), then launches that overlap the previous kernel's tail
+(programmatic dependent launch).
 """
 
 import functools
@@ -347,7 +356,6 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
     load_w = tma_load_2d(half_n if silu_mul else block_n)
     load_x_shared = tma_load_2d_multicast(x_rows)  # (mc_n > 1)
     load_w_shared = tma_load_2d_multicast(w_rows)  # (mc_m > 1)
-    last_sync = mc > 1  # blocks that copy into each other's memory meet before any exits
 
     @kernel(launch_bounds=(threads, blocks_per_sm(config, cluster)))
     def gemm_wgmma_kernel(x_map, w_map, x_bits, w_bits, out, parts, counters, accumulate, m_fastest):
@@ -459,9 +467,10 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
                         else:
                             load_w(smem, w_dst, w_map, w_bits, k, n_tile * block_n, barrier)
                         step += 1
-            if last_sync:
-                cuda.syncwarp()  # (the copying thread back with its warp: the barrier is .aligned)
-                cluster_sync()  # (the consumers' meeting at the end: every thread of the cluster takes part)
+                if mc > 1:  # no exit before every block's consumers have released every stage this block filled:
+                    # then no arrival on this block's mbarriers is still to come, and every copy it sent was read
+                    for u in range(max(0, step - stages), step):
+                        mbarrier_wait(empty + (u % stages) * BARRIER_BYTES, (u // stages) & 1)
             return
 
         acc = cuda.local.array(acc_count, float32)  # this thread's part of the warpgroup's 64 x block_n
@@ -580,8 +589,6 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
                         if (cluster == 1 or j // slice_blocks == rank) and m + 8 * h < num_tokens and n + 8 * j < num_rows:
                             store_f32x2(out, (m + 8 * h, n + 8 * j), acc[4 * j + 2 * h], acc[4 * j + 2 * h + 1])
             done += 1
-        if last_sync:  # no block exits while another may still arrive on its mbarriers (with the producer's)
-            cluster_sync()
 
     return gemm_wgmma_kernel
 
@@ -707,8 +714,6 @@ def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple
         return SMALL_DEEP, split, False, NO_MULTICAST
     if config == TINY and tiles * split > num_sms:
         return TINY_SHALLOW, split, False, NO_MULTICAST
-    if config == TINY and split == 1 and num_tokens > WGMMA_M:
-        return TINY, 1, False, (2, 1)  # two M tiles share each w tile's copies (cuBLAS's shape at these sizes)
     return config, split, False, NO_MULTICAST
 
 
