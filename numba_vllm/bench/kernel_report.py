@@ -29,6 +29,7 @@ process builds and compiles kernels.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -237,6 +238,10 @@ def select(names: Sequence[str] = (), only: str | None = None) -> list[KernelVar
 
 
 # ---- 1. PTX, compiled in a child process with the simulator off -----------------------------------
+# The child answers one request line (a variant) with one result line, so a caller can hand out the
+# variants one at a time (tests/helpers/ptx.py shares them among the test workers). Lines of the
+# protocol carry a prefix: whatever else the child prints goes to the same stdout.
+_ANSWER = "PTX-RESULT "
 _CHILD = r"""
 import importlib, json, sys, types as pytypes
 from numba import cuda
@@ -249,40 +254,78 @@ def _arr(dt):
 names = dict(types=types, f32=_arr(types.float32), bf16=_arr(types.bfloat16), i32=_arr(types.int32),
              u32=_arr(types.uint32), u16=_arr(types.uint16), int32=types.int32, float32=types.float32,
              uint32=types.uint32, int64=types.int64)
-request = json.loads(sys.stdin.read())
-out = {}
-for key, kernel, signature, threads, dynamic_shared in request["variants"]:
+package, lineinfo, answer = sys.argv[1], sys.argv[2] == "1", sys.argv[3]
+for line in sys.stdin:
+    kernel, signature, threads, dynamic_shared = json.loads(line)
     module_name, expression = kernel.split(":", 1)
-    scope = vars(importlib.import_module(request["package"] + "." + module_name))
+    scope = vars(importlib.import_module(package + "." + module_name))
     try:
         dispatcher_ = eval(expression, scope)
         options = dispatcher_.targetoptions
-        ptx, _ = cuda.compile_ptx(dispatcher_.py_func, eval(signature, names), cc=(9, 0), lineinfo=request["lineinfo"],
+        ptx, _ = cuda.compile_ptx(dispatcher_.py_func, eval(signature, names), cc=(9, 0), lineinfo=lineinfo,
                                   fastmath=options.get("fastmath", False), launch_bounds=options.get("launch_bounds"))
-        out[key] = {"ptx": ptx, "threads": eval(threads, scope), "dynamic_shared": eval(dynamic_shared, scope),
-                    "max_registers": options.get("max_registers")}
+        out = {"ptx": ptx, "threads": eval(threads, scope), "dynamic_shared": eval(dynamic_shared, scope),
+               "max_registers": options.get("max_registers")}
     except Exception as e:
-        out[key] = {"error": f"{type(e).__name__}: {e}"}
-print(json.dumps(out))
+        out = {"error": f"{type(e).__name__}: {e}"}
+    print(answer + json.dumps(out), flush=True)
 """
 
 
-def compile_ptx(variants: Sequence[KernelVariant], lineinfo: bool = False) -> dict[str, dict]:
-    """{key: {'ptx', 'threads', 'dynamic_shared', 'max_registers'} or {'error': message}} for sm_90, no GPU needed.
+class PtxCompiler:
+    """A child process that compiles variants to PTX for sm_90, one at a time, no GPU needed.
 
-    The child process runs with the simulator off (``cuda.compile_ptx`` needs the real target) and
-    imports this same package. lineinfo: compile as ``make profile`` does (``NUMBA_VLLM_LINEINFO=1``:
-    line tables in every kernel and device function).
+    The child runs with the simulator off (``cuda.compile_ptx`` needs the real target) and imports
+    this same package; it starts once (numba's import takes seconds) and serves every ``compile``
+    until ``close``. lineinfo: compile as ``make profile`` does (``NUMBA_VLLM_LINEINFO=1``: line
+    tables in every kernel and device function).
     """
-    package_root = str(Path(__file__).resolve().parents[2])  # the directory holding numba_vllm/
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", NUMBA_VLLM_LINEINFO="1" if lineinfo else "0")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    specs = [(v.key, v.kernel, v.signature, v.threads, v.dynamic_shared) for v in variants]
-    request = json.dumps({"variants": specs, "lineinfo": lineinfo, "package": KERNELS_PACKAGE})
-    proc = subprocess.run([sys.executable, "-c", _CHILD], input=request, capture_output=True, text=True, env=env, timeout=1200)
-    if proc.returncode != 0:
-        raise ReportError(f"PTX compilation child failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    def __init__(self, lineinfo: bool = False):
+        package_root = str(Path(__file__).resolve().parents[2])  # the directory holding numba_vllm/
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", NUMBA_VLLM_LINEINFO="1" if lineinfo else "0")
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+        self._stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: no one reads it while the child runs
+        command = [sys.executable, "-c", _CHILD, KERNELS_PACKAGE, str(int(lineinfo)), _ANSWER]
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                      text=True, env=env)  # fmt: skip
+
+    def compile(self, variant: KernelVariant) -> dict:
+        """{'ptx', 'threads', 'dynamic_shared', 'max_registers'} or {'error': message} for ``variant``."""
+        request = [variant.kernel, variant.signature, variant.threads, variant.dynamic_shared]
+        try:
+            self._proc.stdin.write(json.dumps(request) + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the child has exited: reported below
+        for line in self._proc.stdout:
+            if line.startswith(_ANSWER):
+                return json.loads(line[len(_ANSWER):])
+        self._proc.wait()
+        self._stderr.seek(0)
+        raise ReportError(f"PTX compilation child failed:\n{self._stderr.read()[-3000:]}")
+
+    def close(self) -> None:
+        """End the child after the variant it compiles (its input ends)."""
+        with contextlib.suppress(BrokenPipeError):
+            self._proc.stdin.close()
+        self._proc.wait()
+        self._proc.stdout.close()
+        self._stderr.close()
+
+    def __enter__(self) -> PtxCompiler:
+        return self
+
+    def __exit__(self, exc_type, *_) -> None:
+        if exc_type is not None:  # interrupted (a test's timeout): do not wait for the child's compile
+            self._proc.kill()
+        self.close()
+
+
+def compile_ptx(variants: Sequence[KernelVariant], lineinfo: bool = False) -> dict[str, dict]:
+    """{key: PtxCompiler.compile's result} for ``variants``, in one child process."""
+    with PtxCompiler(lineinfo) as compiler:
+        return {v.key: compiler.compile(v) for v in variants}
 
 
 # ---- 2. ptxas ---------------------------------------------------------------------------------------
