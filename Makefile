@@ -41,11 +41,13 @@ run: setup  ## run the default model on a sample question (pass more with ARGS="
 # `make test` spreads the test files over TEST_WORKERS processes (pytest-xdist), each file whole on one
 # of them, in order (its module fixtures built once, its tests in sequence). Three on CI's 2 cores: the
 # server and subprocess tests wait on their children, and a third worker fills those waits (the whole
-# suite: 15.7 min with three, 20.6 with two, ~30 with one on a 2-core machine).
+# suite: 15.7 min with three, 20.6 with two, ~30 with one on a 2-core machine). The files go out in
+# collection order (--no-loadscope-reorder), which puts the longest first (tests/conftest.py).
 TEST_WORKERS ?= 3
 
 test: setup  ## the CPU suite, as CI runs it: kernels under the Numba CUDA simulator, engine on NumPy
-	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --durations=15
+	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
+		--durations=15
 
 test-fast: setup  ## the CPU suite without the `slow` tests (SmolLM2, PTX, whole-model simulation): under 2 minutes
 	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu and not slow"

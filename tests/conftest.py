@@ -23,12 +23,36 @@ def _gpu_usable():
     return not simulator_enabled() and cuda.is_available()
 
 
+# The test files that take minutes on 2 cores (whole-model simulations, PTX compiles), longest first
+# (`make test`'s --durations, summed per file). `make test` hands whole files to its workers in
+# collection order, so these start first: a long file started last would run on alone at the end.
+LONGEST_FILES = (
+    "test_cuda_graph.py",
+    "test_engine.py",
+    "test_logprobs.py",
+    "test_examples.py",
+    "test_structured_output.py",
+    "test_prefill_attention_tc.py",
+    "test_gemm_wgmma.py",
+    "test_logits_edits.py",
+    "test_prefill_attention_wgmma.py",
+    "test_ptx_attention.py",
+    "test_engine_core.py",
+    "test_ptx_matmul.py",
+    "test_kernel_report.py",
+    "test_attention.py",
+    "test_ptx_lineinfo.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if gpu_items and not _gpu_usable():
         skip = pytest.mark.skip(reason="no usable GPU (set NUMBA_VLLM_TEST_GPU=1 on a GPU host)")
         for item in gpu_items:
             item.add_marker(skip)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FILES)))  # stable: each file's tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)
