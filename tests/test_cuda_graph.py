@@ -107,7 +107,8 @@ def test_padding_writes_only_the_null_page(tiny):
     assert engine.runner.piecewise_graphs.token_counts == {40}
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # ~80 s alone on 2 cores: six token buckets, two decode graphs, then three prompts
+@pytest.mark.timeout(900)  # (the default 300 s was reached under load, as test_engine's whole-model simulations)
 def test_warm_up_runs_every_bucket_on_the_null_page_and_changes_no_output(tiny, monkeypatch):
     """Warm-up steps (one per token bucket, a prompt beside max_num_seqs - 1 decodes; then every
     decode graph) write only the null page: the requests that follow still give NumPy's tokens."""
