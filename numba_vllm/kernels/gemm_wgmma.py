@@ -24,10 +24,11 @@ Data flow:
   SwiGLU, down; CUDA events around the calls) took 471 us instead of 672 at M = 2,048 and 164
   instead of 261 at M = 256; batch-32 decode steps 1.56 ms instead of 1.63.
 - A block is ``consumers`` warpgroups that compute (64 rows of the ``block_m x block_n`` output
-  tile each, ``block_m = 64 * consumers``) and one more, the producer, of which one thread issues
-  every copy: per K step of ``BLOCK_K`` = 64 values, one TMA box of x (block_m x 64) and one of w
-  (block_n x 64) into a stage of the pipeline (``stages`` of them in dynamic shared memory, over
-  48 KB: the launch opts in, see ``_launch.launch``), from a 1024-byte aligned address. The tensor
+  tile each, ``block_m = 64 * consumers``) and one more, the producer, whose four warps take turns
+  (lane 0 of warp w issues the copies of K steps w, w + 4, ...: ``COPIERS``): per K step of
+  ``BLOCK_K`` = 64 values, one TMA box of x (block_m x 64) and one of w (block_n x 64) into a stage
+  of the pipeline (``stages`` of them in dynamic shared memory, over 48 KB: the launch opts in, see
+  ``_launch.launch``), from a 1024-byte aligned address. The tensor
   maps (``_tensor_map``: CUtensorMaps in global memory, made once per matrix and cached) describe
   the matrices; boxes past M, N or K are filled with zeros by the TMA.
 - Synchronisation, with no block-wide barrier in the main loop: each stage has a *full* mbarrier
@@ -154,11 +155,24 @@ weight every SM already has a tile, and no tiling or split, in a cluster or not,
 of cuBLAS (``gemm_plans.py --clusters --extra 2x128x4``: 128 x 128 tiles split 2 ways in a cluster
 6% faster at M = 512, 14% when adding into out, slower at 256; ``pick_plan`` takes them at 512).
 Prefetching the tensor maps or dropping their acquire fence changed nothing (< 0.5 us), nor did
-clusters multicasting the shared operand (above). What cuBLAS's 64 x 64 kernel has that this one
-lacks is a second consumer warpgroup on the same tile: the next thing to try is two consumer
-warpgroups taking alternate K steps of one tile (two chains of wait, wgmma and release in flight,
-their accumulators summed at the end), then launches that overlap the previous kernel's tail
-(programmatic dependent launch).
+clusters multicasting the shared operand (above).
+
+Where a decode product's K loop spends its time (H200, 2026-12-03, builds with the copies or the
+wgmma switched off, events behind a sleeping kernel; 256 x 2048 x 8192 on TINY tiles, one copying
+thread): the product 33.6 us, copies and barriers alone 30.2, wgmma and barriers alone 25.1, the
+barriers alone 15.9 (cuBLAS 23.7). The barriers alone cost ~0.08 us a K step, and two consumer
+warpgroups taking turns over a tile's K steps (their sums added at the end) left that unchanged
+(15.8) while they did cut the wgmma-alone time (20.9): the bound was the single copying thread's
+chain per step (wait for the empty stage, arrive with the byte count, issue two TMA copies). With
+the producer's four warps taking turns (``COPIERS``), in one run against one copying thread: 256 x
+2048 x 2048 13.9 -> 12.2 us (cuBLAS 9.9), 256 x 2048 x 8192 38.6 -> 30.8 (23.8), 128 x 2048 x 8192
+on TINY 38.1 -> 29.8, 512 x 2048 x 2048 on SMALL_DEEP 18.0 -> 16.0 and on MEDIUM in a cluster 16.6
+-> 16.1 (12.2); the barriers alone 24.4 -> 16.3 at 256 x 2048 x 8192. (That machine ran the one-
+thread build slower than the previous run's, 38.6 against 33.6 us; the four-copier build was faster
+than both.) Consumers taking turns stayed slower than one consumer even with four copiers (13.1 and
+34.7 us), so they are not kept. Next: launches that overlap the previous kernel's tail
+(programmatic dependent launch), and the copies, which now bound the product (copies alone 29.0 us
+at 256 x 2048 x 8192 with four copiers).
 """
 
 import functools
@@ -214,6 +228,7 @@ PAIR_BYTES = 8  # the epilogue's stores: two f32 columns at once
 BARRIER_BYTES = 8  # one mbarrier
 FLAG_BYTES = 8  # after the mbarriers: the word that tells a split's blocks which of them sums the parts
 CONSUMERS_BARRIER = 1  # named barrier of the consumer warpgroups (0 is syncthreads)
+COPIERS = WARPGROUP_THREADS // 32  # threads that issue the copies, one per warp of the producer warpgroup, in turn
 X_WORKSPACE_VALUES = 32 * 1024 * 1024  # bf16 copy of x of a call without the model's workspace: 64 MB, made once
 MIN_SPLIT_TILES = 32  # split K only into parts of at least this many BLOCK_K slices (2048 of K)
 MIN_CLUSTER_PART_SLICES = 8  # a split over a cluster keeps parts of at least this many slices (512 of K)
@@ -424,8 +439,9 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
         # K steps are counted over all of the block's tiles (stage = step % stages, its use number
         # step // stages sets the parity), so the producer fills the next tile's first stages while the
         # consumers finish the current one and store it.
-        if group == consumers:  # the producer warpgroup: one thread issues the copies
-            if tid % WARPGROUP_THREADS == 0:
+        if group == consumers:  # the producer warpgroup: lane 0 of each warp issues every COPIERS-th K step's copies
+            if tid % 32 == 0:
+                copier = (tid % WARPGROUP_THREADS) // 32  # this thread's K steps: copier, copier + COPIERS, ...
                 tensormap_acquire(x_map)
                 tensormap_acquire(w_map)
                 x_mask = uint32(0)  # with multicast: the blocks of this M tile, and of this N tile
@@ -440,6 +456,9 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
                     m_tile = m_tile * mc_m + rm  # (past the matrix in a cluster's last tile: the TMA fills zeros)
                     n_tile = n_tile * mc_n + rn
                     for kt in range(num_slices):
+                        if step % COPIERS != copier:  # another warp's step
+                            step += 1
+                            continue
                         s = step % stages
                         if step >= stages:  # wait for the consumers' release of the stage's previous use (with
                             # multicast: the consumers of every block that this one copies into)
@@ -470,7 +489,8 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
                 if mc > 1:  # no exit before every block's consumers have released every stage this block filled:
                     # then no arrival on this block's mbarriers is still to come, and every copy it sent was read
                     for u in range(max(0, step - stages), step):
-                        mbarrier_wait(empty + (u % stages) * BARRIER_BYTES, (u // stages) & 1)
+                        if u % COPIERS == copier:
+                            mbarrier_wait(empty + (u % stages) * BARRIER_BYTES, (u // stages) & 1)
             return
 
         acc = cuda.local.array(acc_count, float32)  # this thread's part of the warpgroup's 64 x block_n
