@@ -323,6 +323,25 @@ def test_kernel_timeline_counts_busy_time_once_and_the_gaps_between():
     assert timeline.short_name("Memcpy HtoD (Pinned -> Device)") == "Memcpy HtoD (Pinned -> Device)"
 
 
+def test_gemm_bounds_switches_off_exactly_the_wgmma_or_the_copies():
+    """benchmarks/gemm_bounds.py's reduced builds: the K step's wgmma loop behind a false constant, or
+    the producer's arrival with the byte count replaced by a plain arrival and a skip to the next
+    step; each still compiles as Python, and the kernel as it is finds both places once."""
+    bounds = _benchmark_script("gemm_bounds")
+    source = bounds.KERNEL.read_text()
+    product = bounds.reduced_source(source, mma=True, copies=True)
+    no_mma = bounds.reduced_source(source, mma=False, copies=True)
+    no_copies = bounds.reduced_source(source, mma=True, copies=False)
+    assert product == source
+    assert "if False:" in no_mma and no_mma.count("mma(acc, smem,") == source.count("mma(acc, smem,")
+    assert "mbarrier_arrive_expect_tx(barrier, stage_bytes)" not in no_copies and "mbarrier_arrive(barrier)" in no_copies
+    for text in (no_mma, no_copies, bounds.reduced_source(source, mma=False, copies=False)):
+        compile(text, "gemm_wgmma.py", "exec")
+    assert bounds.parse_shape("256x2048x8192") == (256, 2048, 8192)
+    with pytest.raises(argparse.ArgumentTypeError):
+        bounds.parse_shape("256x2047x8192")
+
+
 def test_gemm_plans_tries_only_splits_that_keep_their_parts_and_fit():
     """benchmarks/gemm_plans.py's sweep: a split keeps 4 slices of K a part, twice the SMs' blocks at
     most, its parts within the workspace; extra tilings parse as CONSUMERSxBLOCK_NxSTAGES, one that
