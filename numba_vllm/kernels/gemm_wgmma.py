@@ -159,11 +159,12 @@ clusters multicasting the shared operand (above).
 
 Where a decode product's K loop spends its time (H200, 2026-12-03, builds with the copies or the
 wgmma switched off, events behind a sleeping kernel; 256 x 2048 x 8192 on TINY tiles, one copying
-thread): the product 33.6 us, copies and barriers alone 30.2, wgmma and barriers alone 25.1, the
-barriers alone 15.9 (cuBLAS 23.7). The barriers alone cost ~0.08 us a K step, and two consumer
+thread): the product 33.2 us, copies and barriers alone 30.2, wgmma and barriers alone 26.9, the
+barriers alone 15.2 (cuBLAS 23.5). The barriers alone cost ~0.08 us a K step, and two consumer
 warpgroups taking turns over a tile's K steps (their sums added at the end) left that unchanged
-(15.8) while they did cut the wgmma-alone time (20.9): the bound was the single copying thread's
-chain per step (wait for the empty stage, arrive with the byte count, issue two TMA copies). With
+(15.8) while they did cut the wgmma-alone time (25.1 -> 20.9 in that run): the bound was the single
+copying thread's chain per step (wait for the empty stage, arrive with the byte count, issue two TMA
+copies; ``benchmarks/gemm_bounds.py`` builds and times these reductions). With
 the producer's four warps taking turns (``COPIERS``), in one run against one copying thread: 256 x
 2048 x 2048 13.9 -> 12.2 us (cuBLAS 9.9), 256 x 2048 x 8192 38.6 -> 30.8 (23.8), 128 x 2048 x 8192
 on TINY 38.1 -> 29.8, 512 x 2048 x 2048 on SMALL_DEEP 18.0 -> 16.0 and on MEDIUM in a cluster 16.6
