@@ -197,6 +197,7 @@ from numba_vllm.kernels.gemm_tc import gemm_tc
 from numba_vllm.kernels.gemv import check_linear_args, weight_bits
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import pack_bf16x2
+from numba_vllm.kernels.reductions import WARP_SIZE
 from numba_vllm.kernels.vector_load import load_f32x2, load_shared_f32x4, store_f32x2, vector_aligned
 from numba_vllm.kernels.wgmma import (
     ATOM_BYTES,
@@ -229,7 +230,7 @@ PAIR_BYTES = 8  # the epilogue's stores: two f32 columns at once
 BARRIER_BYTES = 8  # one mbarrier
 FLAG_BYTES = 8  # after the mbarriers: the word that tells a split's blocks which of them sums the parts
 CONSUMERS_BARRIER = 1  # named barrier of the consumer warpgroups (0 is syncthreads)
-COPIERS = WARPGROUP_THREADS // 32  # threads that issue the copies, one per warp of the producer warpgroup, in turn
+COPIERS = WARPGROUP_THREADS // WARP_SIZE  # threads that issue the copies, one per warp of the producer warpgroup, in turn
 X_WORKSPACE_VALUES = 32 * 1024 * 1024  # bf16 copy of x of a call without the model's workspace: 64 MB, made once
 MIN_SPLIT_TILES = 32  # split K only into parts of at least this many BLOCK_K slices (2048 of K)
 MIN_CLUSTER_PART_SLICES = 8  # a split over a cluster keeps parts of at least this many slices (512 of K)
@@ -441,8 +442,8 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
         # step // stages sets the parity), so the producer fills the next tile's first stages while the
         # consumers finish the current one and store it.
         if group == consumers:  # the producer warpgroup: lane 0 of each warp issues every COPIERS-th K step's copies
-            if tid % 32 == 0:
-                copier = (tid % WARPGROUP_THREADS) // 32  # this thread's K steps: copier, copier + COPIERS, ...
+            if tid % WARP_SIZE == 0:
+                copier = (tid % WARPGROUP_THREADS) // WARP_SIZE  # this thread's K steps: copier, copier + COPIERS, ...
                 tensormap_acquire(x_map)
                 tensormap_acquire(w_map)
                 x_mask = uint32(0)  # with multicast: the blocks of this M tile, and of this N tile
@@ -584,7 +585,7 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
             # Epilogue, straight from the registers: acc[4j + 2h + e] is D[16w + 8h + g, 8j + 2q + e] of
             # the warpgroup's 64 rows (wgmma.py); a warp's store of one (j, h) covers 8 rows of 32 bytes
             # (whole sectors), and the producer is already filling the next tile's stages.
-            lane = tid % 32
+            lane = tid % WARP_SIZE
             m = m_tile * block_m + group * WGMMA_M + (tid % WARPGROUP_THREADS) // 32 * 16 + (lane >> 2)
             if silu_mul:  # gate column c and up column half_n + c sit in the same thread, half_n / 2 apart
                 n = n_tile * half_n + 2 * (lane & 3)  # column of (M, F); its pair is word n / 2 of the row
