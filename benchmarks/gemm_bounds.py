@@ -27,6 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from numba_vllm.kernels import gemm_wgmma as gw  # noqa: E402
+
 KERNEL = ROOT / "numba_vllm" / "kernels" / "gemm_wgmma.py"
 # The consumers' wgmma of one K step, and where the producer arrives with the stage's byte count.
 MMA_LOOP = re.compile(r"^( +)for kk in range\(BLOCK_K // WGMMA_K\):\n +mma\(acc, smem, desc_a \+ kk \* DESC_K_STEP, "
@@ -65,11 +67,15 @@ def build(mode: str):
     return module
 
 
+def tiling_names(module) -> dict:
+    """{TileConfig: its name} of a gemm_wgmma module's named tilings (LARGE, SMALL, ...)."""
+    return {value: name for name, value in vars(module).items() if isinstance(value, module.TileConfig)}
+
+
 def plan_name(module, m: int, n: int, k: int, sms: int) -> str:
     """pick_plan's choice as 'TINY', 'TINY/2' (K split 2 ways) or 'MEDIUM/c2' (split in a cluster)."""
     config, split, in_cluster, _ = module.pick_plan(m, n, k, sms)
-    names = {value: name for name, value in vars(module).items() if isinstance(value, module.TileConfig)}
-    return names.get(config, str(config)) + (f"/{'c' if in_cluster else ''}{split}" if split > 1 else "")
+    return tiling_names(module).get(config, str(config)) + (f"/{'c' if in_cluster else ''}{split}" if split > 1 else "")
 
 
 def parse_shape(spec: str) -> tuple[int, int, int]:
@@ -86,9 +92,12 @@ def parse_shape(spec: str) -> tuple[int, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shapes", type=parse_shape, nargs="+", default=[parse_shape(s) for s in SHAPES])
-    parser.add_argument("--tilings", nargs="*", default=[], help="tilings of gemm_wgmma to force (default: pick_plan's)")
+    parser.add_argument("--tilings", nargs="*", default=[], choices=sorted(tiling_names(gw).values()),
+                        help="tilings of gemm_wgmma to force (default: pick_plan's)")  # fmt: skip
     parser.add_argument("--iters", type=int, default=21)
     args = parser.parse_args()
+    if args.iters < 1:
+        parser.error(f"--iters {args.iters}: want at least 1")
 
     from numba_vllm.bench.kernels import L2Flusher, kernel_times_behind_sleep, require_gpu, torch_or_none
     from numba_vllm.bench.matmul_cases import torch_linear, wgmma_operands
@@ -125,4 +134,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from numba_vllm.bench.common import BenchError
+
+    try:
+        main()
+    except BenchError as e:  # no usable GPU: one line, not a traceback
+        sys.exit(f"gemm_bounds: {e}")
