@@ -113,6 +113,29 @@ def test_compiled_constraints_are_cached_by_kind_and_text(tiny, monkeypatch):
     assert structured.compile(StructuredOutputsParams(json={"type": "object", "required": ["x"]})) is not a  # evicted
 
 
+def test_an_llguidance_that_takes_one_eos_id_gets_the_first():
+    """llguidance releases before 1.9 take a single EOS id (a list is their TypeError, as 1.6 raises
+    it): the tokenizer is built with the first; later releases get them all."""
+    calls = []
+
+    class OneEosId:  # LLTokenizer as llguidance 1.6 has it
+        @staticmethod
+        def LLTokenizer(text, n_vocab, eos_token):  # noqa: N802 - llguidance's name
+            calls.append(eos_token)
+            if isinstance(eos_token, list):
+                raise TypeError("argument 'eos_token': 'list' object cannot be interpreted as an integer")
+            return ("one", eos_token)
+
+    class EveryEosId:
+        @staticmethod
+        def LLTokenizer(text, n_vocab, eos_token):  # noqa: N802
+            return ("every", eos_token)
+
+    assert structured_module._ll_tokenizer(OneEosId, "{}", 300, [7, 9]) == ("one", 7)
+    assert calls == [[7, 9], 7]
+    assert structured_module._ll_tokenizer(EveryEosId, "{}", 300, [7, 9]) == ("every", [7, 9])
+
+
 # ---- generating on the tiny random model ---------------------------------------------------------
 @pytest.mark.parametrize("seed", [None, *SEEDS])
 def test_a_random_model_follows_a_regex_and_a_choice(tiny, seed):

@@ -213,11 +213,19 @@ class StructuredOutputs:
                 if self.tokenizer is None:
                     raise GrammarError("structured output needs the model's tokenizer, and this model has none")
                 llg = _llguidance()
-                self._ll_tokenizer = llg.LLTokenizer(
-                    self.tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids or None
-                )
+                self._ll_tokenizer = _ll_tokenizer(llg, self.tokenizer.to_json(), self.vocab_size, self.eos_token_ids)
                 self._executor = llg.LLExecutor()
             return self._ll_tokenizer
+
+
+def _ll_tokenizer(llg, tokenizer_json: str, vocab_size: int, eos_token_ids: list[int]):
+    """llguidance's tokenizer with every EOS id allowed at a grammar's end. Releases before 1.9 take
+    a single EOS id (a list is a TypeError): there the first one, and a complete grammar ends on it
+    (the engine stops the request on any EOS id alike, and on a grammar's end by itself)."""
+    try:
+        return llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids or None)
+    except TypeError:
+        return llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=eos_token_ids[0])
 
 
 _KIND_NAMES = {"json": "JSON schema", "json_compact": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
