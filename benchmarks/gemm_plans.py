@@ -29,13 +29,14 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]  # the package, gemm_bounds
+
+from gemm_bounds import tiling_names  # noqa: E402
 
 from numba_vllm.kernels import gemm_wgmma as gw  # noqa: E402
 
 WEIGHTS = [(2048, 2048), (2048, 8192), (8192, 2048), (128256, 2048), (16384, 2048)]  # (N, K): q/o, down, gate, head, gate/up
-NAMES = {gw.LARGE: "LARGE", gw.SMALL: "SMALL", gw.SMALL_DEEP: "SMALL_DEEP", gw.TINY: "TINY", gw.TINY_SHALLOW: "TINY_SHALLOW",
-         gw.MEDIUM: "MEDIUM"}
+NAMES = tiling_names(gw)  # {TileConfig: 'LARGE', ...}: every tiling the launcher picks
 MIN_PART_SLICES = 4  # a split's parts keep at least this many BLOCK_K slices
 CHECKED_ROWS = 8  # rows of the picked plan's output checked against float64 NumPy
 ERROR_BOUND = 1e-5  # |out - want| <= ERROR_BOUND * (|x| @ |w|.T), as the tests hold it (fp32 sums of exact products)

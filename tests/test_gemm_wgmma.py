@@ -53,7 +53,7 @@ from numba_vllm.loading.bf16 import BF16, bf16_bits, to_bf16, upload_bf16
 from tests.helpers import ptx as ptx_check
 from tests.helpers.products import check_product, launch_case, random_case, wgmma_conversion
 
-TILING_IDS = ["large", "small", "small_deep", "tiny", "tiny_shallow", "medium"]  # gw.TILE_CONFIGS
+TILING_IDS = ["large", "small", "small_deep", "tiny", "tiny_shallow", "medium", "tall"]  # gw.TILE_CONFIGS
 PROBE_N = 16
 PROBE_K = 64
 PROBE_ACC = 8  # accumulators per thread (PROBE_N / 2): a literal, as a local array's size must be
@@ -626,19 +626,22 @@ def test_the_largest_tiling_that_reaches_most_sms_is_picked(m, n, sms, want):
     "m, n, k, want",
     [(32, 2048, 2048, (gw.TINY, 2, True)), (128, 2048, 2048, (gw.TINY, 2, True)), (64, 3072, 2048, (gw.TINY, 2, True)),
      (128, 3072, 2048, (gw.TINY, 1, False)), (256, 2048, 2048, (gw.TINY, 1, False)), (32, 2048, 512, (gw.TINY, 1, False)),
-     (32, 2048, 8192, (gw.TINY, 4, False)), (128, 2048, 8192, (gw.TINY, 2, True)), (256, 2048, 8192, (gw.TINY, 1, False)),
-     (512, 2048, 8192, (gw.MEDIUM, 2, True)), (512, 2048, 2048, (gw.MEDIUM, 2, True)), (256, 2048, 512, (gw.TINY, 1, False)),
+     (32, 2048, 8192, (gw.TINY, 4, False)), (128, 2048, 8192, (gw.TINY, 2, True)), (256, 2048, 8192, (gw.TALL, 2, True)),
+     (384, 2048, 8192, (gw.MEDIUM, 2, True)), (512, 2048, 8192, (gw.MEDIUM, 2, True)), (384, 2048, 2048, (gw.TALL, 1, False)),
+     (512, 2048, 2048, (gw.TALL, 1, False)), (256, 2048, 512, (gw.TINY, 1, False)), (384, 3072, 2048, (gw.SMALL, 1, False)),
      (512, 2048, 512, (gw.SMALL_DEEP, 1, False)), (512, 3072, 2048, (gw.SMALL, 1, False)),
      (128, 8192, 2048, (gw.SMALL_DEEP, 1, False)), (256, 8192, 2048, (gw.SMALL, 1, False)),
      (32, 128256, 2048, (gw.SMALL, 1, False)), (512, 8192, 2048, (gw.LARGE, 1, False)), (1024, 2048, 2048, (gw.SMALL, 1, False)),
-     (320, 2048, 2048, (gw.TINY_SHALLOW, 1, False))],  # 80 SMALL tiles fall short of 99: 160 TINY ones, more than the SMs
+     (320, 2048, 2048, (gw.TALL, 1, False)), (320, 2048, 512, (gw.TINY_SHALLOW, 1, False))],  # (K = 512: no TALL, unmeasured)
 )  # fmt: skip
 def test_the_plan_is_the_fastest_measured(m, n, k, want):
     """Tile, split, pipeline depth and where the parts meet as the H200 sweep found fastest
     (docs/benchmarks.md): a grid of at most one block per SM gets the deeper pipeline, a larger one
     the shallower; TINY tiles that leave half the SMs idle, on a K split at most two ways otherwise
-    (2048 or 8192 here, not 512), split it between the two blocks of a cluster, and so do 128 x 128
-    tiles past 256 rows where their grid is at most half the SMs (not the 3072-row weight's)."""
+    (2048 or 8192 here, not 512), split it between the two blocks of a cluster; past 128 rows a K of
+    8192 is split in a cluster over MEDIUM or TALL tiles, whichever pairs fill more than half the SMs;
+    past 256 rows of a shorter K (not 512), TALL tiles where they fill more than half the SMs (not the
+    3072-row weight's, which would need more blocks than SMs)."""
     assert gw.pick_plan(m, n, k, num_sms=132) == (*want, gw.NO_MULTICAST)
 
 

@@ -129,7 +129,7 @@ REGISTRY: tuple[KernelVariant, ...] = (
                                           (" cluster 2", ", False, 2", GEMM_WGMMA_SIG, 2),
                                           (" cluster 4", ", False, 4", GEMM_WGMMA_SIG, 4))  # fmt: skip
         for tile, cfg in (("LARGE", "128x256"), ("SMALL", "64x128"), ("SMALL_DEEP", "64x128"), ("TINY", "64x64"),
-                          ("TINY_SHALLOW", "64x64"), ("MEDIUM", "128x128"))
+                          ("TINY_SHALLOW", "64x64"), ("MEDIUM", "128x128"), ("TALL", "128x64"))
         if cluster == 1 or tile != "LARGE"  # (LARGE's parts would not fit beside its stages)
     ),
     *(  # tiles' copies multicast in a cluster (benchmarks and sweeps: pick_plan does not choose them)

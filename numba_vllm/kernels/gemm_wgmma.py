@@ -57,7 +57,9 @@ Grids and splits (``pick_plan``): the tile size is the largest of LARGE (128 x 2
 and TINY (64 x 64) whose grid reaches three quarters of the SMs (128-row tiles only for more than
 64 rows); K is split only when few tiles meet a long K (parts of at least 2048); then the pipeline
 depth follows the grid: at most one block per SM gets the deeper SMALL_DEEP (6 stages), more
-blocks than SMs the shallower TINY_SHALLOW (4 stages, three blocks an SM). Part z of a K split
+blocks than SMs the shallower TINY_SHALLOW (4 stages, three blocks an SM); decode batches of 257-512
+rows on a 2048-row weight take TALL's 128 x 64 tiles, whose K steps feed twice the MMA of a 64 x 64
+tile's for 1.5 times the bytes (and 129-512 rows of a K of 4096 split K in a cluster, below). Part z of a K split
 takes the slices z * S / parts .. (z + 1) * S / parts of the S slices of K. The parts of a long K
 never leave the kernel: every block writes its accumulators to a workspace, as its threads hold
 them (coalesced), and counts itself on its output tile's counter (an atomic add after a
@@ -69,9 +71,10 @@ else the N tiles (w of a layer fits in L2, x streams once).
 
 K split over a cluster (``cluster`` 2 or 4, ``cluster.py``): where TINY tiles would leave half the
 SMs idle on a K that is otherwise split at most two ways (M <= 128 on the 2048 x 2048 and 2048 x
-8192 weights, M <= 64 on the 3072 x 2048 q/k/v one), or 128 x 128 (MEDIUM) tiles would past 256 rows
-(M = 385 .. 512 on the 2048-row weights), ``pick_plan`` launches clusters of two blocks, one per
-half of K, that sum their parts through each other's shared memory. Block r of the cluster owns the
+8192 weights, M <= 64 on the 3072 x 2048 q/k/v one), and on a K of 4096 or more past 128 rows
+(MEDIUM's 128 x 128 or TALL's 128 x 64 tiles at M = 129 .. 512 on the 2048 x 8192 weight),
+``pick_plan`` launches clusters of two blocks, one per half of K, that sum their parts through each
+other's shared memory. Block r of the cluster owns the
 columns 8j of the tile with j // (block_n / 8 / cluster) == r. After its K loop, each consumer
 thread writes the accumulators of block r's columns into slot (its own rank) of block r's receive
 buffer (16-byte ``st.shared::cluster`` stores, the layout its threads hold them in), arrives on
@@ -234,6 +237,7 @@ COPIERS = WARPGROUP_THREADS // WARP_SIZE  # threads that issue the copies, one p
 X_WORKSPACE_VALUES = 32 * 1024 * 1024  # bf16 copy of x of a call without the model's workspace: 64 MB, made once
 MIN_SPLIT_TILES = 32  # split K only into parts of at least this many BLOCK_K slices (2048 of K)
 MIN_CLUSTER_PART_SLICES = 8  # a split over a cluster keeps parts of at least this many slices (512 of K)
+LONG_K_SLICES = 64  # from this many BLOCK_K slices (4096 of K), decode batches past 128 rows split K in a cluster
 CONVERT_THREADS = 256
 CLUSTER_SPLITS = (1, 2, 4)  # blocks of a cluster that split K between them (1: no cluster)
 NO_MULTICAST = (1, 1)
@@ -294,7 +298,11 @@ TINY_SHALLOW = TileConfig(consumers=1, block_n=64, stages=4)
 # 128 x 128, two consumer warpgroups, 4 stages (130 KB; 194 KB with a 2-way cluster's parts): a decode
 # batch of 385-512 rows on a 2048-row weight, its K split between the two blocks of a cluster.
 MEDIUM = TileConfig(consumers=2, block_n=128, stages=4)
-TILE_CONFIGS = (LARGE, SMALL, SMALL_DEEP, TINY, TINY_SHALLOW, MEDIUM)  # every tiling the launcher picks
+# 128 x 64, two consumer warpgroups of 64 x 64, 8 stages (194 KB, 226 KB with a 2-way cluster's parts):
+# decode batches of 257-512 rows on a 2048-row weight, and 129-256 rows on its K = 8192 split in a
+# cluster. Each K step's 24 KB feed twice the MMA of a 64 x 64 tile's 16 KB.
+TALL = TileConfig(consumers=2, block_n=64, stages=8)
+TILE_CONFIGS = (LARGE, SMALL, SMALL_DEEP, TINY, TINY_SHALLOW, MEDIUM, TALL)  # every tiling the launcher picks
 TILE_SHAPES = (LARGE, SMALL, TINY)  # the tile sizes, largest first, each at the stages its split is chosen for
 FILL_FRACTION = 0.75  # a tile size qualifies when its grid gives a tile to this share of the SMs
 
@@ -720,18 +728,26 @@ def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple
     (``pick_tile_config``), its split (``pick_k_split``), then the stages for the grid that makes: a
     grid of at most one block per SM gets the deeper pipeline (SMALL_DEEP), one of more blocks than
     SMs the shallower one that lets blocks share an SM (TINY_SHALLOW). Where the grid leaves half the
-    SMs idle, K is split between the two blocks of a cluster instead: TINY tiles split at most two
-    ways, and past 256 rows the SMALL tiling's grid as MEDIUM (128 x 128) tiles. On an H200 this
-    picked, within 2%, the fastest of every tiling and split tried at M = 32 .. 2048 on Llama 3.2
-    1B's weights, or was faster where it was not (docs/benchmarks.md)."""
+    SMs idle, K is split between the two blocks of a cluster instead (TINY tiles split at most two
+    ways). Past 128 rows of x on a K of 4096 or more, K is split in a cluster over the largest of
+    MEDIUM and TALL whose pairs of blocks fill more than half the SMs; past 256 rows on a shorter K,
+    TALL tiles are taken, unsplit, where they fill more than half the SMs and at most all of them.
+    On an H200 this picked, within 2%, the fastest of every tiling and split tried at M = 32 .. 2048
+    on Llama 3.2 1B's weights, or was faster where it was not (docs/benchmarks.md)."""
     config = pick_tile_config(num_tokens, num_rows, num_sms)
     tiles = tile_count(config, num_tokens, num_rows)
     split = pick_k_split(config, tiles, k_dim, num_sms)
-    cluster_k = -(-k_dim // BLOCK_K) >= 2 * MIN_CLUSTER_PART_SLICES  # slices enough for two parts
+    slices = -(-k_dim // BLOCK_K)
+    cluster_k = slices >= 2 * MIN_CLUSTER_PART_SLICES  # slices enough for two parts
     if config == TINY and split <= 2 and 2 * tiles <= num_sms and cluster_k:
         return TINY, 2, True, NO_MULTICAST  # half the SMs idle: two blocks of a cluster share each tile's K
-    if config == SMALL and num_tokens > 4 * WGMMA_M and 2 * tile_count(MEDIUM, num_tokens, num_rows) <= num_sms and cluster_k:
-        return MEDIUM, 2, True, NO_MULTICAST  # 512 x 2048 x 2048: 16.5 us against SMALL_DEEP's 17.6 (adding into out: 21.3, 24.8)
+    if config in (TINY, SMALL) and num_tokens > 2 * WGMMA_M and cluster_k:
+        if slices >= LONG_K_SLICES:  # 256 x 2048 x 8192: TALL/c2 27.7 us against TINY's 32.1; 384 rows: MEDIUM/c2 37.9, 48.8
+            for wide in (MEDIUM, TALL):
+                if num_sms < 4 * tile_count(wide, num_tokens, num_rows) <= 2 * num_sms:
+                    return wide, 2, True, NO_MULTICAST
+        elif num_tokens > 4 * WGMMA_M and num_sms < 2 * tile_count(TALL, num_tokens, num_rows) <= 2 * num_sms:
+            return TALL, 1, False, NO_MULTICAST  # 512 x 2048 x 2048: 15.7 us against MEDIUM/c2's 16.0; 384 rows: 15.4, 16.6
     if config == SMALL and tiles * split <= num_sms:
         return SMALL_DEEP, split, False, NO_MULTICAST
     if config == TINY and tiles * split > num_sms:
