@@ -733,7 +733,8 @@ def pick_plan(num_tokens: int, num_rows: int, k_dim: int, num_sms: int) -> tuple
     MEDIUM and TALL whose pairs of blocks fill more than half the SMs; past 256 rows on a shorter K,
     TALL tiles are taken, unsplit, where they fill more than half the SMs and at most all of them.
     On an H200 this picked, within 2%, the fastest of every tiling and split tried at M = 32 .. 2048
-    on Llama 3.2 1B's weights, or was faster where it was not (docs/benchmarks.md)."""
+    (powers of two) on Llama 3.2 1B's weights, or was faster where it was not; at M = 384 on the
+    8192- and 16384-row weights it is 7% and 9% slower than LARGE and SMALL tiles (docs/benchmarks.md)."""
     config = pick_tile_config(num_tokens, num_rows, num_sms)
     tiles = tile_count(config, num_tokens, num_rows)
     split = pick_k_split(config, tiles, k_dim, num_sms)
