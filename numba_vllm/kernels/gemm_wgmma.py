@@ -132,6 +132,10 @@ that morning, one tile per block and the epilogue through shared memory):
     M x 2048 x 8192     TINY/4, TINY/2, TINY, SMALL/2   18.2, 22.3, 30.4, 37.2    15.9, 18.9, 21.2, 32.3  19.7, 23.2, 29.9, 40.3
     M x 128256 x 2048   SMALL, LARGE x 3                146, 162, 224, 401        151, 150, 198, 376      161, 192, 290, 504
 
+The plans in this table are that day's; since then (2026-12-03, docs/benchmarks.md) 512 x 2048 x
+2048 runs on TALL tiles (13.1 us), 256 x 2048 x 8192 on TALL split in a cluster (25.6 us), and the
+four copiers took 256 x 2048 x 2048 to 9.8 us.
+
 The plan came from a sweep of every tiling (the five of ``TILE_CONFIGS`` and a 128 x 128 one)
 and split (1-8) at M = 32 .. 2048 on these weights (``benchmarks/gemm_plans.py``,
 docs/benchmarks.md): it picks the fastest within 2% everywhere; rerun with the persistent grid at
