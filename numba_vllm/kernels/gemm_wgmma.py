@@ -300,7 +300,7 @@ TINY = TileConfig(consumers=1, block_n=64, stages=8)
 # The same tile, 4 stages (66 KB), for a grid of more blocks than SMs: three share an SM.
 TINY_SHALLOW = TileConfig(consumers=1, block_n=64, stages=4)
 # 128 x 128, two consumer warpgroups, 4 stages (130 KB; 194 KB with a 2-way cluster's parts): a decode
-# batch of 385-512 rows on a 2048-row weight, its K split between the two blocks of a cluster.
+# batch of 257-512 rows on the 2048 x 8192 weight, its K split between the two blocks of a cluster.
 MEDIUM = TileConfig(consumers=2, block_n=128, stages=4)
 # 128 x 64, two consumer warpgroups of 64 x 64, 8 stages (194 KB, 226 KB with a 2-way cluster's parts):
 # decode batches of 257-512 rows on a 2048-row weight, and 129-256 rows on its K = 8192 split in a
