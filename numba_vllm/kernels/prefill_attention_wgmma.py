@@ -145,7 +145,7 @@ from numba_vllm.kernels.wgmma import (
     smem_descriptor,
     smem_descriptor_mn,
     tensor_map_2d,
-    tensormap_acquire,
+    tensormap_prefetch,
     tma_load_2d,
     wgmma_bf16,
     wgmma_bf16_rs,
@@ -481,6 +481,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         full = tile0 + barrier_offset  # full[i] at full + 8 i: the stage's copies have landed
         empty = full + stages * BARRIER_BYTES  # empty[i]: every consumer warpgroup is done with the stage
         if tid == 0:
+            tensormap_prefetch(k_map)  # the TMA fetches both descriptors while the barriers are set up
+            tensormap_prefetch(v_map)
             for i in range(stages):
                 mbarrier_init(full + i * BARRIER_BYTES, 1)
                 mbarrier_init(empty + i * BARRIER_BYTES, consumers)
@@ -498,8 +500,6 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                 lower_registers()  # (the whole warpgroup) its registers go to the consumers
             if tid < consumer_threads + WARP_LANES:  # its first warp: lane p copies page p of each tile
                 p = tid - consumer_threads
-                tensormap_acquire(k_map)
-                tensormap_acquire(v_map)
                 it = 0  # key tiles copied so far (all items): stage it % stages
                 for item in range(first_item, num_items, item_step):
                     kv_head, s, first_token, num_rows, first_row, start, context_len, num_keys = _work_item(

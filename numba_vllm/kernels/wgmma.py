@@ -52,9 +52,11 @@ with it, as inline PTX from ``@intrinsic`` functions, like ``mma.py``:
   (whole warps, any of the block's) have arrived on hardware barrier ``index`` (1-15; ``syncthreads``
   is barrier 0); ``named_barrier_arrive(index, threads)``: ``bar.arrive``, arrive without waiting (a
   signal from one group of warps to another that waits with ``named_barrier``).
-- ``tensormap_acquire(tensor_map)``: ``fence.proxy.tensormap::generic.acquire.gpu`` on the 128
-  bytes of a tensor map in global memory (written by ordinary copies, read by the TMA's own proxy):
-  issued once by the thread that issues the copies, before the first.
+- ``tensormap_prefetch(tensor_map)``: ``prefetch.tensormap`` of the 128 bytes of a tensor map in
+  global memory: the TMA unit starts fetching the descriptor now, so a kernel issues it first thing
+  (while its barriers are set up), not when its first copy needs it. The maps are written once by
+  the host before any kernel reads them and never rewritten (``tensor_map_2d``), so no proxy fence
+  (``fence.proxy.tensormap``, for maps written by device code) is needed before the copies.
 - ``fence_proxy_async()``: ``fence.proxy.async.shared::cta``. The tensor cores read shared memory
   through the *async proxy*; data written through the generic proxy (``st.shared``, ``cp.async``)
   must be fenced by each writing thread before the barrier after which a wgmma reads it (TMA copies
@@ -474,8 +476,8 @@ if simulator_enabled():
         """bar.arrive index, threads (simulator): count this thread's arrival and go on."""
         _named_arrival(index, threads)
 
-    def tensormap_acquire(tensor_map):
-        """fence.proxy.tensormap (simulator: the simulated TMA reads no tensor map)."""
+    def tensormap_prefetch(tensor_map):
+        """prefetch.tensormap (simulator: the simulated TMA reads no tensor map)."""
 
     @functools.cache
     def set_max_registers(count, increase):
@@ -777,17 +779,16 @@ else:
         return types.void(), _u32_operands_codegen("fence.mbarrier_init.release.cluster;")
 
     @intrinsic
-    def tensormap_acquire(typingctx, tensor_map):
-        """``fence.proxy.tensormap::generic.acquire.gpu``: the tensor map (a uint64 device array, 128
-        bytes) as written in global memory is what the TMA copies of this thread use."""
+    def tensormap_prefetch(typingctx, tensor_map):
+        """``prefetch.tensormap``: start fetching the tensor map (a uint64 device array, 128 bytes)
+        into the TMA unit's descriptor cache; returns at once."""
         if not isinstance(tensor_map, types.Array) or tensor_map.dtype != types.uint64:
-            raise TypingError(f"tensormap_acquire: tensor_map must be a uint64 device array, got {tensor_map}")
+            raise TypingError(f"tensormap_prefetch: tensor_map must be a uint64 device array, got {tensor_map}")
         sig = types.void(tensor_map)
 
         def codegen(context, builder, sig, args):
             data = context.make_array(sig.args[0])(context, builder, value=args[0]).data
-            text = "fence.proxy.tensormap::generic.acquire.gpu [$0], 128;"
-            _void_asm(builder, text, (_I64,), (builder.ptrtoint(data, _I64),), "l")
+            _void_asm(builder, "prefetch.tensormap [$0];", (_I64,), (builder.ptrtoint(data, _I64),), "l")
             return context.get_dummy_value()
 
         return sig, codegen
