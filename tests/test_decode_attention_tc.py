@@ -10,7 +10,8 @@ Simulator shapes are small (every ``mma`` is a warp rendezvous): context lengths
 around the page edges in one launch, GQA groups 1/3/4/8, head dims 64 and 128; splits pretend an
 H200-sized GPU (``pretend_sms``) with one-warp blocks and one page a step, so ranges are one page.
 The simulator reports one multiprocessor, so a grid of 3+ blocks counts as full there and runs the
-one-page-a-step build (``FULL_GRID_*``); smaller grids run the two-page one.
+one-page-a-step build (``FULL_GRID_*``) in blocks of 4, 2 or 1 warps (16 warp slots); smaller grids
+run the two-page one.
 """
 
 from __future__ import annotations
@@ -95,21 +96,40 @@ def test_decode_tc_masks_unwritten_slots_before_any_mma():
 
 
 def test_full_grids_take_a_page_a_step():
-    assert tc.launched_kernel(4, 64, 8, full_grid=True) is tc.decode_attention_tc_kernel_for(
-        4, 64, 8, tc.NUM_WARPS, False, tc.FULL_GRID_PAGES_PER_STEP, tc.PREFETCH, tc.FULL_GRID_MAX_REGISTERS
+    assert tc.launched_kernel(4, 64, 8, full_grid=True, num_warps=2) is tc.decode_attention_tc_kernel_for(
+        4, 64, 8, 2, False, tc.FULL_GRID_PAGES_PER_STEP, tc.FULL_GRID_MAX_REGISTERS
     )
     assert tc.launched_kernel(4, 64, 8) is tc.decode_attention_tc_kernel_for(
-        4, 64, 8, tc.NUM_WARPS, False, tc.PAGES_PER_STEP, tc.PREFETCH, tc.MAX_REGISTERS
+        4, 64, 8, tc.NUM_WARPS, False, tc.PAGES_PER_STEP, tc.MAX_REGISTERS
     )  # two pages a step, 168 registers
 
 
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_decode_tc_several_steps_per_warp_and_scale(monkeypatch, prefetch):
-    """200 tokens: each warp walks several two-page steps (the last one past the context), with and
-    without the L2 prefetch of the next; scales other than 1/sqrt(HD), one large enough that the
-    running max is raised more than once. (The simulator's one SM would split this small grid
+@pytest.mark.parametrize("blocks, warps", [(528, 4), (529, 2), (1056, 2), (1057, 1), (2112, 1), (5000, 1)])
+def test_full_grids_take_the_most_warps_a_block_that_fit_one_wave(monkeypatch, blocks, warps):
+    """132 SMs of 16 warps: 528 blocks of 4 warps fit at once, 1,056 of 2; past that one warp a block."""
+    monkeypatch.setattr(tc, "num_sms", lambda: 132)
+    assert tc.full_grid_warps(blocks) == warps
+
+
+@pytest.mark.parametrize("num_seqs, warps", [(4, 4), (6, 2), (12, 1)])
+def test_full_grids_of_every_block_size(monkeypatch, num_seqs, warps):
+    """The simulator's one SM: 3-4 blocks run 4 warps each, 5-8 two, more one; every sequence's
+    result within the bound, whichever warps merge it (lengths around the page edges, repeated)."""
+    grids = record_grids(monkeypatch)
+    blocks = []
+    real = tc.decode_attention_tc_kernel_for
+    monkeypatch.setattr(tc, "decode_attention_tc_kernel_for", lambda *a: blocks.append(a[3]) or real(*a))
+    lengths = (LENGTHS * 2)[:num_seqs]
+    check_tc(np.random.default_rng(26), lengths, 4, 1, 64)
+    assert grids == [("decode_attention_tc_kernel", (1, num_seqs))]
+    assert blocks == [warps]
+
+
+def test_decode_tc_several_steps_per_warp_and_scale(monkeypatch):
+    """200 tokens: each warp walks several two-page steps (the last one past the context), the next
+    step's loads in flight while it computes; scales other than 1/sqrt(HD), one large enough that
+    the running max is raised more than once. (The simulator's one SM would split this small grid
     into ranges of a step per warp: one block per SM counts as full here.)"""
-    monkeypatch.setattr(tc, "PREFETCH", prefetch)
     monkeypatch.setattr(fast, "BLOCKS_PER_SM", 1)
     rng = np.random.default_rng(23)
     check_tc(rng, [200, 3], 4, 1, 64, scale=0.3)

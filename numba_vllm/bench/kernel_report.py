@@ -171,8 +171,12 @@ REGISTRY: tuple[KernelVariant, ...] = (
         for split in (False, True)
         if hd in (64, 128) and (not split or (g, hd) == (4, 64))
     ),  # fmt: skip
-    KernelVariant("decode_attention_tc", "g4 hd64 full grid", "decode_attention_tc:launched_kernel(4, 64, 8, False, True)",
-                  DECODE_FAST_SIG, "NUM_WARPS * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET),  # fmt: skip
+    *(  # full unsplit grids, in blocks of 4, 2 or 1 warps (full_grid_warps)
+        KernelVariant("decode_attention_tc", f"g4 hd64 full grid w{w}",
+                      f"decode_attention_tc:launched_kernel(4, 64, 8, False, True, {w})", DECODE_FAST_SIG, f"{w} * WARP_SIZE",
+                      spill_budget=DECODE_SPILL_BUDGET)
+        for w in (4, 2, 1)
+    ),  # fmt: skip
     KernelVariant("decode_attention_fast_merge", "", "decode_attention_fast:decode_attention_fast_merge_kernel",
                   "(f32(3), f32(3))", "MERGE_THREADS"),  # fmt: skip
     *(

@@ -14,9 +14,12 @@ words go into the ``mma`` as loaded: a warp's work per page drops to about a hun
 so the kernel waits on memory only.
 
 Mapping (``g = lane >> 2``, ``t = lane & 3``, the fragment layout of ``kernels/mma.py``). A block
-per (kv head, sequence[, range of pages]), ``NUM_WARPS`` warps; warp ``w`` takes steps ``w, w +
-NUM_WARPS, ...`` of ``PAGES_PER_STEP`` pages (one in a full unsplit grid: ``FULL_GRID_*``), all their
-loads issued before the first ``mma``.
+per (kv head, sequence[, range of pages]), ``NUM_WARPS`` warps (in a full unsplit grid as many as
+let the whole grid run in one wave: ``full_grid_warps``); warp ``w`` of ``W`` takes steps ``w, w +
+W, ...`` of ``PAGES_PER_STEP`` pages (one in a full grid: ``FULL_GRID_*``). The loads are
+software-pipelined: the next step's K rows are requested as soon as this step's S is computed and
+its V rows once this step's ``P V`` is, each into the registers just consumed, so a warp keeps a
+step's rows in flight while it computes, with no more registers than one step's.
 
 - ``S = Q K^T`` per page: M = the group's query heads (rows ``g < group``; rows 8..15 and
   ``group..7`` are zero padding), N = 8 tokens (two n tiles a page), K = the head dim in chunks of
@@ -59,17 +62,23 @@ profiler times, which weighs on the small cases)::
     64 x 1,024              69.1                 53.2                47.1        45.6   (full grid)
     256 x 512              139.6                 97.3                85.3        76.9   (full grid)
 
-``bench kernels`` (CUPTI kernel time), this kernel against torch: 1 x 16,384 20.0 / 17.0 us, 64 x
-1,024 44.3 / 42.4, 256 x 512 82.4 / 73.7, 32 x 4,096 78.3 / 72.9 (1.04-1.18x; 3.0-3.4 TB/s of K/V).
+(The table predates the pipelined loads and the full grids' warps.) ``bench kernels`` (CUPTI kernel
+time, 2026-12-03), this kernel against torch: 1 x 16,384 19.3 / 16.8 us, 1 x 1,024 6.9 / 5.7, 64 x
+1,024 43.5 / 42.0, 256 x 512 76.6 / 73.7, 32 x 4,096 76.7 / 72.9 (1.04-1.21x; 3.1-3.6 TB/s of K/V).
+Before, with a step's loads issued together and four warps in every block: 20.0 / 17.0, 6.8 / 5.8,
+44.3 / 42.4, 82.4 / 73.7, 78.3 / 72.9. In one run (``.../decode_attention_gpu.py``-style, CUPTI,
+median of 20) the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 /
+78.3, 16 x 2,048 32.7 / 33.4, 256 x 512 82.1 / 82.1; the warps that fit one wave gave 256 x 512
+(2,048 blocks of one warp) 76.7 against 82.1 and 128 x 1,024 (1,024 blocks of two) 76.3 against
+78.3, while 64 x 1,024 stays at four warps (two: 48.8 us, half the warp slots idle).
 
 - Batch 1 at 16,384 tokens was 1.5x torch until the merge kernel loaded its ranges' states 16 at a
   time: Nsight Compute timed the split kernel at 14.4 us and the merge at 22.9 us, its threads each
   waiting on 64 loads one after another (cuDNN: 12.3 + 4.1 us). ``MAX_SPLITS`` 32 gives it 32
   ranges of 32 pages (256 blocks, 4 steps a warp).
-- The L2 prefetch of each warp's next step (``PREFETCH``) was a gain on an earlier version of the
-  loop; now it costs 2-6% on the large grids (64 x 1,024 46.5 us with it, 44.3 without; 256 x 512
-  84.3 / 82.4) and nothing at batch 1, so it is off. Prefetching two or three steps ahead was
-  slower still (64 x 1,024 54.6 / 60.0 us in the table's timing).
+- Before the loads were pipelined, a warp issued a whole step's loads and then waited; an L2
+  prefetch of its next step (``prefetch.global.L2``) cost 2-6% on the large grids (64 x 1,024 46.5 us
+  with it, 44.3 without; 256 x 512 84.3 / 82.4), two or three steps ahead more.
 - Tried and not kept: a ring of 2-4 pages per warp in dynamic shared memory, filled by ``cp.async``
   (the same 16-byte chunks, read back with ``ld.shared.v4``: no registers held while loads fly,
   128 registers, 4 blocks per SM). Slower everywhere (3 pages: 64 x 1,024 59.6 us, 256 x 512
@@ -95,22 +104,22 @@ from numba import cuda, float32, uint32
 from numba_vllm.kernels import decode_attention_fast as fast
 from numba_vllm.kernels._launch import KernelError, check_array, launch, num_sms
 from numba_vllm.kernels.approx_math import exp2_approx
-from numba_vllm.kernels.jit import kernel
+from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import mma_bf16_16816, pack_bf16x2
 from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
-from numba_vllm.kernels.vector_load import load_u32x4, prefetch_l2
+from numba_vllm.kernels.vector_load import load_u32x4
 from numba_vllm.loading.bf16 import BF16
 from numba_vllm.model.config import PAGE_SIZE
 
 NUM_WARPS = 4  # warps per block
-PAGES_PER_STEP = 2  # pages a warp loads before computing them at HD 64 (8 KiB in flight per warp); HD 128: half
+PAGES_PER_STEP = 2  # pages a warp computes a step at HD 64 (8 KiB in flight per warp); HD 128: half
 MAX_REGISTERS = 168  # per thread at HD 64: 3 blocks of 4 warps per multiprocessor (65536 / 384 = 170); HD 128: no cap
 # A grid of 3+ blocks per multiprocessor that is not split runs a page a step at 128 registers instead
 # (4 blocks, 16 warps per SM): H200, Llama 3.2 1B heads, 64 x 1,024 tokens 49.4 us against 55.4, 256 x
 # 512 87.3 against 89.0; smaller grids keep two pages a step (32 x 4,096 unsplit: 83.3 against 91.3).
 FULL_GRID_BLOCKS_PER_SM = 3
 FULL_GRID_PAGES_PER_STEP, FULL_GRID_MAX_REGISTERS = 1, 128
-PREFETCH = False  # ask L2 for the next step's K/V rows while computing the current step (slower now: docstring)
+FULL_GRID_WARP_SLOTS = 16  # warps per multiprocessor at 128 registers (65536 / (128 * 32))
 MAX_GROUP = 8  # query heads per kv head: the rows 0..7 of an mma's M
 SUPPORTED_HEAD_DIMS = (64, 128)  # a lane's share of a K row and of a V row are whole 16-byte loads
 RESCALE_THRESHOLD = fast.RESCALE_THRESHOLD
@@ -124,11 +133,11 @@ def supported(group: int, head_dim: int) -> bool:
 @functools.cache
 def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int, num_warps: int = NUM_WARPS,
                                    split: bool = False, pages_per_step: int = PAGES_PER_STEP,
-                                   prefetch: bool = PREFETCH, max_registers: int | None = MAX_REGISTERS):  # fmt: skip
+                                   max_registers: int | None = MAX_REGISTERS):  # fmt: skip
     """The kernel for ``group`` query heads per kv head, ``head_dim``, ``num_kv_heads`` (compile-time:
     a step's addresses are one base plus constant offsets), blocks of ``num_warps`` warps taking
-    ``pages_per_step`` pages a step; ``split``: write the partial state of a page range; ``prefetch``:
-    ask L2 for the next step while computing this one; ``max_registers``: the cap (None: none)."""
+    ``pages_per_step`` pages a step; ``split``: write the partial state of a page range;
+    ``max_registers``: the cap (None: none)."""
     if not supported(group, head_dim):
         raise KernelError(f"decode_attention_tc: group {group}, head_dim {head_dim} not supported")
     chunks = head_dim // 16  # k chunks of S = Q K^T
@@ -146,6 +155,40 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
     merge_block = fast.block_merge_for(num_warps, group, head_dim, threads, split)
     low_half = uint32(0xFFFF)
     high_half = uint32(0xFFFF0000)
+
+    @device_function
+    def fill_pages(pages, block_tables, b, start, last_page, step, num_steps):
+        """pages[p]: the page id of page p of step ``step`` (clamped to the context's last page; 0
+        past the last step)."""
+        for p in range(pages_per_step):
+            pages[p] = 0
+            if step < num_steps:
+                pages[p] = block_tables[b, min(start // PAGE_SIZE + step * pages_per_step + p, last_page)]
+
+    @device_function
+    def load_k(k_cache, kw, pages, g, k_lane):
+        """Issue the loads of the lane's K words of ``pages`` (tokens 8j + g): kw (page, n tile, word)."""
+        for p in range(pages_per_step):
+            base = pages[p] * page_stride
+            for j in range(2):
+                row = base + (8 * j + g) * token_stride + k_lane
+                for i in range(k_words // 4):
+                    words = load_u32x4(k_cache, row + 8 * i)
+                    for e in range(4):
+                        kw[(p * 2 + j) * k_words + 4 * i + e] = words[e]
+
+    @device_function
+    def load_v(v_cache, vw, pages, t, v_lane):
+        """Issue the loads of the lane's V words of ``pages`` (tokens 2t, 2t+1, 8+2t, 9+2t): vw (page,
+        token r, word)."""
+        for p in range(pages_per_step):
+            base = pages[p] * page_stride
+            for r in range(4):
+                row = base + (8 * (r // 2) + 2 * t + r % 2) * token_stride + v_lane
+                for i in range(v_words // 4):
+                    words = load_u32x4(v_cache, row + 8 * i)
+                    for e in range(4):
+                        vw[(p * 4 + r) * v_words + 4 * i + e] = words[e]
 
     @kernel(max_registers=max_registers)
     def decode_attention_tc_kernel(q, k_cache, v_cache, block_tables, context_lens, scale_log2, pages_per_split, out):
@@ -191,58 +234,28 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
         sum_exp = float32(0.0)  # this lane's share of head g's sum of 2^(score - m)
         kw = cuda.local.array(kw_len, uint32)  # (page, n tile, word): tokens 8j + g
         vw = cuda.local.array(vw_len, uint32)  # (page, token r, word): tokens 2t, 2t+1, 8+2t, 9+2t
-        pages = cuda.local.array(pages_per_step, np.int64)  # this step's page ids
-        next_pages = cuda.local.array(pages_per_step, np.int64)  # the next step's
+        pages = cuda.local.array(pages_per_step, np.int64)  # the page ids of the next loads' step
         s = cuda.local.array(s_len, float32)  # (page, n tile, pair): head g's scores
 
+        # Software-pipelined: step si's K and V are in flight from the previous iteration; the next
+        # step's K loads go out once S is computed (kw is free), its V loads once P V is (vw is free),
+        # so a warp has a page's rows on their way while it computes.
         si = warp
-        for p in range(pages_per_step):
-            pages[p] = 0
-            next_pages[p] = 0
-            if si < num_steps:
-                pages[p] = block_tables[b, min(start // PAGE_SIZE + si * pages_per_step + p, last_page)]
-            if si + num_warps < num_steps:
-                next_pages[p] = block_tables[b, min(start // PAGE_SIZE + (si + num_warps) * pages_per_step + p, last_page)]
+        fill_pages(pages, block_tables, b, start, last_page, si, num_steps)
+        if si < num_steps:
+            load_k(k_cache, kw, pages, g, k_lane)
+            load_v(v_cache, vw, pages, t, v_lane)
+        fill_pages(pages, block_tables, b, start, last_page, si + num_warps, num_steps)
         while si < num_steps:  # warp-uniform: every lane takes part in every mma
             nxt = si + num_warps
-            for p in range(pages_per_step):  # all the step's loads before the first mma
-                base = pages[p] * page_stride
-                for j in range(2):
-                    row = base + (8 * j + g) * token_stride + k_lane
-                    for i in range(k_words // 4):
-                        words = load_u32x4(k_cache, row + 8 * i)
-                        for e in range(4):
-                            kw[(p * 2 + j) * k_words + 4 * i + e] = words[e]
-                for r in range(4):
-                    row = base + (8 * (r // 2) + 2 * t + r % 2) * token_stride + v_lane
-                    for i in range(v_words // 4):
-                        words = load_u32x4(v_cache, row + 8 * i)
-                        for e in range(4):
-                            vw[(p * 4 + r) * v_words + 4 * i + e] = words[e]
-            if prefetch and nxt < num_steps:
-                for p in range(pages_per_step):
-                    base = next_pages[p] * page_stride
-                    for j in range(2):
-                        prefetch_l2(k_cache, base + (8 * j + g) * token_stride + k_lane)
-                    for r in range(4):
-                        prefetch_l2(v_cache, base + (8 * (r // 2) + 2 * t + r % 2) * token_stride + v_lane)
-            for p in range(pages_per_step):
-                pages[p] = next_pages[p]
-                if nxt + num_warps < num_steps:
-                    next_pages[p] = block_tables[b, min(start // PAGE_SIZE + (nxt + num_warps) * pages_per_step + p, last_page)]
             first = start + si * step_tokens
-
-            if first + step_tokens > end:  # warp-uniform: the step reaches past the context
+            tail = first + step_tokens > end  # warp-uniform: the step reaches past the context
+            if tail:  # unwritten slots may hold any bits: zero them before any mma
                 for p in range(pages_per_step):
-                    page_first = first + p * PAGE_SIZE
-                    for j in range(2):  # unwritten slots may hold any bits: zero them before any mma
-                        if page_first + 8 * j + g >= end:
+                    for j in range(2):
+                        if first + p * PAGE_SIZE + 8 * j + g >= end:
                             for w in range(k_words):
                                 kw[(p * 2 + j) * k_words + w] = uint32(0)
-                    for r in range(4):
-                        if page_first + 8 * (r // 2) + 2 * t + r % 2 >= end:
-                            for w in range(v_words):
-                                vw[(p * 4 + r) * v_words + w] = uint32(0)
 
             # S = Q K^T: head g's scores of tokens 8j + 2t, 8j + 2t + 1 of each page, scaled to log2 units.
             m_step = minus_inf
@@ -258,6 +271,8 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
                     s[(p * 2 + j) * 2] = s0 * scale_log2 if pos < end else minus_inf
                     s[(p * 2 + j) * 2 + 1] = s1 * scale_log2 if pos + 1 < end else minus_inf
                     m_step = max(m_step, max(s[(p * 2 + j) * 2], s[(p * 2 + j) * 2 + 1]))
+            if nxt < num_steps:  # the next step's K, into the words S is done with
+                load_k(k_cache, kw, pages, g, k_lane)
             m_step = max(m_step, cuda.shfl_xor_sync(FULL_MASK, m_step, 1))  # over the quad: head g's step max
             m_step = max(m_step, cuda.shfl_xor_sync(FULL_MASK, m_step, 2))
             if m_step > m + RESCALE_THRESHOLD:  # quad-uniform; true on the first step (m = -inf)
@@ -267,6 +282,12 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
                     o[i] *= alpha
                 m = m_step
 
+            if tail:
+                for p in range(pages_per_step):
+                    for r in range(4):
+                        if first + p * PAGE_SIZE + 8 * (r // 2) + 2 * t + r % 2 >= end:
+                            for w in range(v_words):
+                                vw[(p * 4 + r) * v_words + w] = uint32(0)
             # O += P V, a page at a time: P's A fragment is the S fragment, in bf16.
             for p in range(pages_per_step):
                 a = cuda.local.array(2, uint32)  # P rows g: tokens (2t, 2t + 1), (8 + 2t, 9 + 2t)
@@ -291,6 +312,9 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
                                                   float32(0.0), float32(0.0))  # fmt: skip
                     o[2 * u] = d0
                     o[2 * u + 1] = d1
+            if nxt < num_steps:  # the next step's V, into the words P V is done with
+                load_v(v_cache, vw, pages, t, v_lane)
+            fill_pages(pages, block_tables, b, start, last_page, nxt + num_warps, num_steps)
             si = nxt
 
         # The warps' states meet in shared memory: per (warp, head) m and the sum, per dim sum p * V.
@@ -318,15 +342,28 @@ def pages_per_step(head_dim: int) -> int:
     return max(1, PAGES_PER_STEP * 64 // head_dim)
 
 
-def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = False, full_grid: bool = False):
-    """The build the launcher runs for these heads (the module's warps, pages per step, prefetch, cap);
-    ``full_grid``: an unsplit grid of ``FULL_GRID_BLOCKS_PER_SM`` blocks per SM or more (HD 64 only)."""
+def full_grid_warps(num_blocks: int) -> int:
+    """Warps per block of a full unsplit grid of ``num_blocks`` blocks: the most, up to ``NUM_WARPS``,
+    with which every block fits on the GPU at once (``FULL_GRID_WARP_SLOTS`` warps per SM), else one.
+    A grid of one wave pays for starting and draining its warps once; fewer warps a block give each
+    warp more steps, and one warp a block lets up to 16 blocks share an SM (docstring: 256 x 512)."""
+    warps = NUM_WARPS
+    while warps > 1 and num_blocks * warps > FULL_GRID_WARP_SLOTS * num_sms():
+        warps //= 2
+    return warps
+
+
+def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = False, full_grid: bool = False,
+                    num_warps: int = NUM_WARPS):  # fmt: skip
+    """The build the launcher runs for these heads (the module's warps, pages per step, cap);
+    ``full_grid``: an unsplit grid of ``FULL_GRID_BLOCKS_PER_SM`` blocks per SM or more (HD 64 only),
+    in blocks of ``num_warps`` warps (``full_grid_warps``)."""
     if full_grid and not split and head_dim <= 64:
-        return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, NUM_WARPS, False, FULL_GRID_PAGES_PER_STEP,
-                                              PREFETCH, FULL_GRID_MAX_REGISTERS)  # fmt: skip
+        return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, num_warps, False, FULL_GRID_PAGES_PER_STEP,
+                                              FULL_GRID_MAX_REGISTERS)  # fmt: skip
     registers = MAX_REGISTERS if head_dim <= 64 else None  # HD 128 needs ~210 (2 blocks per SM)
     return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, NUM_WARPS, split, pages_per_step(head_dim),
-                                          PREFETCH, registers)  # fmt: skip
+                                          registers)  # fmt: skip
 
 
 def decode_attention_tc(q, k_cache, v_cache, block_tables, context_lens, scale: float, out, workspace=None) -> None:
@@ -353,12 +390,13 @@ def decode_attention_tc(q, k_cache, v_cache, block_tables, context_lens, scale: 
     group = num_heads // num_kv_heads
     num_blocks = batch * num_kv_heads
     splits, pages_per_split = fast.pick_split(num_blocks, block_tables.shape[1], NUM_WARPS * pages_per_step(head_dim))
-    full_grid = num_blocks >= FULL_GRID_BLOCKS_PER_SM * num_sms()
-    attention = launched_kernel(group, head_dim, num_kv_heads, splits > 1, full_grid)
+    full_grid = splits == 1 and head_dim <= 64 and num_blocks >= FULL_GRID_BLOCKS_PER_SM * num_sms()
+    warps = full_grid_warps(num_blocks) if full_grid else NUM_WARPS
+    attention = launched_kernel(group, head_dim, num_kv_heads, splits > 1, full_grid, warps)
     size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
     args = (q, k_cache.view(np.uint16).reshape(size), v_cache.view(np.uint16).reshape(size), block_tables, context_lens,
             np.float32(scale * fast.LOG2E), np.int32(pages_per_split))  # fmt: skip
-    threads = NUM_WARPS * WARP_SIZE
+    threads = warps * WARP_SIZE
     if splits == 1:
         launch(attention, (num_kv_heads, batch), threads, *args, out)
         return
