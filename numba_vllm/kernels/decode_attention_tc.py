@@ -66,8 +66,8 @@ profiler times, which weighs on the small cases)::
 time, 2026-12-03), this kernel against torch: 1 x 16,384 19.3 / 16.8 us, 1 x 1,024 6.9 / 5.7, 64 x
 1,024 43.5 / 42.0, 256 x 512 76.6 / 73.7, 32 x 4,096 76.7 / 72.9 (1.04-1.21x; 3.1-3.6 TB/s of K/V).
 Before, with a step's loads issued together and four warps in every block: 20.0 / 17.0, 6.8 / 5.8,
-44.3 / 42.4, 82.4 / 73.7, 78.3 / 72.9. In one run (``.../decode_attention_gpu.py``-style, CUPTI,
-median of 20) the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 /
+44.3 / 42.4, 82.4 / 73.7, 78.3 / 72.9. In one run (the builds side by side, CUPTI, median of 20)
+the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 /
 78.3, 16 x 2,048 32.7 / 33.4, 256 x 512 82.1 / 82.1; the warps that fit one wave gave 256 x 512
 (2,048 blocks of one warp) 76.7 against 82.1 and 128 x 1,024 (1,024 blocks of two) 76.3 against
 78.3, while 64 x 1,024 stays at four warps (two: 48.8 us, half the warp slots idle).
@@ -83,6 +83,11 @@ median of 20) the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32
   (the same 16-byte chunks, read back with ``ld.shared.v4``: no registers held while loads fly,
   128 registers, 4 blocks per SM). Slower everywhere (3 pages: 64 x 1,024 59.6 us, 256 x 512
   103.5, 32 x 4,096 105.2, 1 x 16,384 29.5), with the K loads laid out as whole 32-byte sectors too.
+- Also measured and not kept (2026-12-03, pipelined loads, CUPTI): each lane's two K loads covering
+  whole 32-byte sectors (dims ``32i + 8t ..``) instead of half of each, the ``L2::256B`` load hint,
+  table entries loaded before the context length is known: within 1% at every shape. Nor is the
+  cache layout the gap to torch: the same bytes with one kv head (each page's 16 rows contiguous,
+  512 x 1,024 with H 4) took 42.8 against 43.5 us, and pages in order instead of shuffled 43.0.
 - Against cuDNN at 64 x 1,024 (Nsight Compute, one call, L2 flushed): this kernel 43.3 us, 66% of
   DRAM bandwidth, 25% theoretical occupancy (128 registers, 4 blocks of 4 warps), issue slots 23%
   busy; cuDNN 36.2 us, 79% of DRAM, the same occupancy (120 registers, 45 KB of shared memory).
