@@ -272,6 +272,7 @@ def test_profile_decode_script_runs_its_two_passes_on_numpy(config_dir):
         assert f"{name}: prefill of 2 x 8 tokens" in r.stdout and "decode 2 steps of batch 2" in r.stdout, r.stdout
 
 
+@pytest.mark.slow  # starts a server process
 def test_serve_benchmark_shared_prefix_target_smoke_on_numpy(long_config_dir, tmp_path):
     """benchmarks/serve.py with the target's prefix and prompt lengths, a tiny model on numpy: it starts
     the server twice, with prefix caching and without, and reports both runs and their ratios."""

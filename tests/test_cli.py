@@ -266,6 +266,7 @@ def test_run_takes_its_sampling_defaults_from_generation_config(tmp_path):
     assert "generation_config.json" in help_text and "--generation-config [auto|vllm]" in help_text
 
 
+@pytest.mark.slow  # runs the tiny model's request through the simulated kernels
 def test_kernel_options_choose_the_kernels_and_a_kernel_that_cannot_run_is_one_line(tiny_dir):
     """--prefill-gemm, --prefill-attention and --decode-attention reach EngineConfig: the readable kernels
     run a request in the simulator; the Hopper attention on a head dim it cannot take (the tiny model's

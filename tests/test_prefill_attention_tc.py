@@ -84,9 +84,9 @@ def test_ldmatrix_trans_gives_the_b_fragment_layout():
 @pytest.mark.parametrize(
     "group, num_kv_heads, head_dim, seqs",
     [
-        (1, 2, 64, EDGE_SEQS),
-        (3, 1, 64, PREFILL_SEQS),
-        (4, 1, 64, PREFILL_SEQS),
+        pytest.param(1, 2, 64, EDGE_SEQS, marks=pytest.mark.slow),
+        pytest.param(3, 1, 64, PREFILL_SEQS, marks=pytest.mark.slow),
+        pytest.param(4, 1, 64, PREFILL_SEQS, marks=pytest.mark.slow),
         (8, 1, 128, [(0, 17), (20, 13)]),
         (2, 1, 16, PREFILL_SEQS),
         (2, 1, 32, [(0, 33), (16, 16)]),

@@ -53,9 +53,9 @@ check_prefill_wgmma = functools.partial(check_prefill, prefill_attention_wgmma)
 @pytest.mark.parametrize(
     "group, num_kv_heads, head_dim, seqs",
     [
-        (1, 2, 64, EDGE_SEQS),
-        (3, 1, 64, PREFILL_SEQS),
-        (4, 1, 64, PREFILL_SEQS),
+        pytest.param(1, 2, 64, EDGE_SEQS, marks=pytest.mark.slow),
+        pytest.param(3, 1, 64, PREFILL_SEQS, marks=pytest.mark.slow),
+        pytest.param(4, 1, 64, PREFILL_SEQS, marks=pytest.mark.slow),
         (8, 1, 128, [(0, 17), (20, 13)]),
     ],
     ids=["g1-hd64-edges", "g3-hd64-prefix", "g4-hd64-prefix", "g8-hd128"],
@@ -66,10 +66,12 @@ def test_prefill_wgmma(group, num_kv_heads, head_dim, seqs):
 
 @pytest.mark.parametrize(
     "tiling",
-    [Tiling(1, 16, 2), Tiling(1, 32, 3), Tiling(2, 32, 2), Tiling(2, 64, 3), Tiling(2, 32, 2, overlap=True),
-     Tiling(1, 16, 3, overlap=True), Tiling(2, 32, 2, overlap=True, producer_registers=24),
-     Tiling(2, 32, 3, overlap=True, pingpong=True), Tiling(2, 16, 2, persistent=True),
-     Tiling(2, 32, 3, overlap=True, pingpong=True, persistent=True, producer_registers=24)],
+    [Tiling(1, 16, 2), Tiling(1, 32, 3), *(pytest.param(t, marks=pytest.mark.slow) for t in (  # two warpgroups: slow
+         Tiling(2, 32, 2), Tiling(2, 64, 3), Tiling(2, 32, 2, overlap=True))),
+     Tiling(1, 16, 3, overlap=True), *(pytest.param(t, marks=pytest.mark.slow) for t in (
+         Tiling(2, 32, 2, overlap=True, producer_registers=24), Tiling(2, 32, 3, overlap=True, pingpong=True),
+         Tiling(2, 16, 2, persistent=True),
+         Tiling(2, 32, 3, overlap=True, pingpong=True, persistent=True, producer_registers=24)))],
     ids=["c1k16", "c1k32s3", "c2k32", "c2k64s3", "c2k32-overlap", "c1k16s3-overlap", "c2k32-overlap-p24",
          "c2k32s3-pingpong", "c2k16-persistent", "c2k32s3-pingpong-persistent-p24"],
 )

@@ -357,6 +357,7 @@ def test_verbose_steps_show_shared_pages(tiny_dir, capsys):
     ]
 
 
+@pytest.mark.slow  # a whole model in the simulator
 def test_simulated_kernels_read_a_cached_prefix(tiny_dir):
     """The cuda code path in the simulator gives the uncached NumPy tokens for a prompt whose every full
     page hits (a 1-token prefill at position 32) and, in the same step, one with its own tail (a
