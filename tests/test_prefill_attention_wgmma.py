@@ -64,14 +64,15 @@ def test_prefill_wgmma(group, num_kv_heads, head_dim, seqs):
     check_prefill_wgmma(np.random.default_rng(3), seqs, group, num_kv_heads, head_dim)
 
 
+OTHER_TILINGS = [Tiling(1, 16, 2), Tiling(1, 32, 3), Tiling(2, 32, 2), Tiling(2, 64, 3), Tiling(2, 32, 2, overlap=True),
+                 Tiling(1, 16, 3, overlap=True), Tiling(2, 32, 2, overlap=True, producer_registers=24),
+                 Tiling(2, 32, 3, overlap=True, pingpong=True), Tiling(2, 16, 2, persistent=True),
+                 Tiling(2, 32, 3, overlap=True, pingpong=True, persistent=True, producer_registers=24)]  # fmt: skip
+
+
 @pytest.mark.parametrize(
     "tiling",
-    [Tiling(1, 16, 2), Tiling(1, 32, 3), *(pytest.param(t, marks=pytest.mark.slow) for t in (  # two warpgroups: slow
-         Tiling(2, 32, 2), Tiling(2, 64, 3), Tiling(2, 32, 2, overlap=True))),
-     Tiling(1, 16, 3, overlap=True), *(pytest.param(t, marks=pytest.mark.slow) for t in (
-         Tiling(2, 32, 2, overlap=True, producer_registers=24), Tiling(2, 32, 3, overlap=True, pingpong=True),
-         Tiling(2, 16, 2, persistent=True),
-         Tiling(2, 32, 3, overlap=True, pingpong=True, persistent=True, producer_registers=24)))],
+    [pytest.param(t, marks=pytest.mark.slow) if t.consumers == 2 else t for t in OTHER_TILINGS],  # two warpgroups: slow
     ids=["c1k16", "c1k32s3", "c2k32", "c2k64s3", "c2k32-overlap", "c1k16s3-overlap", "c2k32-overlap-p24",
          "c2k32s3-pingpong", "c2k16-persistent", "c2k32s3-pingpong-persistent-p24"],
 )
