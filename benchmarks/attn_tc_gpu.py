@@ -22,7 +22,8 @@ shared memory (``prefill_attention_tc``'s ``tiling`` argument; the launcher's de
 ``--wgmma`` adds ``prefill_attention_wgmma`` (H100/H200) in tilings ``CxKsS[bB][o][t][pR][P]``: C
 consumer warpgroups, K keys a tile, S stages, B blocks an SM asked for, ``o`` the softmax overlapped
 with the previous tile's P V, ``t`` the warpgroups' ping-pong turns, R the registers of a producer
-warpgroup, ``P`` a persistent grid (its ``Tiling``; ``""`` leaves it out).
+warpgroup, ``P`` a persistent grid (its ``Tiling``; ``""`` leaves it out); the launcher's two (short and
+long contexts) are marked *.
 Each row of the timing table ends with every tiling's time over torch's.
 """
 
@@ -41,7 +42,8 @@ from numba_vllm.bench.attention_cases import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, 
 from numba_vllm.kernels.prefill_attention import prefill_attention
 from numba_vllm.kernels.prefill_attention_tc import default_tiling, prefill_attention_tc, prefill_attention_tc_kernel_for
 from numba_vllm.kernels.prefill_attention_wgmma import (
-    DEFAULT_TILINGS,
+    LONG_CONTEXT_TILINGS,
+    SHORT_CONTEXT_TILINGS,
     Tiling,
     prefill_attention_wgmma,
     prefill_attention_wgmma_kernel_for,
@@ -166,7 +168,7 @@ def _wg_name(tiling: Tiling) -> str:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tilings", default="2x64q,1x64q,2x32q,2x32,1x64", help="warp_m_tiles x block_keys[q], comma-separated")
-    parser.add_argument("--wgmma", default="2x128s2,2x128s3,2x64s3o,2x128s3op24,1x128s2b2",
+    parser.add_argument("--wgmma", default="1x64s4b3,1x128s2b2,2x128s2,2x64s3o,2x128s3op24",
                         help="prefill_attention_wgmma tilings: CxKsS[bB][o][t][pR][P] (the docstring), comma-separated")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--cuda-cores", action="store_true", help="also time the CUDA-core kernel (slow at 16384)")
@@ -175,7 +177,7 @@ def main():
     tilings = [(int(t.split("x")[0]), int(t.split("x")[1].rstrip("q")), t.endswith("q")) for t in args.tilings.split(",")]
     default = default_tiling(HEAD_DIM)
     wg_tilings = [_wg_tiling(t) for t in args.wgmma.split(",") if t]
-    wg_default = DEFAULT_TILINGS[HEAD_DIM]
+    wg_defaults = (SHORT_CONTEXT_TILINGS[HEAD_DIM], LONG_CONTEXT_TILINGS[HEAD_DIM])  # the launcher's, by context length
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}; default tiling {default} (*)")
     rng = np.random.default_rng(0)
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "check": {}, "time_us": {}}
@@ -231,7 +233,7 @@ def main():
             name = f"tc_{m}x{k}{'q' * q}" + ("*" if (m, k, q) == default else "")
             row[name] = time_it(launcher(prefill_attention_tc, inp, out, (m, k, q)), args.reps, 10)
         for t in wg_tilings:
-            name = f"wg_{_wg_name(t)}" + ("*" if t == wg_default else "")
+            name = f"wg_{_wg_name(t)}" + ("*" if t in wg_defaults else "")
             row[name] = time_it(launcher(prefill_attention_wgmma, inp, out, t), args.reps, 10)
         if args.cuda_cores:
             long = prompt * (prompt + cached) > 2048 * 4096

@@ -31,13 +31,16 @@ from numba_vllm import LLM
 from numba_vllm.bench.kernel_report import ReportError, find_ptxas, select
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.prefill_attention_wgmma import (
-    DEFAULT_TILINGS,
+    LONG_CONTEXT,
+    LONG_CONTEXT_TILINGS,
     OVERLAP_TILING,
     OVERLAP_WIDE_TILING,
     PERSISTENT_TILING,
     PINGPONG_TILING,
+    SHORT_CONTEXT_TILINGS,
     Tiling,
     cache_operands,
+    default_tiling,
     prefill_attention_wgmma,
 )
 from numba_vllm.loading.bf16 import upload_bf16
@@ -125,11 +128,11 @@ def test_prefill_wgmma_longer(group, head_dim, seqs, tiling):
 @pytest.mark.gpu
 def test_prefill_wgmma_gpu():
     """Llama 3.2 1B heads (H 32, KVH 8, HD 64): ragged prompts up to 512 tokens, chunks after a
-    cached prefix of up to 1000 tokens, single tokens, in the default and two other tilings; and
+    cached prefix of up to 1000 tokens, single tokens, in the launcher's tilings and the others; and
     head dim 128 (benchmarks/attn_tc_gpu.py checks 16384-token prompts against torch)."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     seqs = [(0, 512), (0, 1), (100, 300), (1000, 200), (511, 1), (0, 333), (17, 100)]
-    for head_dim, tiling in ((64, None), (64, Tiling(2, 64, 3)), (64, Tiling(1, 128, 2, 2)), (64, OVERLAP_TILING),
+    for head_dim, tiling in ((64, None), (64, LONG_CONTEXT_TILINGS[64]), (64, Tiling(2, 128, 2)), (64, OVERLAP_TILING),
                             (64, OVERLAP_WIDE_TILING), (64, PINGPONG_TILING), (64, PERSISTENT_TILING), (128, None)):
         try:
             check_prefill_wgmma(np.random.default_rng(seed), seqs, 4, 8, head_dim, tiling=tiling)
@@ -181,10 +184,32 @@ def test_cache_operands_are_made_once_per_cache_and_do_not_keep_it():
     assert alive() is None
 
 
-def test_default_tilings_fit_in_shared_memory():
-    for head_dim, tiling in DEFAULT_TILINGS.items():
-        assert tiling.shared_bytes(head_dim) <= 227 * 1024
+@pytest.mark.parametrize("tilings", [SHORT_CONTEXT_TILINGS, LONG_CONTEXT_TILINGS], ids=["short", "long"])
+def test_launcher_tilings_fit_their_blocks_in_an_sms_shared_memory(tilings):
+    for head_dim, tiling in tilings.items():
+        assert tiling.blocks_per_sm * (tiling.shared_bytes(head_dim) + 1024) <= 228 * 1024  # (1 KB an SM keeps per block)
         assert tiling.block_keys % PAGE_SIZE == 0 and tiling.block_keys <= 256
+
+
+def test_the_launcher_takes_longer_key_tiles_from_the_long_context_length():
+    assert default_tiling(64) == default_tiling(64, LONG_CONTEXT - 1) == SHORT_CONTEXT_TILINGS[64]
+    assert default_tiling(64, LONG_CONTEXT) == default_tiling(64, 10**6) == LONG_CONTEXT_TILINGS[64]
+    assert SHORT_CONTEXT_TILINGS[64].block_keys < LONG_CONTEXT_TILINGS[64].block_keys
+    assert default_tiling(128, LONG_CONTEXT) == default_tiling(128) == SHORT_CONTEXT_TILINGS[128]
+
+
+def test_a_wide_block_table_runs_the_long_context_tiling(monkeypatch):
+    """The launcher bounds the context by the block table's width (the longest sequence's pages): a
+    table as wide as LONG_CONTEXT keys runs LONG_CONTEXT_TILINGS, the same prompt in a narrow one the
+    short tiling; both attend the same keys (the pages past the sequence are never read)."""
+    built = []
+    real = prefill_attention_wgmma.__globals__["prefill_attention_wgmma_kernel_for"]
+    monkeypatch.setitem(prefill_attention_wgmma.__globals__, "prefill_attention_wgmma_kernel_for",
+                        lambda group, head_dim, tiling: built.append(tiling) or real(group, head_dim, tiling))
+    rng = np.random.default_rng(8)
+    check_prefill_wgmma(rng, [(3, 20)], 4, 1, 64)
+    check_prefill_wgmma(rng, [(3, 20)], 4, 1, 64, table_pages=LONG_CONTEXT // PAGE_SIZE)
+    assert built == [SHORT_CONTEXT_TILINGS[64], LONG_CONTEXT_TILINGS[64]]
 
 
 # ---- PTX, no GPU ----------------------------------------------------------------------------------
@@ -208,8 +233,9 @@ def test_kernel_assembles_with_the_wgmma_kept_asynchronous(wgmma_ptx, tmp_path, 
     assert ptx_check.ptx_problems(text, hot=True) == []
     head_dim = int(re.search(r"hd(\d+)", variant.variant).group(1))
     tiling = {"overlap": OVERLAP_TILING, "overlap wide": OVERLAP_WIDE_TILING, "pingpong": PINGPONG_TILING,
-              "persistent": PERSISTENT_TILING}.get(variant.variant.split("hd64 ")[-1])  # fmt: skip
-    block_keys = (tiling or DEFAULT_TILINGS[head_dim]).block_keys
+              "persistent": PERSISTENT_TILING, "long": LONG_CONTEXT_TILINGS[64]}.get(
+        variant.variant.split("hd64 ")[-1])  # fmt: skip
+    block_keys = (tiling or SHORT_CONTEXT_TILINGS[head_dim]).block_keys
     assert f"wgmma.mma_async.sync.aligned.m64n{block_keys}k16.f32.bf16.bf16" in text  # S = Q K^T
     pv = rf"wgmma\.mma_async\.sync\.aligned\.m64n{head_dim}k16\.f32\.bf16\.bf16 [^;]*\}}, \{{"  # P V: A in registers
     assert re.search(pv, text)

@@ -190,13 +190,14 @@ REGISTRY: tuple[KernelVariant, ...] = (
                       PREFILL_TC_SIG, "THREADS")  # fmt: skip
         for g, hd in PREFILL_TC_CONFIGS
     ),
-    *(  # the launcher's default tiling for the head dim (DEFAULT_TILINGS)
-        KernelVariant("prefill_attention_wgmma", f"g{g} hd{hd}",
-                      f"prefill_attention_wgmma:prefill_attention_wgmma_kernel_for({g}, {hd}, default_tiling({hd}))",
-                      PREFILL_WGMMA_SIG, f"default_tiling({hd}).threads", f"default_tiling({hd}).shared_bytes({hd})",
-                      arch_specific=True)  # fmt: skip
+    *(  # the launcher's tilings for the head dim (default_tiling): short contexts, and at head dim 64 long ones
+        KernelVariant("prefill_attention_wgmma", f"g{g} hd{hd}{label}",
+                      f"prefill_attention_wgmma:prefill_attention_wgmma_kernel_for({g}, {hd}, {tiling})",
+                      PREFILL_WGMMA_SIG, f"{tiling}.threads", f"{tiling}.shared_bytes({hd})", arch_specific=True)  # fmt: skip
         for g, hd in PREFILL_TC_CONFIGS
         if hd in (64, 128)
+        for label, tiling in (("", f"default_tiling({hd})"), (" long", f"default_tiling({hd}, LONG_CONTEXT)"))
+        if hd == 64 or not label  # (head dim 128 runs one tiling at every length)
     ),
     # the softmax beside the previous tile's P V: 64-key tiles (128 would spill at the 168 registers of 9
     # warps), or 128-key ones with a producer warpgroup handing its registers to the consumers (setmaxnreg);

@@ -57,7 +57,7 @@ Shared memory (dynamic, from a 1024-byte boundary): Q (block_rows x head_dim bf1
 per tile (Q and K: a k-step past 64 dims starts in the second panel; V: the descriptor's leading
 byte offset is the panel stride).
 
-Tilings (``Tiling``; ``DEFAULT_TILINGS`` per head dim):
+Tilings (``Tiling``; the launcher's by head dim and context length: ``default_tiling``):
 
 - ``overlap``: FlashAttention-3's overlap inside a warpgroup. Per key tile, S = Q K^T is issued,
   then the previous tile's P V (its P kept in ``pa``), and the softmax starts as soon as S's group has
@@ -72,8 +72,9 @@ Tilings (``Tiling``; ``DEFAULT_TILINGS`` per head dim):
   128-key tiles (76 bytes: S, O and the P in flight, 128 values a thread, all live across the
   softmax). A producer warpgroup
   (instead of a warp) that lowers itself to 24 with ``setmaxnreg`` raises the two consumers to 240.
-- ``blocks_per_sm``: the launch bound (two blocks of one consumer warpgroup share an SM: the
-  warpgroups of different blocks do not wait for each other).
+- ``blocks_per_sm``: the launch bound (two or three blocks of one consumer warpgroup share an SM: the
+  warpgroups of different blocks do not wait for each other, and one's fixed steps run beside the
+  others' products).
 - ``pingpong`` (with ``overlap``, two consumers): FlashAttention-3's warpgroup ping-pong. The two
   warpgroups take turns to issue their products (hardware barriers ``TURN_BARRIER + c``: a
   warpgroup waits for its turn with ``bar.sync``, issues S and the previous P V, and hands the turn
@@ -84,18 +85,23 @@ Tilings (``Tiling``; ``DEFAULT_TILINGS`` per head dim):
   from one item to the next (the producer copies the next item's first tiles while the consumers
   finish the current one).
 
-Measured (H200, ``benchmarks/attn_tc_gpu.py``, torch's cuDNN kernel beside it; head dim 64, GQA 4):
-the default tiling takes 70.8 us at 1 x 2048 tokens (torch 59.8: 1.18x), 71.9 at 8 x 512 (40.3:
-1.78x), 2,904 at 1 x 16,384 (2,480: 1.17x) and 682 for 2,048 tokens after 14,000 cached (885:
-0.77x); ``prefill_attention_tc`` takes 78.4, 72.5, 3,621 and 860. Neither ping-pong nor the
-persistent grid nor the overlapped order was faster (2x128 tiles with them: 70.2, 69.3, 2,929 and
-703 with ping-pong; 86.0, 76.3, 3,060, 719 persistent): the short prompts' time goes to each block's
-fixed steps (Q's loads, the first copies, the epilogue), which ``ncu``'s source view spreads over
-hundreds of instructions, not to the products' order.
+Measured (H200, CUPTI kernel time with the L2 flushed, torch's cuDNN kernel in the same run; head dim
+64, GQA 4; docs/benchmarks.md): blocks of two consumer warpgroups (128 x 128-key tiles, one block an
+SM) took 67.3 us at 8 x 512 tokens (torch 37.5: 1.79x), 67.8 at 1 x 2048 (57.0), 53.6 at 32 x 128
+(21.1), 2,880 at 1 x 16,384 (2,335) and 674 for 2,048 tokens after 14,000 cached (864). What those
+short prompts wait on is each block's fixed steps: Q's loads and rounding, the first copies, the
+epilogue (without Q's loads and O's stores, 8 x 512 took 58.4 us), which one block an SM runs with
+nothing beside them. One consumer a block, three blocks an SM (64-key tiles) take 50.1 (1.34x),
+60.8, 35.0, 2,838 and 699; two blocks an SM of 128-key tiles 60.4, 64.2, 46.0, 2,735 and 646: the
+launcher runs the first below ``LONG_CONTEXT`` keys, the second above (at 4,096 keys 206 against 209
+us, at 2,048 after 6,000 cached 335 against 315). Neither ping-pong nor the persistent grid nor the
+overlapped order was faster than the tilings they were tried on (2x128 tiles: 70.2, 69.3, 2,929 and
+703 with ping-pong; 86.0, 76.3, 3,060, 719 persistent, against 70.8, 71.9, 2,904, 682), nor were
+32- or 48-key tiles (four and three blocks an SM: 48.9 and 51.7 at 8 x 512, 76.9 and 67.0 at 1 x 2048).
 
-Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the default tilings 168 (head dims 64
-and 128), ``OVERLAP_TILING`` 162, ``OVERLAP_WIDE_TILING`` 168 at launch (240 in the consumers), none
-spilling; no wgmma serialised (C7515).
+Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the short-context tiling 128 (three blocks
+an SM), the long-context one and head dim 128's 168, ``OVERLAP_TILING`` 162, ``OVERLAP_WIDE_TILING``
+168 at launch (240 in the consumers), none spilling; no wgmma serialised (C7515).
 
 The engine runs it on H100/H200 (``EngineConfig.prefill_attention`` "auto"), ``prefill_attention_tc``
 elsewhere.
@@ -206,9 +212,17 @@ class Tiling:
         return q_bytes + self.stages * stage_bytes + 2 * self.stages * BARRIER_BYTES + ATOM_BYTES
 
 
-# Head dim 64 (Llama 3.2 1B): 128 query rows x 128 keys, two stages: S is 64 fp32 registers a thread,
-# O 32, P 32; 80 KB of shared memory. Head dim 128: 64-key tiles keep S at 32 registers beside O's 64.
-DEFAULT_TILINGS = {64: Tiling(consumers=2, block_keys=128, stages=2), 128: Tiling(consumers=2, block_keys=64, stages=2)}
+# The launcher's tilings (``default_tiling``), by head dim. Head dim 64 (Llama 3.2 1B): blocks of one consumer
+# warpgroup (64 query rows), several an SM, so that one block's fixed steps (Q's loads, the first copies, the
+# epilogue) run beside the others' products. Contexts shorter than LONG_CONTEXT keys: 64-key tiles (S and O
+# 32 fp32 registers a thread each, 128 registers in all), four stages (72 KB), three blocks an SM; longer
+# ones: 128-key tiles (S 64 registers: 168 in all), two stages, two blocks an SM, whose longer tiles halve
+# the steps per key. Head dim 128: two consumers, 64-key tiles (S 32 registers beside O's 64), both lengths.
+SHORT_CONTEXT_TILINGS = {64: Tiling(consumers=1, block_keys=64, stages=4, blocks_per_sm=3),
+                         128: Tiling(consumers=2, block_keys=64, stages=2)}
+LONG_CONTEXT_TILINGS = {64: Tiling(consumers=1, block_keys=128, stages=2, blocks_per_sm=2),
+                        128: Tiling(consumers=2, block_keys=64, stages=2)}
+LONG_CONTEXT = 6144  # keys of the longest sequence's context (new tokens and cached prefix) from which LONG_CONTEXT_TILINGS run
 
 # The overlapped softmax (``Tiling.overlap``) at head dim 64: 64-key tiles, three stages (a stage stays
 # held until its P V has run, one tile later). Not the default until measured.
@@ -221,8 +235,10 @@ PINGPONG_TILING = Tiling(consumers=2, block_keys=128, stages=3, overlap=True, pr
 PERSISTENT_TILING = Tiling(consumers=2, block_keys=128, stages=2, producer_registers=24, persistent=True)
 
 
-def default_tiling(head_dim: int) -> Tiling:
-    return DEFAULT_TILINGS[head_dim]
+def default_tiling(head_dim: int, max_context: int = 0) -> Tiling:
+    """The launcher's tiling for a head dim and the longest context of the batch (keys: cached prefix and
+    new tokens)."""
+    return (LONG_CONTEXT_TILINGS if max_context >= LONG_CONTEXT else SHORT_CONTEXT_TILINGS)[head_dim]
 
 
 @functools.cache
@@ -709,7 +725,8 @@ def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start
     PAGE_SIZE, KVH, HD) bf16; block_tables: (S, max_pages) int32; cu_seqlens: (S + 1,) int32;
     start_pos: (S,) int32; out: (T, H, HD) f32; max_new_tokens: the longest sequence's new tokens,
     read from cu_seqlens when None); ``tiling`` forces one (tests, benchmarks), else
-    ``default_tiling(head_dim)``."""
+    ``default_tiling(head_dim, context)``, the context bounded by the block table's width (the longest
+    sequence's pages)."""
     shape = check_prefill_args("prefill_attention_wgmma", q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, out,
                                max_new_tokens)  # fmt: skip
     if shape is None:
@@ -718,7 +735,7 @@ def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start
     check_wgmma_attention(head_dim)
     if not (vector_aligned(q) and vector_aligned(out)):
         raise KernelError("prefill_attention_wgmma: q and out must start 16-byte aligned (whole rows of a device array)")
-    tiling = tiling or default_tiling(head_dim)
+    tiling = tiling or default_tiling(head_dim, block_tables.shape[1] * PAGE_SIZE)
     kernel_ = prefill_attention_wgmma_kernel_for(group, head_dim, tiling)
     k_rows, v_rows, k_map, v_map = cache_operands(k_cache, v_cache)
     num_row_tiles = -(-max_new_tokens * group // tiling.block_rows)

@@ -78,14 +78,17 @@ PREFILL_ATOL = 2e-6
 EDGE_SEQS = [(0, 1), (0, 15), (0, 16), (0, 17), (0, 33)]  # whole prompts around page edges
 
 
-def check_prefill(launcher, rng, seqs, group, num_kv_heads, head_dim, scale=None, tiling=None, key_scale=None):
+def check_prefill(launcher, rng, seqs, group, num_kv_heads, head_dim, scale=None, tiling=None, key_scale=None,
+                  table_pages=None):
     """Run a prefill attention kernel (``launcher``: prefill_attention_tc or prefill_attention_wgmma) and
     check it against the float64 reference within ``P_BOUND`` (the bf16 rounding of P).
 
     seqs: (start_pos, num_new) per sequence; the first start_pos tokens are a cached prefix.
     ``tiling``: the launcher's (None: its default).
     ``key_scale``: positions -> powers of two the keys at those positions are multiplied by (exact in
-    bf16), to steer where each row's max lies."""
+    bf16), to steer where each row's max lies.
+    ``table_pages``: the block table's width (padded with page 0 past the sequences' pages), else the
+    longest sequence's pages plus one."""
     num_heads = group * num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     cache = PagedCache(rng, [start + n for start, n in seqs], num_kv_heads, head_dim)
@@ -101,6 +104,10 @@ def check_prefill(launcher, rng, seqs, group, num_kv_heads, head_dim, scale=None
     q = rng.standard_normal((cu_seqlens[-1], num_heads, head_dim)).astype(np.float32)
     out = nan_device(q.shape)
     k_cache, v_cache, block_tables = cache.device()
+    if table_pages is not None:
+        wide = np.zeros((len(seqs), table_pages), np.int32)
+        wide[:, : cache.block_tables.shape[1]] = cache.block_tables
+        block_tables = cuda.to_device(wide)
     launcher(cuda.to_device(q), k_cache, v_cache, block_tables, cuda.to_device(cu_seqlens), cuda.to_device(start_pos),
              scale, out, tiling=tiling)
     got = out.copy_to_host()
