@@ -1,4 +1,4 @@
-"""warp_sum / warp_max / block_sum / block_max (numba_vllm.kernels.reductions) against NumPy.
+"""warp_sum / warp_max / warp_sums / block_sum / block_max (numba_vllm.kernels.reductions) against NumPy.
 
 Row reductions of a (num_rows, num_cols) float32 matrix, over the block sizes kernels use.
 Both kernels walk rows with a grid-stride loop and launch fewer warps/blocks than rows, and
@@ -7,6 +7,7 @@ Values are negative so a reduction that pads with 0 instead of -inf gives a wron
 Runs on the simulator, or on a GPU with NUMBA_VLLM_TEST_GPU=1.
 """
 
+import functools
 import math
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 from numba import cuda, float32
 
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.reductions import block_max, block_sum, warp_max, warp_sum
+from numba_vllm.kernels.reductions import block_max, block_sum, warp_max, warp_sum, warp_sums, warp_sums_index, warp_sums_writer
 
 BLOCK_SIZES = [32, 64, 96, 128, 256, 1024]
 NUM_ROWS = 5
@@ -90,3 +91,46 @@ def test_block_reductions(block_size):
     sums, maxes = run_rows(block_rows_kernel, 2, block_size, x)  # 2 blocks for 5 rows
     np.testing.assert_allclose(sums, x.astype(np.float64).sum(axis=1), rtol=1e-5)
     np.testing.assert_array_equal(maxes, x.max(axis=1))
+
+
+@functools.cache
+def warp_sums_kernel(count):
+    sums = warp_sums(count)
+
+    @kernel
+    def many_sums_kernel(x, totals, indices, out, writes):
+        """Two warps; x (64, count) f32: each thread's values. Every thread records the sum it ends with
+        (totals (64,) f32) and which value it is (indices (64,) int32); the writer lanes store it in
+        out (2, count) f32 and count themselves in writes (2, count) int32."""
+        tid = cuda.threadIdx.x
+        lane = tid % 32
+        warp = tid // 32
+        values = cuda.local.array(count, float32)
+        for i in range(count):
+            values[i] = x[tid, i]
+        total = sums(values, lane)
+        j = warp_sums_index(lane, count)
+        totals[tid] = total
+        indices[tid] = j
+        if warp_sums_writer(lane, count):
+            out[warp, j] = total
+            cuda.atomic.add(writes, (warp, j), 1)
+
+    return many_sums_kernel
+
+
+@pytest.mark.parametrize("count", [1, 2, 4, 8, 16, 32])
+def test_warp_sums_many_values_at_once(count):
+    """Each of a lane's ``count`` values summed over its warp: every lane ends with one of the sums (the
+    one ``warp_sums_index`` names), and the writer lanes hold every value exactly once between them."""
+    x = np.random.default_rng(count).standard_normal((64, count)).astype(np.float32)
+    want = x.astype(np.float64).reshape(2, 32, count).sum(axis=1)  # (warp, value)
+    totals, indices = cuda.device_array(64, np.float32), cuda.device_array(64, np.int32)
+    out = cuda.to_device(np.full((2, count), np.nan, np.float32))
+    writes = cuda.to_device(np.zeros((2, count), np.int32))
+    warp_sums_kernel(count)[1, 64](cuda.to_device(x), totals, indices, out, writes)
+    np.testing.assert_array_equal(writes.copy_to_host(), 1)
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-5, atol=1e-5)
+    idx = indices.copy_to_host()
+    assert set(idx[:32]) == set(range(count))
+    np.testing.assert_allclose(totals.copy_to_host(), want[np.arange(64) // 32, idx], rtol=1e-5, atol=1e-5)

@@ -19,9 +19,10 @@ Thread mapping (``gemv_kernel``):
   together), unpacks the bf16 pairs with shifts, then for each token loads the 8 matching ``x``
   values (two 16-byte loads) and does ``ROWS * 8`` FMAs. Partial sums live in a ``(ROWS, TOKENS)``
   register array (indexed by constant, unrolled loops only, so it never touches local memory).
-- Reduction: ``warp_sum`` (butterfly shuffles) per output, lane 0 writes the warp's sums to shared
-  memory, ``syncthreads``, then one thread per output adds the group's ``warps_per_group`` partials
-  and writes (or adds to) ``out``.
+- Reduction: ``warp_sums`` (``reductions.py``) sums the lane's ``ROWS * tokens`` partials over the warp
+  at once, a butterfly that halves the values each lane carries at every step (16 outputs in 16
+  shuffles, not 80); the lane left with each output writes it to shared memory, ``syncthreads``, then
+  one thread per output adds the group's ``warps_per_group`` partials and writes (or adds to) ``out``.
 
 Why split K across warps: a lane keeps only a few loads in flight, and the memory system needs about
 a latency's worth of bytes in flight (~4.8 TB/s x ~0.7 us, ~25 KB per SM) to reach its bandwidth.
@@ -75,7 +76,7 @@ from numba import cuda, float32
 
 from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.reductions import WARP_SIZE, warp_sum
+from numba_vllm.kernels.reductions import WARP_SIZE, warp_sum, warp_sums, warp_sums_index, warp_sums_writer
 from numba_vllm.kernels.vector_load import (
     BF16_PER_VECTOR,
     bf16_bits_to_f32,
@@ -103,6 +104,8 @@ def _make_gemv_kernel(tokens, normalize=False, silu_mul=False, rows=ROWS):
     sums = outputs + tokens if normalize else outputs  # per warp: the dot products, then each token's sum of x^2
     half = rows // 2  # silu_mul: a row group's gate rows (then as many up rows), its output columns
     stored = half * tokens if silu_mul else outputs  # values a row group writes
+    sum_dots = warp_sums(outputs)  # (rows and tokens are powers of two)
+    sum_squares = warp_sums(tokens)
 
     @kernel(fastmath=True)
     def gemv_kernel(x, w_bits, out, accumulate, group_shift, norm_bits, eps):
@@ -116,6 +119,7 @@ def _make_gemv_kernel(tokens, normalize=False, silu_mul=False, rows=ROWS):
         num_cols = num_rows // 2 if silu_mul else num_rows  # columns of out
         partial = cuda.shared.array((WARPS_PER_BLOCK, sums), float32)  # each warp's sums
         acc = cuda.local.array((rows, tokens), float32)  # this lane's partial dot products
+        dots = cuda.local.array(outputs, float32)  # the same, flat: reduced over the warp in place
         sum_sq = cuda.local.array(tokens, float32)  # normalize: this lane's partial sums of x^2
         wf = cuda.local.array((rows, BF16_PER_VECTOR), float32)  # one chunk of each row
         gf = cuda.local.array(BF16_PER_VECTOR, float32)  # normalize: the chunk's norm weights
@@ -179,14 +183,14 @@ def _make_gemv_kernel(tokens, normalize=False, silu_mul=False, rows=ROWS):
 
         for r in range(rows):
             for t in range(tokens):
-                total = warp_sum(acc[r, t])
-                if lane == 0:
-                    partial[warp, r * tokens + t] = total
+                dots[r * tokens + t] = acc[r, t]
+        total = sum_dots(dots, lane)  # each dot product summed over the warp: 16 shuffles for 16, not 80
+        if warp_sums_writer(lane, outputs):
+            partial[warp, warp_sums_index(lane, outputs)] = total
         if normalize:
-            for t in range(tokens):
-                total = warp_sum(sum_sq[t])
-                if lane == 0:
-                    partial[warp, outputs + t] = total
+            total = sum_squares(sum_sq, lane)
+            if warp_sums_writer(lane, tokens):
+                partial[warp, outputs + warp_sums_index(lane, tokens)] = total
         cuda.syncthreads()  # wait for every warp's sums
 
         i = cuda.threadIdx.x  # one thread per value the block stores: (group g, row r, token t)

@@ -13,6 +13,14 @@ Block level (one block of ``blockDim.x`` threads, a multiple of 32, at most 1024
 3. ``syncthreads`` again before returning, so a following ``block_sum``/``block_max`` may
    overwrite ``scratch`` while no warp still reads it.
 
+Many values at once (``warp_sums``): a lane holding ``count`` values to be summed over the warp would
+spend 5 shuffles on each with the butterfly. Instead, at the step of offset 16 each lane sends the
+half of its values its partner keeps and adds the half it receives to the half it keeps (lanes
+``i`` with bit 4 clear keep the first half); at offset 8 the same with the half of that, and so on:
+after log2(count) steps each lane holds one value, summed over the 2^steps lanes that differ in the
+bits done, and the rest of the butterfly finishes it. count - 1 + 5 - log2(count) shuffles in all:
+16 instead of 80 for 16 values.
+
 The caller declares ``scratch`` (``cuda.shared.array(32, float32)``), not the device function:
 the kernel then shows its whole shared-memory budget in one place, and one scratch array can
 serve several reductions in a row.
@@ -24,6 +32,7 @@ instead of returning early; the block is one-dimensional and its size a multiple
 simulator).
 """
 
+import functools
 import math
 
 from numba import cuda, float32
@@ -52,6 +61,58 @@ def warp_max(x):
         x = max(x, cuda.shfl_xor_sync(FULL_MASK, x, offset))
         offset //= 2
     return x
+
+
+@functools.cache
+def warp_sums(count: int):
+    """The device function ``sums(values, lane)`` for ``count`` values a lane (a power of two, at most
+    32): sums ``values[:count]`` (a local array, used as scratch) over the warp's lanes, each value
+    separately (the module docstring). Returns the sum this lane ends with: value number
+    ``warp_sums_index(lane, count)``; the lanes with ``warp_sums_writer(lane, count)`` hold each value
+    once between them. Every lane of the warp must call it."""
+    assert count in (1, 2, 4, 8, 16, 32), count
+    steps = count.bit_length() - 1  # halvings: log2(count)
+
+    @device_function
+    def sums(values, lane):
+        n = count
+        offset = WARP_SIZE // 2
+        for _ in range(steps):  # (constant trip counts: unrolled, every index a constant)
+            n //= 2
+            upper = (lane & offset) != 0  # this lane keeps values n .. 2n - 1, its partner 0 .. n - 1
+            for i in range(n):
+                low = values[i]
+                high = values[i + n]
+                received = cuda.shfl_xor_sync(FULL_MASK, low if upper else high, offset)
+                values[i] = (high if upper else low) + received
+            offset //= 2
+        total = values[0]
+        while offset > 0:
+            total += cuda.shfl_xor_sync(FULL_MASK, total, offset)
+            offset //= 2
+        return total
+
+    return sums
+
+
+@device_function
+def warp_sums_index(lane, count):
+    """Which of ``warp_sums(count)``'s values lane ``lane`` ends with: its bits 4, 3, ... (as many as
+    the halvings), bit 4 the highest."""
+    steps = 0
+    while (1 << steps) < count:
+        steps += 1
+    return (lane >> (5 - steps)) & (count - 1)
+
+
+@device_function
+def warp_sums_writer(lane, count):
+    """Whether lane ``lane`` is the first of those ending with its value of ``warp_sums(count)`` (the
+    lanes differing from it only in the bits below the halvings')."""
+    steps = 0
+    while (1 << steps) < count:
+        steps += 1
+    return (lane & ((WARP_SIZE >> steps) - 1)) == 0
 
 
 @device_function
