@@ -59,7 +59,7 @@ ATTN_SHUFFLE_ROUND = "offset *= 2"
 ATTN_END_OF_STEP = "si += num_warps"
 ATTN_MERGE = "o = cuda.threadIdx.x"  # after the syncthreads: shared memory holds every lane's partial
 ATTN_OUTPUT = "o += threads"  # after this thread wrote its first output element
-GEMV_NORM_SUM_SQ = "total = warp_sum(sum_sq[t])"  # the lane's sum of x^2 over its chunks, before the reduction
+GEMV_NORM_SUM_SQ = "total = sum_squares(sum_sq, lane)"  # the lane's sums of x^2 over its chunks, before the reduction
 GEMV_NORM_SCALE = "total *= scale"  # a storing thread: the row's sum of x^2 and the norm's scale
 
 COMMANDS = """\
@@ -82,9 +82,10 @@ try here:
 CHEAT_GEMV_NORM = COMMANDS + """
 try here (the RMSNorm fused into the q/k/v product: gemv_t1_norm_kernel):
   p lane, warp, part, warps_per_group    which K chunks this lane read: chunk part * 32 + lane, then every 32 * warps_per_group
-  p sum_sq[t], t                         this lane's sum of x^2 over its chunks (token t)
-  p acc[:, t]                            its partial dot products with the 4 weight rows of its group
-  n  p total                             after warp_sum: the warp's sum of x^2
+  p sum_sq[0]                            this lane's sum of x^2 over its chunks (the one token)
+  p acc[:, 0]                            its partial dot products with the 4 weight rows of its group
+  p dots                                 the same, after the warp summed them (warp_sums: this lane holds one)
+  n  p total                             after sum_squares (warp_sums): the warp's sum of x^2
   c                                      to the storing thread: p sq, scale (the row's sum of x^2, 1/rms)"""
 
 CHEAT_ATTN_SHUFFLE = COMMANDS + """
@@ -408,14 +409,14 @@ class GemvNormPrinter:
 
     def sum_sq(self, frame):
         f = frame.f_locals
-        token = min(f["token0"] + f["t"], f["num_tokens"] - 1)
+        token = min(f["token0"], f["num_tokens"] - 1)  # (gemv_t1: one token a block)
         row = f["x"][token].copy_to_host()  # (K,) the token's activations, read through the kernel's argument
         chunks = list(range(f["part"] * 32 + f["lane"], f["k_dim"] // 8, 32 * f["warps_per_group"]))
         mine = np.concatenate([row[c * 8 : c * 8 + 8] for c in chunks]) if chunks else np.zeros(0, np.float32)
         print(f"\n[gemv_t1_norm_kernel line {frame.f_lineno}] thread {_cuda(frame).threadIdx.x} = warp {f['warp']} "
               f"lane {f['lane']}, token {token}: {GEMV_NORM_SUM_SQ}")  # fmt: skip
         print(f"  K = {f['k_dim']}: this lane read chunks {chunks} (8 x values each) and weighted them by the norm weight")
-        print(f"  sum_sq[t] = {f['sum_sq'][f['t']]:.8g}   NumPy sum of the squares of those x: "
+        print(f"  sum_sq[0] = {f['sum_sq'][0]:.8g}   NumPy sum of the squares of those x: "
               f"{(mine.astype(np.float64) ** 2).sum():.8g}")  # fmt: skip
 
     def scale(self, frame):

@@ -144,7 +144,7 @@ def test_step_through_decode_attention():
 @pytest.mark.slow  # a decode step of the whole model in the simulator: a minute
 def test_step_through_one_token_through_the_model():
     out = step_through("--kernel", "model", "--no-pdb", "--block", "1,0", "--thread", "3")
-    sums = re.search(r"sum_sq\[t\] = ([\d.]+)   NumPy sum of the squares of those x: ([\d.]+)", out)
+    sums = re.search(r"sum_sq\[0\] = ([\d.]+)   NumPy sum of the squares of those x: ([\d.]+)", out)
     assert sums and float(sums.group(1)) == pytest.approx(float(sums.group(2)), rel=1e-5)  # the fused RMSNorm
     scale = re.search(r"scale = 1/sqrt\(sq / K \+ eps\) = ([\d.]+)   NumPy 1/rms: ([\d.]+)", out)
     assert scale and float(scale.group(1)) == pytest.approx(float(scale.group(2)), rel=1e-5)
