@@ -42,7 +42,9 @@ run: setup  ## run the default model on a sample question (pass more with ARGS="
 # of them, in order (its module fixtures built once, its tests in sequence). Three on CI's 2 cores: the
 # server and subprocess tests wait on their children, and a third worker fills those waits (when the suite
 # was smaller: 15.7 min with three, 20.6 with two, ~30 with one on a 2-core machine; 27.5 min with three
-# on 2026-12-03, 1,146 tests, most of it whole-model simulations and PTX compiles). The files go out in
+# on 2026-12-03, 1,146 tests, most of it whole-model simulations and PTX compiles; 15.8 min later that
+# day, 1,168 tests, after gemv's warp reduction took a fifth of the shuffles and prefill attention's
+# simulated blocks one warpgroup). The files go out in
 # collection order (--no-loadscope-reorder), which puts the longest first (tests/conftest.py).
 TEST_WORKERS ?= 3
 
