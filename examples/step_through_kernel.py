@@ -59,7 +59,7 @@ ATTN_SHUFFLE_ROUND = "offset *= 2"
 ATTN_END_OF_STEP = "si += num_warps"
 ATTN_MERGE = "o = cuda.threadIdx.x"  # after the syncthreads: shared memory holds every lane's partial
 ATTN_OUTPUT = "o += threads"  # after this thread wrote its first output element
-GEMV_NORM_SUM_SQ = "total = sum_squares(sum_sq, lane)"  # the lane's sums of x^2 over its chunks, before the reduction
+GEMV_NORM_SUM_SQ = "total, t, writer = sum_squares(sum_sq, lane)"  # the lane's sums of x^2 over its chunks, before the reduction
 GEMV_NORM_SCALE = "total *= scale"  # a storing thread: the row's sum of x^2 and the norm's scale
 
 COMMANDS = """\

@@ -15,7 +15,7 @@ import pytest
 from numba import cuda, float32
 
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.reductions import block_max, block_sum, warp_max, warp_sum, warp_sums, warp_sums_index, warp_sums_writer
+from numba_vllm.kernels.reductions import block_max, block_sum, warp_max, warp_sum, warp_sums
 
 BLOCK_SIZES = [32, 64, 96, 128, 256, 1024]
 NUM_ROWS = 5
@@ -108,11 +108,10 @@ def warp_sums_kernel(count):
         values = cuda.local.array(count, float32)
         for i in range(count):
             values[i] = x[tid, i]
-        total = sums(values, lane)
-        j = warp_sums_index(lane, count)
+        total, j, writer = sums(values, lane)
         totals[tid] = total
         indices[tid] = j
-        if warp_sums_writer(lane, count):
+        if writer:
             out[warp, j] = total
             cuda.atomic.add(writes, (warp, j), 1)
 
@@ -122,7 +121,7 @@ def warp_sums_kernel(count):
 @pytest.mark.parametrize("count", [1, 2, 4, 8, 16, 32])
 def test_warp_sums_many_values_at_once(count):
     """Each of a lane's ``count`` values summed over its warp: every lane ends with one of the sums (the
-    one ``warp_sums_index`` names), and the writer lanes hold every value exactly once between them."""
+    one its index names), and the writer lanes hold every value exactly once between them."""
     x = np.random.default_rng(count).standard_normal((64, count)).astype(np.float32)
     want = x.astype(np.float64).reshape(2, 32, count).sum(axis=1)  # (warp, value)
     totals, indices = cuda.device_array(64, np.float32), cuda.device_array(64, np.int32)

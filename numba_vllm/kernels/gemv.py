@@ -76,7 +76,7 @@ from numba import cuda, float32
 
 from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import kernel
-from numba_vllm.kernels.reductions import WARP_SIZE, warp_sum, warp_sums, warp_sums_index, warp_sums_writer
+from numba_vllm.kernels.reductions import WARP_SIZE, warp_sum, warp_sums
 from numba_vllm.kernels.vector_load import (
     BF16_PER_VECTOR,
     bf16_bits_to_f32,
@@ -184,13 +184,13 @@ def _make_gemv_kernel(tokens, normalize=False, silu_mul=False, rows=ROWS):
         for r in range(rows):
             for t in range(tokens):
                 dots[r * tokens + t] = acc[r, t]
-        total = sum_dots(dots, lane)  # each dot product summed over the warp: 16 shuffles for 16, not 80
-        if warp_sums_writer(lane, outputs):
-            partial[warp, warp_sums_index(lane, outputs)] = total
+        total, o, writer = sum_dots(dots, lane)  # each dot product over the warp: 16 shuffles for 16, not 80
+        if writer:  # this lane holds dot product o (= r * tokens + t)
+            partial[warp, o] = total
         if normalize:
-            total = sum_squares(sum_sq, lane)
-            if warp_sums_writer(lane, tokens):
-                partial[warp, outputs + warp_sums_index(lane, tokens)] = total
+            total, t, writer = sum_squares(sum_sq, lane)
+            if writer:  # token t's sum of x^2
+                partial[warp, outputs + t] = total
         cuda.syncthreads()  # wait for every warp's sums
 
         i = cuda.threadIdx.x  # one thread per value the block stores: (group g, row r, token t)

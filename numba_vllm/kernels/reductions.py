@@ -67,9 +67,11 @@ def warp_max(x):
 def warp_sums(count: int):
     """The device function ``sums(values, lane)`` for ``count`` values a lane (a power of two, at most
     32): sums ``values[:count]`` (a local array, used as scratch) over the warp's lanes, each value
-    separately (the module docstring). Returns the sum this lane ends with: value number
-    ``warp_sums_index(lane, count)``; the lanes with ``warp_sums_writer(lane, count)`` hold each value
-    once between them. Every lane of the warp must call it."""
+    separately (the module docstring). Returns ``(total, index, writer)``: the sum this lane ends with,
+    which of the values it is (the lane's bits 4, 3, ..., as many as the halvings, bit 4 the highest),
+    and whether the lane is the first of those ending with it (the lanes that differ from it only in the
+    bits below the halvings'), so that the writers hold each value once between them. Every lane of
+    the warp must call it."""
     assert count in (1, 2, 4, 8, 16, 32), count
     steps = count.bit_length() - 1  # halvings: log2(count)
 
@@ -90,29 +92,11 @@ def warp_sums(count: int):
         while offset > 0:
             total += cuda.shfl_xor_sync(FULL_MASK, total, offset)
             offset //= 2
-        return total
+        index = (lane >> (5 - steps)) & (count - 1)
+        writer = (lane & ((WARP_SIZE >> steps) - 1)) == 0
+        return total, index, writer
 
     return sums
-
-
-@device_function
-def warp_sums_index(lane, count):
-    """Which of ``warp_sums(count)``'s values lane ``lane`` ends with: its bits 4, 3, ... (as many as
-    the halvings), bit 4 the highest."""
-    steps = 0
-    while (1 << steps) < count:
-        steps += 1
-    return (lane >> (5 - steps)) & (count - 1)
-
-
-@device_function
-def warp_sums_writer(lane, count):
-    """Whether lane ``lane`` is the first of those ending with its value of ``warp_sums(count)`` (the
-    lanes differing from it only in the bits below the halvings')."""
-    steps = 0
-    while (1 << steps) < count:
-        steps += 1
-    return (lane & ((WARP_SIZE >> steps) - 1)) == 0
 
 
 @device_function
