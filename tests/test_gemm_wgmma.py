@@ -261,6 +261,16 @@ def test_gemm_wgmma_tiny_tiling():
     run_gemm_wgmma(9, 70, 584, True, launcher=functools.partial(gw.gemm_wgmma, config=gw.TINY))
 
 
+def test_gemm_wgmma_tall_tiles_take_two_stages_a_wait():
+    """TALL's consumers wait for two stages and issue their 8 wgmma as one group: K = 328 is 6 slices
+    in 3 groups, the last slice past K (the TMA's zeros); split 2 ways through global memory the
+    parts are whole groups (1 + 2), and over a cluster too."""
+    assert gw.TALL.k_group == 2
+    for split, in_cluster in ((1, False), (2, False), (2, True)):
+        launcher = functools.partial(gw.gemm_wgmma, config=gw.TALL, split=split, in_cluster=in_cluster)
+        run_gemm_wgmma(70, 72, 328, split == 2, seed=split + in_cluster, launcher=launcher)
+
+
 @pytest.mark.slow
 def test_gemm_wgmma_two_warpgroups():
     """130 rows: two row tiles, the second warpgroup of the first holding rows 64..127."""
