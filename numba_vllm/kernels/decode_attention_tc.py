@@ -63,8 +63,10 @@ profiler times, which weighs on the small cases)::
     256 x 512              139.6                 97.3                85.3        76.9   (full grid)
 
 (The table predates the pipelined loads and the full grids' warps.) ``bench kernels`` (CUPTI kernel
-time, 2026-12-03), this kernel against torch: 1 x 16,384 19.3 / 16.8 us, 1 x 1,024 6.9 / 5.7, 64 x
-1,024 43.5 / 42.0, 256 x 512 76.6 / 73.7, 32 x 4,096 76.7 / 72.9 (1.04-1.21x; 3.1-3.6 TB/s of K/V).
+time, 2026-12-04, with the loads streamed past L1 where it pays: below), this kernel against torch:
+64 x 1,024 40.5 / 42.4 us (3.3 TB/s of K/V), 1 x 16,384 17.9 / 16.9, 1 x 1,024 6.9 / 5.8, 256 x 512
+76.3 / 74.3, 32 x 4,096 76.7 / 72.8 (3.5 TB/s). The day before: 19.3 / 16.8, 6.9 / 5.7, 43.5 / 42.0,
+76.6 / 73.7, 76.7 / 72.9.
 Before, with a step's loads issued together and four warps in every block: 20.0 / 17.0, 6.8 / 5.8,
 44.3 / 42.4, 82.4 / 73.7, 78.3 / 72.9. In one run (the builds side by side, CUPTI, median of 20)
 the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 /
@@ -88,6 +90,16 @@ the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 
   table entries loaded before the context length is known: within 1% at every shape. Nor is the
   cache layout the gap to torch: the same bytes with one kv head (each page's 16 rows contiguous,
   512 x 1,024 with H 4) took 42.8 against 43.5 us, and pages in order instead of shuffled 43.0.
+- K and V rows streamed past L1 (``load_u32x4_stream``: ``ld.global.nc.L1::no_allocate``, read once,
+  never kept) on split ranges and on full grids of four-warp blocks: H200, CUPTI, L2 flushed, median
+  of 40 in two rounds (2026-12-04), us, loaded as before / streamed (torch): 64 x 1,024 43.7 / 40.5
+  (41.7), 16 x 2,048 32.9 / 27.6 (28.6), 4 x 4,096 17.7 / 16.0 (16.4), 1 x 16,384 19.3 / 17.8
+  (16.8), 1 x 1,024 7.0 / 6.9 (5.7). On the other grids streaming was slower, and they load as
+  before: 256 x 512 (one-warp blocks) 75.8 / 77.0 (73.0), 128 x 1,024 (two-warp blocks) 74.8 /
+  75.3 (72.6), 32 x 4,096 (unsplit, two pages a step) 75.0 / 76.0 (72.2). Streaming K alone or V
+  alone gained nothing (64 x 1,024: 44.0, 43.7), nor did the 256-byte L2 fetch hint on top (41.1).
+  Why the one-wave grids of smaller blocks lose is not settled (the same warps an SM, the same
+  bytes in flight).
 - Against cuDNN at 64 x 1,024 (Nsight Compute, one call, L2 flushed): this kernel 43.3 us, 66% of
   DRAM bandwidth, 25% theoretical occupancy (128 registers, 4 blocks of 4 warps), issue slots 23%
   busy; cuDNN 36.2 us, 79% of DRAM, the same occupancy (120 registers, 45 KB of shared memory).
@@ -112,7 +124,7 @@ from numba_vllm.kernels.approx_math import exp2_approx
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import mma_bf16_16816, pack_bf16x2
 from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
-from numba_vllm.kernels.vector_load import load_u32x4
+from numba_vllm.kernels.vector_load import load_u32x4, load_u32x4_stream
 from numba_vllm.loading.bf16 import BF16
 from numba_vllm.model.config import PAGE_SIZE
 
@@ -138,11 +150,12 @@ def supported(group: int, head_dim: int) -> bool:
 @functools.cache
 def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int, num_warps: int = NUM_WARPS,
                                    split: bool = False, pages_per_step: int = PAGES_PER_STEP,
-                                   max_registers: int | None = MAX_REGISTERS):  # fmt: skip
+                                   max_registers: int | None = MAX_REGISTERS, stream: bool = False):  # fmt: skip
     """The kernel for ``group`` query heads per kv head, ``head_dim``, ``num_kv_heads`` (compile-time:
     a step's addresses are one base plus constant offsets), blocks of ``num_warps`` warps taking
     ``pages_per_step`` pages a step; ``split``: write the partial state of a page range;
-    ``max_registers``: the cap (None: none)."""
+    ``max_registers``: the cap (None: none); ``stream``: K and V rows loaded without allocating
+    them in L1 (``load_u32x4_stream``)."""
     if not supported(group, head_dim):
         raise KernelError(f"decode_attention_tc: group {group}, head_dim {head_dim} not supported")
     chunks = head_dim // 16  # k chunks of S = Q K^T
@@ -160,6 +173,7 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
     merge_block = fast.block_merge_for(num_warps, group, head_dim, threads, split)
     low_half = uint32(0xFFFF)
     high_half = uint32(0xFFFF0000)
+    load16 = load_u32x4_stream if stream else load_u32x4
 
     @device_function
     def fill_pages(pages, block_tables, b, start, last_page, step, num_steps):
@@ -178,7 +192,7 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
             for j in range(2):
                 row = base + (8 * j + g) * token_stride + k_lane
                 for i in range(k_words // 4):
-                    words = load_u32x4(k_cache, row + 8 * i)
+                    words = load16(k_cache, row + 8 * i)
                     for e in range(4):
                         kw[(p * 2 + j) * k_words + 4 * i + e] = words[e]
 
@@ -191,7 +205,7 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
             for r in range(4):
                 row = base + (8 * (r // 2) + 2 * t + r % 2) * token_stride + v_lane
                 for i in range(v_words // 4):
-                    words = load_u32x4(v_cache, row + 8 * i)
+                    words = load16(v_cache, row + 8 * i)
                     for e in range(4):
                         vw[(p * 4 + r) * v_words + 4 * i + e] = words[e]
 
@@ -362,13 +376,14 @@ def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = 
                     num_warps: int = NUM_WARPS):  # fmt: skip
     """The build the launcher runs for these heads (the module's warps, pages per step, cap);
     ``full_grid``: an unsplit grid of ``FULL_GRID_BLOCKS_PER_SM`` blocks per SM or more (HD 64 only),
-    in blocks of ``num_warps`` warps (``full_grid_warps``)."""
+    in blocks of ``num_warps`` warps (``full_grid_warps``). Split ranges and full grids of
+    ``NUM_WARPS``-warp blocks stream their K and V rows past L1 (module docstring: measured)."""
     if full_grid and not split and head_dim <= 64:
         return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, num_warps, False, FULL_GRID_PAGES_PER_STEP,
-                                              FULL_GRID_MAX_REGISTERS)  # fmt: skip
+                                              FULL_GRID_MAX_REGISTERS, num_warps == NUM_WARPS)  # fmt: skip
     registers = MAX_REGISTERS if head_dim <= 64 else None  # HD 128 needs ~210 (2 blocks per SM)
     return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, NUM_WARPS, split, pages_per_step(head_dim),
-                                          registers)  # fmt: skip
+                                          registers, split)  # fmt: skip
 
 
 def decode_attention_tc(q, k_cache, v_cache, block_tables, context_lens, scale: float, out, workspace=None) -> None:

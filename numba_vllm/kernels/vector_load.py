@@ -19,6 +19,9 @@ Rules for callers:
   GPU is little-endian). bf16 weights are read through their uint16 view, 8 at a time.
 - ``load_f32x4(a, index)``: ``a`` is a float32 array; returns ``a[index .. index + 3]`` (the last
   axis) as 4 float32.
+- ``load_u32x4_stream(a, index)``: ``load_u32x4`` for data read once, that L1 need not keep
+  (``ld.global.nc.L1::no_allocate``): decode attention's K and V rows, where it measured faster on
+  some grids and slower on others (``decode_attention_tc``).
 
 8-byte pairs: ``store_f32x2(a, index, v0, v1)`` writes ``a[index]`` and the element after it (last
 axis) of a float32 array as one ``st.global.v2.f32``, and ``load_f32x2(a, index)`` reads them as one
@@ -75,6 +78,8 @@ if simulator_enabled():
                 for j in range(4)
             )
         raise TypeError(f"load_u32x4: expected a uint32 or uint16 array, got {array.dtype}")
+
+    load_u32x4_stream = load_u32x4
 
     def _f32_run(name, array, index, count):
         """``array[index .. index + count - 1]`` (along the last axis) as float32 (simulator loads)."""
@@ -140,15 +145,15 @@ else:
         ary = context.make_array(array_type)(context, builder, value=array)
         return cgutils.get_item_pointer(context, builder, array_type, ary, indices)
 
-    def _vector_load(context, builder, sig, args, ptx_type, constraint, lane_type):
-        """Emit ``ld.global.nc.v4.<ptx_type>`` of the 16 bytes at the indexed element."""
+    def _vector_load(context, builder, sig, args, ptx_type, constraint, lane_type, hint=""):
+        """Emit ``ld.global.nc<hint>.v4.<ptx_type>`` of the 16 bytes at the indexed element."""
         array_type, index_type = sig.args
         array, index = args
         ptr = _element_pointer(context, builder, array_type, array, index_type, index)
         result_type = ir.LiteralStructType([lane_type] * 4)
         asm = ir.InlineAsm(
             ir.FunctionType(result_type, [ptr.type]),
-            f"ld.global.nc.v4.{ptx_type} {{$0, $1, $2, $3}}, [$4];",
+            f"ld.global.nc{hint}.v4.{ptx_type} {{$0, $1, $2, $3}}, [$4];",
             f"={constraint},={constraint},={constraint},={constraint},l",
         )
         loaded = builder.call(asm, [ptr])
@@ -163,6 +168,17 @@ else:
 
         def codegen(context, builder, sig, args):
             return _vector_load(context, builder, sig, args, "u32", "r", ir.IntType(32))
+
+        return sig, codegen
+
+    @intrinsic
+    def load_u32x4_stream(typingctx, array, index):
+        """``load_u32x4`` without allocating the bytes in L1 (``ld.global.nc.L1::no_allocate.v4.u32``)."""
+        _check_array_and_index("load_u32x4_stream", array, index, (types.uint32, types.uint16))
+        sig = types.UniTuple(types.uint32, 4)(array, index)
+
+        def codegen(context, builder, sig, args):
+            return _vector_load(context, builder, sig, args, "u32", "r", ir.IntType(32), ".L1::no_allocate")
 
         return sig, codegen
 
