@@ -97,13 +97,15 @@ def test_decode_tc_masks_unwritten_slots_before_any_mma():
 
 def test_full_grids_take_a_page_a_step():
     """Full grids: a page a step at 128 registers, K/V streamed past L1 in four-warp blocks only;
-    split ranges stream, unsplit grids that are not full do not (two pages a step, 168 registers)."""
+    other grids (four warps, two pages a step, 168 registers) stream at HD 64, not at HD 128."""
     for warps, stream in ((4, True), (2, False), (1, False)):
         assert tc.launched_kernel(4, 64, 8, full_grid=True, num_warps=warps) is tc.decode_attention_tc_kernel_for(
             4, 64, 8, warps, False, tc.FULL_GRID_PAGES_PER_STEP, tc.FULL_GRID_MAX_REGISTERS, stream)
     for split in (False, True):
         assert tc.launched_kernel(4, 64, 8, split=split) is tc.decode_attention_tc_kernel_for(
-            4, 64, 8, tc.NUM_WARPS, split, tc.PAGES_PER_STEP, tc.MAX_REGISTERS, split)
+            4, 64, 8, tc.NUM_WARPS, split, tc.PAGES_PER_STEP, tc.MAX_REGISTERS, True)
+        assert tc.launched_kernel(4, 128, 8, split=split) is tc.decode_attention_tc_kernel_for(
+            4, 128, 8, tc.NUM_WARPS, split, 1, None, False)
 
 
 @pytest.mark.parametrize("blocks, warps", [(528, 4), (529, 2), (1056, 2), (1057, 1), (2112, 1), (5000, 1)])

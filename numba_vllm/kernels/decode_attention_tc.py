@@ -91,15 +91,15 @@ the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 
   cache layout the gap to torch: the same bytes with one kv head (each page's 16 rows contiguous,
   512 x 1,024 with H 4) took 42.8 against 43.5 us, and pages in order instead of shuffled 43.0.
 - K and V rows streamed past L1 (``load_u32x4_stream``: ``ld.global.nc.L1::no_allocate``, read once,
-  never kept) on split ranges and on full grids of four-warp blocks: H200, CUPTI, L2 flushed, median
-  of 40 in two rounds (2026-12-04), us, loaded as before / streamed (torch): 64 x 1,024 43.7 / 40.5
-  (41.7), 16 x 2,048 32.9 / 27.6 (28.6), 4 x 4,096 17.7 / 16.0 (16.4), 1 x 16,384 19.3 / 17.8
-  (16.8), 1 x 1,024 7.0 / 6.9 (5.7). On the other grids streaming was slower, and they load as
-  before: 256 x 512 (one-warp blocks) 75.8 / 77.0 (73.0), 128 x 1,024 (two-warp blocks) 74.8 /
-  75.3 (72.6), 32 x 4,096 (unsplit, two pages a step) 75.0 / 76.0 (72.2). Streaming K alone or V
-  alone gained nothing (64 x 1,024: 44.0, 43.7), nor did the 256-byte L2 fetch hint on top (41.1).
-  Why the one-wave grids of smaller blocks lose is not settled (the same warps an SM, the same
-  bytes in flight).
+  never kept) in blocks of four warps at HD 64: H200, CUPTI, L2 flushed, median of 40 in two rounds
+  (2026-12-04), us, loaded as before / streamed (torch): 64 x 1,024 (full grid) 43.7 / 40.5 (41.7),
+  16 x 2,048 (unsplit, one block an SM) 32.9 / 27.6 (28.6), 4 x 4,096 (split) 17.7 / 16.0 (16.4),
+  1 x 16,384 (split) 19.3 / 17.8 (16.8), 1 x 1,024 7.0 / 6.9 (5.7), but 32 x 4,096 (unsplit, two
+  blocks an SM) 75.0 / 76.0 (72.2). The full grids of one- and two-warp blocks were slower streamed
+  and load as before: 256 x 512 75.8 / 77.0 (73.0), 128 x 1,024 74.8 / 75.3 (72.6). Streaming K
+  alone or V alone gained nothing (64 x 1,024: 44.0, 43.7), nor did the 256-byte L2 fetch hint on
+  top (41.1). Why some grids lose is not settled (the full grids have the same warps an SM and the
+  same bytes in flight either way).
 - Against cuDNN at 64 x 1,024 (Nsight Compute, one call, L2 flushed): this kernel 43.3 us, 66% of
   DRAM bandwidth, 25% theoretical occupancy (128 registers, 4 blocks of 4 warps), issue slots 23%
   busy; cuDNN 36.2 us, 79% of DRAM, the same occupancy (120 registers, 45 KB of shared memory).
@@ -376,14 +376,16 @@ def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = 
                     num_warps: int = NUM_WARPS):  # fmt: skip
     """The build the launcher runs for these heads (the module's warps, pages per step, cap);
     ``full_grid``: an unsplit grid of ``FULL_GRID_BLOCKS_PER_SM`` blocks per SM or more (HD 64 only),
-    in blocks of ``num_warps`` warps (``full_grid_warps``). Split ranges and full grids of
-    ``NUM_WARPS``-warp blocks stream their K and V rows past L1 (module docstring: measured)."""
+    in blocks of ``num_warps`` warps (``full_grid_warps``). At HD 64, blocks of ``NUM_WARPS`` warps
+    stream their K and V rows past L1, smaller blocks do not (module docstring: measured; HD 128: not
+    measured, loaded as before)."""
+    stream = head_dim <= 64 and (num_warps == NUM_WARPS or not full_grid)
     if full_grid and not split and head_dim <= 64:
         return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, num_warps, False, FULL_GRID_PAGES_PER_STEP,
-                                              FULL_GRID_MAX_REGISTERS, num_warps == NUM_WARPS)  # fmt: skip
+                                              FULL_GRID_MAX_REGISTERS, stream)  # fmt: skip
     registers = MAX_REGISTERS if head_dim <= 64 else None  # HD 128 needs ~210 (2 blocks per SM)
     return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, NUM_WARPS, split, pages_per_step(head_dim),
-                                          registers, split)  # fmt: skip
+                                          registers, stream)  # fmt: skip
 
 
 def decode_attention_tc(q, k_cache, v_cache, block_tables, context_lens, scale: float, out, workspace=None) -> None:
