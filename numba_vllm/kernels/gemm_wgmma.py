@@ -39,7 +39,8 @@ Data flow:
   (``wgmma.wait_group 1``: the current step's stay in flight) it releases the previous step's stage.
   A tiling with ``k_group`` 2 (TALL) takes two stages a wait and commits their 8 wgmma as one group:
   half the waits, commits and releases per K. K is then counted in groups of two slices (a split's
-  parts are whole groups; the last group may reach past K, where the TMA copies zeros).
+  parts are whole groups; the last group may reach past K, where the TMA copies zeros). Not in a K
+  split over a cluster, which was slower so (``slices_a_wait``).
 - Persistent grid: at most as many blocks as fit on the GPU at once; block b takes output tiles b,
   b + gridDim.x, ... The producer and the consumers count K steps over all of the block's tiles
   (stage = step % stages, parity from step // stages), so the producer loads the next tile's first
@@ -313,7 +314,8 @@ MEDIUM = TileConfig(consumers=2, block_n=128, stages=4)
 # decode batches of 257-512 rows on a 2048-row weight, and 129-256 rows on its K = 8192 split in a
 # cluster. Each K step's 24 KB feed twice the MMA of a 64 x 64 tile's 16 KB. Its consumers take two
 # stages a wait (8 wgmma a group): half the waits, commits and releases per K (H200: 512 x 2048 x
-# 2048 12.74 -> 12.45 us, 384 rows 12.24 -> 11.97; on 4-stage tilings this starves the producer).
+# 2048 12.74 -> 12.45 us, 384 rows 12.24 -> 11.97; on 4-stage tilings this starves the producer), but
+# one stage a wait in a K split over a cluster (``slices_a_wait``).
 TALL = TileConfig(consumers=2, block_n=64, stages=8, k_group=2)
 TILE_CONFIGS = (LARGE, SMALL, SMALL_DEEP, TINY, TINY_SHALLOW, MEDIUM, TALL)  # every tiling the launcher picks
 TILE_SHAPES = (LARGE, SMALL, TINY)  # the tile sizes, largest first, each at the stages its split is chosen for
@@ -323,6 +325,12 @@ FILL_FRACTION = 0.75  # a tile size qualifies when its grid gives a tile to this
 def blocks_per_sm(config: TileConfig, cluster: int = 1) -> int:
     """How many blocks of `config` fit on one SM by shared memory (what bounds these kernels)."""
     return max(1, SHARED_BYTES_PER_SM // (config.shared_bytes_for(cluster) + 1024))
+
+
+def slices_a_wait(config: TileConfig, cluster: int = 1) -> int:
+    """BLOCK_K slices a consumer takes a wait: the tiling's ``k_group``, but one in a K split over a
+    cluster (H200, bench kernels: 256 x 2048 x 8192 on TALL/c2 took 27.7 us with two, 25.0 with one)."""
+    return config.k_group if cluster == 1 else 1
 
 
 def reduce_buffer_offset(config: TileConfig) -> int:
@@ -368,7 +376,7 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
     them (``tma_load_2d_multicast``), and likewise x among the mc_n blocks of an M tile."""
     block_m, block_n, stages, threads = config.block_m, config.block_n, config.stages, config.threads
     consumers = config.consumers
-    k_group = config.k_group
+    k_group = slices_a_wait(config, cluster)
     assert block_n % 16 == 0 and block_n <= 256 and stages >= 2 and stages >= 4 * k_group
     assert cluster in CLUSTER_SPLITS and not (silu_mul and cluster > 1), (cluster, silu_mul)
     mc_m, mc_n = multicast
@@ -936,7 +944,8 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, in_clu
                               f"{MIN_SLICE_ROWS}+ rows and K unsplit")  # fmt: skip
         split = 1
     split = split or pick_k_split(config, grid_n * grid_m, k_dim, num_sms())
-    splits = min(split, -(-k_dim // (BLOCK_K * config.k_group)))  # no empty part (parts are whole groups of slices)
+    splits = min(split, -(-k_dim // (BLOCK_K * slices_a_wait(config, 2 if in_cluster else 1))))  # no empty part
+    # (parts are whole groups of the slices a consumer takes a wait)
     if in_cluster and (splits not in CLUSTER_SPLITS or silu_mul):
         raise KernelError(f"gemm_wgmma: a K split over a cluster is {CLUSTER_SPLITS[1:]} ways, without SwiGLU (asked: {splits})")
     cluster = splits if in_cluster else 1
