@@ -265,7 +265,7 @@ def test_gemm_wgmma_tall_tiles_take_two_stages_a_wait():
     """TALL's consumers wait for two stages and issue their 8 wgmma as one group: K = 328 is 6 slices
     in 3 groups, the last slice past K (the TMA's zeros); split 2 ways through global memory the
     parts are whole groups (1 + 2); split over a cluster they take one stage a wait (2 + 3 slices)."""
-    assert gw.TALL.k_group == 2 and gw.slices_a_wait(gw.TALL, 2) == 1
+    assert gw.TALL.k_group == 2 and gw.slices_a_wait(gw.TALL, in_cluster=True) == 1
     for split, in_cluster in ((1, False), (2, False), (2, True)):
         launcher = functools.partial(gw.gemm_wgmma, config=gw.TALL, split=split, in_cluster=in_cluster)
         run_gemm_wgmma(70, 72, 328, split == 2, seed=split + in_cluster, launcher=launcher)

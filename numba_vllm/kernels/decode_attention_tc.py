@@ -379,8 +379,9 @@ def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = 
     in blocks of ``num_warps`` warps (``full_grid_warps``). At HD 64, blocks of ``NUM_WARPS`` warps
     stream their K and V rows past L1, smaller blocks do not (module docstring: measured; HD 128: not
     measured, loaded as before)."""
-    stream = head_dim <= 64 and (num_warps == NUM_WARPS or not full_grid)
-    if full_grid and not split and head_dim <= 64:
+    full = full_grid and not split and head_dim <= 64
+    stream = head_dim <= 64 and (num_warps if full else NUM_WARPS) == NUM_WARPS
+    if full:
         return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, num_warps, False, FULL_GRID_PAGES_PER_STEP,
                                               FULL_GRID_MAX_REGISTERS, stream)  # fmt: skip
     registers = MAX_REGISTERS if head_dim <= 64 else None  # HD 128 needs ~210 (2 blocks per SM)

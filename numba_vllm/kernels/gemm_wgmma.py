@@ -327,10 +327,10 @@ def blocks_per_sm(config: TileConfig, cluster: int = 1) -> int:
     return max(1, SHARED_BYTES_PER_SM // (config.shared_bytes_for(cluster) + 1024))
 
 
-def slices_a_wait(config: TileConfig, cluster: int = 1) -> int:
+def slices_a_wait(config: TileConfig, in_cluster: bool = False) -> int:
     """BLOCK_K slices a consumer takes a wait: the tiling's ``k_group``, but one in a K split over a
     cluster (H200, bench kernels: 256 x 2048 x 8192 on TALL/c2 took 27.7 us with two, 25.0 with one)."""
-    return config.k_group if cluster == 1 else 1
+    return 1 if in_cluster else config.k_group
 
 
 def reduce_buffer_offset(config: TileConfig) -> int:
@@ -376,7 +376,7 @@ def _kernel_for(config: TileConfig, silu_mul: bool, cluster: int, multicast: tup
     them (``tma_load_2d_multicast``), and likewise x among the mc_n blocks of an M tile."""
     block_m, block_n, stages, threads = config.block_m, config.block_n, config.stages, config.threads
     consumers = config.consumers
-    k_group = slices_a_wait(config, cluster)
+    k_group = slices_a_wait(config, cluster > 1)
     assert block_n % 16 == 0 and block_n <= 256 and stages >= 2 and stages >= 4 * k_group
     assert cluster in CLUSTER_SPLITS and not (silu_mul and cluster > 1), (cluster, silu_mul)
     mc_m, mc_n = multicast
@@ -944,7 +944,7 @@ def _product(x_workspace, x_bits, w_bits, out, accumulate, config, split, in_clu
                               f"{MIN_SLICE_ROWS}+ rows and K unsplit")  # fmt: skip
         split = 1
     split = split or pick_k_split(config, grid_n * grid_m, k_dim, num_sms())
-    splits = min(split, -(-k_dim // (BLOCK_K * slices_a_wait(config, 2 if in_cluster else 1))))  # no empty part
+    splits = min(split, -(-k_dim // (BLOCK_K * slices_a_wait(config, bool(in_cluster)))))  # no empty part
     # (parts are whole groups of the slices a consumer takes a wait)
     if in_cluster and (splits not in CLUSTER_SPLITS or silu_mul):
         raise KernelError(f"gemm_wgmma: a K split over a cluster is {CLUSTER_SPLITS[1:]} ways, without SwiGLU (asked: {splits})")

@@ -160,27 +160,24 @@ else:
         values = [builder.extract_value(loaded, j) for j in range(4)]
         return context.make_tuple(builder, sig.return_type, values)
 
-    @intrinsic
-    def load_u32x4(typingctx, array, index):
-        """The 16 bytes at ``array[index]`` onward as 4 uint32 words (one ``ld.global.nc.v4.u32``)."""
-        _check_array_and_index("load_u32x4", array, index, (types.uint32, types.uint16))
-        sig = types.UniTuple(types.uint32, 4)(array, index)
+    def _u32x4_load(name, hint):
+        """The intrinsic ``name(array, index)``: the 16 bytes at ``array[index]`` onward as 4 uint32 words
+        (one ``ld.global.nc<hint>.v4.u32``)."""
 
-        def codegen(context, builder, sig, args):
-            return _vector_load(context, builder, sig, args, "u32", "r", ir.IntType(32))
+        def typer(typingctx, array, index):
+            _check_array_and_index(name, array, index, (types.uint32, types.uint16))
+            sig = types.UniTuple(types.uint32, 4)(array, index)
 
-        return sig, codegen
+            def codegen(context, builder, sig, args):
+                return _vector_load(context, builder, sig, args, "u32", "r", ir.IntType(32), hint)
 
-    @intrinsic
-    def load_u32x4_stream(typingctx, array, index):
-        """``load_u32x4`` without allocating the bytes in L1 (``ld.global.nc.L1::no_allocate.v4.u32``)."""
-        _check_array_and_index("load_u32x4_stream", array, index, (types.uint32, types.uint16))
-        sig = types.UniTuple(types.uint32, 4)(array, index)
+            return sig, codegen
 
-        def codegen(context, builder, sig, args):
-            return _vector_load(context, builder, sig, args, "u32", "r", ir.IntType(32), ".L1::no_allocate")
+        typer.__name__ = typer.__qualname__ = name
+        return intrinsic(typer)
 
-        return sig, codegen
+    load_u32x4 = _u32x4_load("load_u32x4", "")
+    load_u32x4_stream = _u32x4_load("load_u32x4_stream", ".L1::no_allocate")  # not kept in L1: data read once
 
     @intrinsic
     def load_f32x4(typingctx, array, index):
