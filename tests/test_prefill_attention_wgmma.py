@@ -12,7 +12,8 @@ head dims 64 and 128, key tiles of 16-128 keys with 2-3 stages (tiles that wrap 
 consumer warpgroups (a warpgroup whose rows are all padding, warpgroups that skip the last tile).
 The wgmma forms the kernel adds (A from registers, B MN-major) are probed alone in
 ``test_gemm_wgmma.py``. Without a GPU the registry's builds are assembled for sm_90a: no spills, no
-local memory, no serialised wgmma. The ``gpu`` test runs Llama 3.2 1B's heads on ragged prompts.
+local memory, no serialised wgmma, consumers raising their registers only by what the producer
+warpgroup frees. The ``gpu`` test runs Llama 3.2 1B's heads on ragged prompts.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from numba_vllm.kernels.prefill_attention_wgmma import (
     default_tiling,
     prefill_attention_wgmma,
 )
+from numba_vllm.kernels.wgmma import WARPGROUP_THREADS
 from numba_vllm.loading.bf16 import upload_bf16
 from numba_vllm.model import llama
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
@@ -191,6 +193,23 @@ def test_launcher_tilings_fit_their_blocks_in_an_sms_shared_memory(tilings):
         assert tiling.block_keys % PAGE_SIZE == 0 and tiling.block_keys <= 256
 
 
+
+@pytest.mark.parametrize(
+    "tiling, at_launch, raised",
+    [(OVERLAP_WIDE_TILING, 168, 240), (PERSISTENT_TILING, 168, 240),  # 384 threads, one block: 65536 / 384 = 170.7
+     (Tiling(1, 64, 4, 3, producer_registers=24, persistent=True), 80, 136)],  # 256 threads, three blocks: 85.3
+    ids=["two-consumers", "persistent", "one-consumer-three-blocks"],
+)
+def test_consumers_raise_themselves_only_to_what_the_producer_frees(tiling, at_launch, raised):
+    """setmaxnreg.inc takes registers from the block's own pool and waits until they are there: the
+    consumers may raise themselves by what the producer warpgroup's lowering to 24 frees, no more
+    (one consumer in three blocks an SM: (80 - 24) x 128 registers freed, 56 more a consumer thread;
+    asking for 144, a third of the SM's 64K less the producer's, its run never finished on the GPU)."""
+    assert tiling.launch_registers == at_launch
+    assert tiling.consumer_registers == raised
+    assert WARPGROUP_THREADS * (tiling.consumers * raised + tiling.producer_registers) <= at_launch * tiling.threads
+
+
 def test_the_launcher_takes_longer_key_tiles_from_the_long_context_length():
     assert default_tiling(64) == default_tiling(64, LONG_CONTEXT - 1) == SHORT_CONTEXT_TILINGS[64]
     assert default_tiling(64, LONG_CONTEXT) == default_tiling(64, 10**6) == LONG_CONTEXT_TILINGS[64]
@@ -252,3 +271,9 @@ def test_kernel_assembles_with_the_wgmma_kept_asynchronous(wgmma_ptx, tmp_path, 
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "0 bytes spill stores" in proc.stderr, proc.stderr
     assert "C7515" not in proc.stderr and "serialized" not in proc.stderr, proc.stderr[-2000:]
+    raised = re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+);", text)
+    if raised:  # the consumers raise themselves within the block's registers at launch (ptxas's count)
+        lowered = re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32 (\d+);", text)
+        at_launch = int(re.search(r"Used (\d+) registers", proc.stderr).group(1))
+        assert at_launch == tiling.launch_registers, proc.stderr
+        assert WARPGROUP_THREADS * (tiling.consumers * int(raised[0]) + int(lowered[0])) <= at_launch * tiling.threads

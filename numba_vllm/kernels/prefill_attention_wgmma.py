@@ -98,6 +98,15 @@ us, at 2,048 after 6,000 cached 335 against 315). Neither ping-pong nor the pers
 overlapped order was faster than the tilings they were tried on (2x128 tiles: 70.2, 69.3, 2,929 and
 703 with ping-pong; 86.0, 76.3, 3,060, 719 persistent, against 70.8, 71.9, 2,904, 682), nor were
 32- or 48-key tiles (four and three blocks an SM: 48.9 and 51.7 at 8 x 512, 76.9 and 67.0 at 1 x 2048).
+The launcher's short-context tiling on a persistent grid (three blocks an SM: 396 blocks taking the
+items in turn) is slower too: 8 x 512 63.6 against 53.6 us, 1 x 2,048 83.0 / 71.6, 32 x 128 47.1 /
+44.6 (CUDA events, back to back; torch 40.4-41.7, 61.9, 23.6). Nsight Compute on 8 x 512 (the
+launcher's tiling 49.1 us, cuDNN's persistent kernel 38.9): both reach a quarter of DRAM's bandwidth
+or less; ours issues an instruction every other cycle on each scheduler over 81K active cycles,
+cuDNN 0.44 a cycle over 58K: ours runs ~1.7x the instructions, and that count, not the memory, is
+what the remaining 1.26x is made of (where they go is for ncu's source view: the 64-key tiles'
+softmax and rescales, each of 2,048 blocks' set-up and first copies; not Q read as fp32 and O
+written as fp32: bf16 in and out measured 49.8 against 49.9 us).
 
 Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the short-context tiling 128 (three blocks
 an SM), the long-context one and head dim 128's 168, ``OVERLAP_TILING`` 162, ``OVERLAP_WIDE_TILING``
@@ -199,11 +208,19 @@ class Tiling:
         return WARPGROUP_THREADS * self.consumers + (WARPGROUP_THREADS if self.producer_registers else WARP_LANES)
 
     @property
+    def launch_registers(self) -> int:
+        """Registers a thread starts with: what the launch bound leaves it of the 64K (ptxas allocates
+        in multiples of 8, at most 255: 80 for three blocks of 256 threads, 168 for one of 384)."""
+        return min(255, REGISTERS_PER_SM // (self.threads * self.blocks_per_sm)) // 8 * 8
+
+    @property
     def consumer_registers(self) -> int:
         """With a producer warpgroup: the registers a consumer thread raises itself to, all that the
-        producer's lowering leaves of the 64K (a multiple of 8, at most 256)."""
-        spare = (REGISTERS_PER_SM // self.blocks_per_sm - WARPGROUP_THREADS * self.producer_registers)
-        return min(256, spare // (WARPGROUP_THREADS * self.consumers) // 8 * 8)
+        producer's lowering frees of the block's own registers (a multiple of 8, at most 256).
+        ``setmaxnreg.inc`` takes registers from the block's pool alone, never from other blocks' or
+        the SM's spare ones, and waits until they are there: asking for more hangs the block."""
+        pool = self.launch_registers * self.threads - WARPGROUP_THREADS * self.producer_registers
+        return min(256, pool // (WARPGROUP_THREADS * self.consumers) // 8 * 8)
 
     def shared_bytes(self, head_dim: int) -> int:
         """Q, the stages, the mbarriers, and the slack to align the start to 1024 bytes."""
