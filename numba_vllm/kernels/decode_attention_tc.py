@@ -103,6 +103,13 @@ the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 
 - Against cuDNN at 64 x 1,024 (Nsight Compute, one call, L2 flushed): this kernel 43.3 us, 66% of
   DRAM bandwidth, 25% theoretical occupancy (128 registers, 4 blocks of 4 warps), issue slots 23%
   busy; cuDNN 36.2 us, 79% of DRAM, the same occupancy (120 registers, 45 KB of shared memory).
+- Against cuDNN at 256 x 512 (Nsight Compute, one call, L2 flushed, 2026-12-04): this kernel 69.5
+  us, 3.93 TB/s (82% of DRAM; one wave of 2,048 one-warp blocks, 16 warps an SM at 126 registers,
+  L1 hit rate 35%), cuDNN 67.1 us, 4.06 TB/s (84%; 2,048 blocks of four warps in four waves, the
+  same 16 warps an SM at 120 registers, 45 KB of shared memory, L1 hit rate 0). Both warps wait
+  mostly on their loads (9.8 and 6.2 of 13.7 and 13.0 cycles between issues). Not timed yet: this
+  grid in four-warp blocks with the streamed loads (streaming took 64 x 1,024's four-warp blocks
+  from 43.7 to 40.5 us; before it, four-warp blocks lost here, 82.1 against 76.7).
 
 Head dims 64 and 128, groups up to 8 (the M rows of one mma); other shapes run
 ``decode_attention_fast``. Numerics: q and P in bf16 (8 significant bits): each weight is off by a
