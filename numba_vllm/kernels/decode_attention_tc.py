@@ -107,9 +107,13 @@ the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 
   us, 3.93 TB/s (82% of DRAM; one wave of 2,048 one-warp blocks, 16 warps an SM at 126 registers,
   L1 hit rate 35%), cuDNN 67.1 us, 4.06 TB/s (84%; 2,048 blocks of four warps in four waves, the
   same 16 warps an SM at 120 registers, 45 KB of shared memory, L1 hit rate 0). Both warps wait
-  mostly on their loads (9.8 and 6.2 of 13.7 and 13.0 cycles between issues). Not timed yet: this
-  grid in four-warp blocks with the streamed loads (streaming took 64 x 1,024's four-warp blocks
-  from 43.7 to 40.5 us; before it, four-warp blocks lost here, 82.1 against 76.7).
+  mostly on their loads (9.8 and 6.2 of 13.7 and 13.0 cycles between issues). This grid in
+  four-warp blocks with the streamed loads (which took 64 x 1,024's four-warp blocks from 43.7 to
+  40.5 us) still loses: 84.9 against 80.4 us for the one-warp blocks (torch 77.5;
+  ``benchmarks/decode_attention_gpu.py --variants tc_w4``, CUDA events, 2026-12-04). Nor is
+  the loop's integer work the gap: its SASS is ~250 instructions a page a warp in the steady state
+  (16 ``HMMA``, 8 16-byte loads, the softmax of 4 scores), with no 64-bit index arithmetic worth
+  removing, and the warps issue once every ~14 cycles.
 
 Head dims 64 and 128, groups up to 8 (the M rows of one mma); other shapes run
 ``decode_attention_fast``. Numerics: q and P in bf16 (8 significant bits): each weight is off by a

@@ -103,14 +103,21 @@ items in turn) is slower too: 8 x 512 63.6 against 53.6 us, 1 x 2,048 83.0 / 71.
 44.6 (CUDA events, back to back; torch 40.4-41.7, 61.9, 23.6). Nsight Compute on 8 x 512 (the
 launcher's tiling 49.1 us, cuDNN's persistent kernel 38.9): both reach a quarter of DRAM's bandwidth
 or less; ours issues an instruction every other cycle on each scheduler over 81K active cycles,
-cuDNN 0.44 a cycle over 58K: ours runs ~1.7x the instructions, and that count, not the memory, is
-what the remaining 1.26x is made of (where they go is for ncu's source view: the 64-key tiles'
-softmax and rescales, each of 2,048 blocks' set-up and first copies; not Q read as fp32 and O
-written as fp32: bf16 in and out measured 49.8 against 49.9 us).
+cuDNN 0.44 a cycle over 58K: ours ran ~1.7x the instructions, and that count, not the memory, was
+what the 1.33x was made of (not Q read as fp32 and O written as fp32: bf16 in and out measured 49.8
+against 49.9 us). The SASS (``nvdisasm`` of the sm_90a cubin, per source line) showed where: a third
+of the kernel's instructions were 64-bit index arithmetic, numba's ``int64`` with Python's flooring
+``//`` and ``%`` (the causal mask 195 instructions a tile where 64 compare and select, the V tail's
+zeroing ~270, Q's staging ~380, the work item ~110). With every index at 32 bits (``index_math.div``
+and ``mod``, ``int32(...)`` around sums; 3,144 -> 2,072 SASS instructions, 128 -> 116 registers),
+ncu counts 17.4M instructions at 8 x 512 instead of 22.4M (cuDNN 13.5M), and ``bench kernels``
+(2026-12-04) gives 8 x 512 45.2 us against torch's 37.3 (1.21x; 49.2-49.4 before, same machine),
+1 x 2,048 57.6 / 56.9, 1 x 16,384 2,690 / 2,313, 2,048 after 14,000 cached 626 / 856.
 
-Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the short-context tiling 128 (three blocks
-an SM), the long-context one and head dim 128's 168, ``OVERLAP_TILING`` 162, ``OVERLAP_WIDE_TILING``
-168 at launch (240 in the consumers), none spilling; no wgmma serialised (C7515).
+Registers (ptxas 13.5, sm_90a; ``bench kernels --static``): the short-context tiling 116 (three blocks
+an SM, by shared memory and the launch bound), the long-context one 153, head dim 128's 160,
+``OVERLAP_TILING`` 122, ``OVERLAP_WIDE_TILING`` 168 at launch (240 in the consumers), none spilling;
+no wgmma serialised (C7515).
 
 The engine runs it on H100/H200 (``EngineConfig.prefill_attention`` "auto"), ``prefill_attention_tc``
 elsewhere.
@@ -132,6 +139,7 @@ import numpy as np
 from numba import cuda, float32, int32, uint32
 
 from numba_vllm.kernels._launch import KernelError, hopper, launch, num_sms
+from numba_vllm.kernels.index_math import div, mod
 from numba_vllm.kernels.jit import device_function, kernel
 from numba_vllm.kernels.mma import pack_bf16x2, store_shared_u32x4
 from numba_vllm.kernels.prefill_attention import check_prefill_args
@@ -314,10 +322,10 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         heads x sequences) + sequence x kv heads + kv head, the order a grid (KVH, S, row tiles) runs in.
         Keys: 0 .. the position of the item's last row; 0 if its sequence has fewer rows (nothing to do)."""
         if persistent:
-            per_tile = num_kv_heads * (cu_seqlens.shape[0] - 1)
-            tile = int32(row_tiles - 1 - item // per_tile)
-            s = int32(item % per_tile // num_kv_heads)
-            kv_head = int32(item % num_kv_heads)
+            per_tile = int32(num_kv_heads * (cu_seqlens.shape[0] - 1))
+            tile = int32(row_tiles - 1 - div(item, per_tile))
+            s = div(mod(item, per_tile), num_kv_heads)
+            kv_head = mod(item, num_kv_heads)
         else:
             tile = int32(cuda.gridDim.z - 1 - cuda.blockIdx.z)  # row tiles in reverse: the latest rows first
             s = int32(cuda.blockIdx.y)
@@ -325,7 +333,7 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         first_token, num_rows, first_row, start, context_len = row_tile(cu_seqlens, start_pos, group, block_rows, s, tile)
         num_keys = int32(0)
         if first_row < num_rows:
-            num_keys = int32(start + (min(first_row + block_rows, num_rows) - 1) // group + 1)
+            num_keys = int32(start + div(min(first_row + block_rows, num_rows) - 1, group) + 1)
         return kv_head, s, first_token, num_rows, first_row, start, context_len, num_keys
 
     @device_function
@@ -346,10 +354,11 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
     @device_function
     def _mask(acc_s, row_pos, key0, qd):
         """-inf for the keys past each row's position (causal), before the row max."""
-        for j in range(key_blocks):
-            for h in range(2):
+        for h in range(2):
+            last_key = int32(row_pos[h] - key0 - 2 * qd)  # this thread's keys 8j + e past it are masked
+            for j in range(key_blocks):
                 for e in range(2):
-                    if key0 + 8 * j + 2 * qd + e > row_pos[h]:
+                    if int32(8 * j + e) > last_key:
                         acc_s[4 * j + 2 * h + e] = minus_inf
 
     @device_function
@@ -412,9 +421,11 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         starts at word ``v_word0``, every panel, and make the zeros visible to this warpgroup's wgmma
         (the async proxy, every warp). The other warpgroup may write the same zeros."""
         for panel in range(panels):
-            for i in range(first * 8 + tw, block_keys * 8, WARPGROUP_THREADS):  # row i // 8, 16-byte chunk i % 8
-                word = v_word0 + (panel * kv_panel_bytes + (i // 8) * SWIZZLE_ROW_BYTES + (i % 8) * CHUNK_BYTES) // 4
-                store_shared_u32x4(smem, word, uint32(0), uint32(0), uint32(0), uint32(0))
+            panel_word = int32(v_word0 + panel * kv_panel_bytes // 4)
+            # chunk i: row i // 8, 16-byte chunk i % 8 (whole rows are zeroed: the swizzle does not matter)
+            for i in range(int32(first * 8 + tw), int32(block_keys * 8), int32(WARPGROUP_THREADS)):
+                store_shared_u32x4(smem, int32(panel_word + i * (CHUNK_BYTES // 4)), uint32(0), uint32(0), uint32(0),
+                                   uint32(0))  # fmt: skip
         fence_proxy_async()
         named_barrier(1 + wg, WARPGROUP_THREADS)
 
@@ -506,8 +517,8 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         max_pages) int32; cu_seqlens: (S + 1,) int32; start_pos: (S,) int32; scale_log2: scale * log2(e);
         row_tiles: row tiles of the longest sequence (the grid's z without ``persistent``)."""
         smem = cuda.shared.array(0, uint32)  # from a 1024-byte boundary: Q, stages x (K, V), mbarriers
-        tid = cuda.threadIdx.x
-        wg = tid // WARPGROUP_THREADS
+        tid = int32(cuda.threadIdx.x)
+        wg = div(tid, WARPGROUP_THREADS)
         base = shared_address(smem, 0)
         pad = (ATOM_BYTES - (base & (ATOM_BYTES - 1))) & (ATOM_BYTES - 1)  # bytes up to an aligned address
         tile0 = base + pad  # shared address of the Q tile; stage i at tile0 + q_bytes + i * stage_bytes
@@ -524,30 +535,30 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         # Work items (kv head, sequence, row tile), latest row tiles first: one a block, or (persistent)
         # every gridDim.x-th from blockIdx.x, the stage ring running on from one item to the next.
         num_kv_heads = k_rows.shape[1] // head_dim
-        num_items = num_kv_heads * (cu_seqlens.shape[0] - 1) * row_tiles if persistent else 1
-        first_item = cuda.blockIdx.x if persistent else 0
-        item_step = cuda.gridDim.x if persistent else 1
+        num_items = int32(num_kv_heads * (cu_seqlens.shape[0] - 1) * row_tiles) if persistent else int32(1)
+        first_item = int32(cuda.blockIdx.x) if persistent else int32(0)
+        item_step = int32(cuda.gridDim.x) if persistent else int32(1)
 
         if wg == consumers:  # the producer warp (or warpgroup, whose first warp copies)
             if set_registers:
                 lower_registers()  # (the whole warpgroup) its registers go to the consumers
             if tid < consumer_threads + WARP_LANES:  # its first warp: lane p copies page p of each tile
-                p = tid - consumer_threads
-                it = 0  # key tiles copied so far (all items): stage it % stages
+                p = int32(tid - consumer_threads)
+                it = int32(0)  # key tiles copied so far (all items): stage it % stages
                 for item in range(first_item, num_items, item_step):
                     kv_head, s, first_token, num_rows, first_row, start, context_len, num_keys = _work_item(
                         item, num_kv_heads, row_tiles, cu_seqlens, start_pos)
-                    column = kv_head * head_dim
-                    for kt in range((num_keys + block_keys - 1) // block_keys):
-                        i = it % stages
-                        first_page = kt * pages_per_tile
-                        pages = min(pages_per_tile, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE - first_page)  # holding keys
+                    column = int32(kv_head * head_dim)
+                    for kt in range(div(num_keys + block_keys - 1, block_keys)):
+                        i = mod(it, stages)
+                        first_page = int32(kt * pages_per_tile)
+                        pages = min(pages_per_tile, int32(div(num_keys + PAGE_SIZE - 1, PAGE_SIZE) - first_page))  # holding keys
                         # the lane's table entry, read while the stage may still be in use (one load a tile, not a
                         # page: a page's copy waits for its entry)
                         row = block_tables[s, first_page + p] * PAGE_SIZE if p < pages else 0
                         if it >= stages:  # wait for the consumers' release of the stage's previous use
-                            mbarrier_wait(empty + i * BARRIER_BYTES, (it // stages + 1) & 1)
-                        it += 1
+                            mbarrier_wait(empty + i * BARRIER_BYTES, (div(it, stages) + 1) & 1)
+                        it = int32(it + 1)
                         barrier = full + i * BARRIER_BYTES
                         if p == 0:
                             mbarrier_arrive_expect_tx(barrier, pages * 2 * panels * PAGE_BYTES)
@@ -561,11 +572,11 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
 
         if set_registers:
             raise_registers()  # (waits until the producer has lowered its own)
-        tw = tid % WARPGROUP_THREADS
-        lane = tid % WARP_LANES
-        warp = tw // WARP_LANES
-        g = lane >> 2
-        qd = lane & 3
+        tw = mod(tid, WARPGROUP_THREADS)
+        lane = mod(tid, WARP_LANES)
+        warp = div(tw, WARP_LANES)
+        g = int32(lane >> 2)
+        qd = int32(lane & 3)
         acc_s = cuda.local.array(s_count, float32)  # S, then P, of one key tile (64 x block_keys)
         acc_o = cuda.local.array(o_count, float32)  # O, unnormalised (64 x head_dim)
         pa = cuda.local.array(p_words, uint32)  # P rounded to bf16 pairs: A of the P V wgmma
@@ -580,15 +591,15 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
         # (*) A stage is released by one thread once the warpgroup is done with it; its next use can then
         # complete the full mbarrier's next phase. A thread that had not yet waited for the skipped use
         # would then wait on the parity of a phase two ahead (the parity of one still to come): it hangs.
-        it = 0  # key tiles consumed so far (all items): stage it % stages, phase it // stages
+        it = int32(0)  # key tiles consumed so far (all items): stage it % stages, phase it // stages
         for item in range(first_item, num_items, item_step):
             kv_head, s, first_token, num_rows, first_row, start, context_len, num_keys = _work_item(
                 item, num_kv_heads, row_tiles, cu_seqlens, start_pos)
             if num_keys == 0:
                 continue  # this sequence has fewer rows than the longest one (the producer copies nothing)
             # Keys whose K/V rows hold values: the context, within the pages copied (whole pages up to num_keys)
-            valid_end = min(context_len, (num_keys + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE)
-            wg_row0 = first_row + wg * WGMMA_M
+            valid_end = min(context_len, int32(div(num_keys + PAGE_SIZE - 1, PAGE_SIZE) * PAGE_SIZE))
+            wg_row0 = int32(first_row + wg * WGMMA_M)
             active = wg_row0 < num_rows  # else all its rows are padding: it only releases the stages
 
             # Q: this warpgroup's 64 rows rounded to bf16, 16 bytes (8 dims) a store, chunk c of row r at
@@ -597,24 +608,24 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                 named_barrier(1 + wg, WARPGROUP_THREADS)  # every warp's wgmma on the previous item's Q is done
             for j0 in range(0, q_passes, Q_PASSES_AT_ONCE):  # a group's loads first (16 bytes each): their latencies overlap
                 for j in range(Q_PASSES_AT_ONCE):
-                    i = tw + (j0 + j) * WARPGROUP_THREADS
-                    row = min(wg_row0 + i // row_chunks, num_rows - 1)  # padding repeats the last row
-                    token = first_token + row // group
-                    head = kv_head * group + row % group
-                    d = i % row_chunks * 8
+                    i = int32(tw + (j0 + j) * WARPGROUP_THREADS)
+                    row = min(int32(wg_row0 + div(i, row_chunks)), int32(num_rows - 1))  # padding repeats the last row
+                    token = int32(first_token + div(row, group))
+                    head = int32(kv_head * group + mod(row, group))
+                    d = int32(mod(i, row_chunks) * 8)
                     q_chunks[8 * j], q_chunks[8 * j + 1], q_chunks[8 * j + 2], q_chunks[8 * j + 3] = load_f32x4(
                         q, (token, head, d))
                     q_chunks[8 * j + 4], q_chunks[8 * j + 5], q_chunks[8 * j + 6], q_chunks[8 * j + 7] = load_f32x4(
                         q, (token, head, d + 4))
                 for j in range(Q_PASSES_AT_ONCE):
-                    i = tw + (j0 + j) * WARPGROUP_THREADS
-                    r = i // row_chunks
-                    c = i % row_chunks
-                    offset = ((c // 8) * q_panel_bytes + (wg * WGMMA_M + r) * SWIZZLE_ROW_BYTES
-                              + ((c % 8) ^ (r % 8)) * CHUNK_BYTES)  # fmt: skip
+                    i = int32(tw + (j0 + j) * WARPGROUP_THREADS)
+                    r = div(i, row_chunks)
+                    c = mod(i, row_chunks)
+                    offset = int32(div(c, 8) * q_panel_bytes + (wg * WGMMA_M + r) * SWIZZLE_ROW_BYTES
+                                   + (mod(c, 8) ^ mod(r, 8)) * CHUNK_BYTES)  # fmt: skip
                     v = 8 * j  # the chunk's first value in q_chunks
                     store_shared_u32x4(
-                        smem, (pad + offset) // 4,
+                        smem, div(pad + offset, 4),
                         pack_bf16x2(q_chunks[v], q_chunks[v + 1]), pack_bf16x2(q_chunks[v + 2], q_chunks[v + 3]),
                         pack_bf16x2(q_chunks[v + 4], q_chunks[v + 5]), pack_bf16x2(q_chunks[v + 6], q_chunks[v + 7]),
                     )  # fmt: skip
@@ -622,27 +633,27 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
             named_barrier(1 + wg, WARPGROUP_THREADS)  # ... of every warp of the warpgroup
 
             for h in range(2):
-                row = min(wg_row0 + warp * 16 + h * 8 + g, num_rows - 1)
-                row_pos[h] = start + row // group
+                row = min(int32(wg_row0 + warp * 16 + h * 8 + g), int32(num_rows - 1))
+                row_pos[h] = start + div(row, group)
                 row_max[h] = minus_inf
                 row_sum[h] = float32(0.0)
             for i in range(o_count):
                 acc_o[i] = float32(0.0)
-            wg_first_pos = int32(start + min(wg_row0, num_rows - 1) // group)
-            wg_last_pos = int32(start + (min(wg_row0 + WGMMA_M, num_rows) - 1) // group)
+            wg_first_pos = int32(start + div(min(wg_row0, int32(num_rows - 1)), group))
+            wg_last_pos = int32(start + div(min(int32(wg_row0 + WGMMA_M), num_rows) - 1, group))
 
             previous = -1  # overlap: the stage of the tile whose P V is still to add, if any
-            for kt in range((num_keys + block_keys - 1) // block_keys):
-                i = it % stages
+            for kt in range(div(num_keys + block_keys - 1, block_keys)):
+                i = mod(it, stages)
                 key0 = int32(kt * block_keys)
                 uses = active and key0 <= wg_last_pos
                 if uses or tw == 0:  # a tile this warpgroup skips: only the thread that releases it waits (*)
-                    mbarrier_wait(full + i * BARRIER_BYTES, (it // stages) & 1)
-                it += 1
+                    mbarrier_wait(full + i * BARRIER_BYTES, div(it, stages) & 1)
+                it = int32(it + 1)
                 if uses:
                     k_tile = tile0 + q_bytes + i * stage_bytes
                     desc_k = smem_descriptor(k_tile)
-                    v_word0 = (pad + q_bytes + i * stage_bytes + kv_bytes) // 4
+                    v_word0 = div(pad + q_bytes + i * stage_bytes + kv_bytes, 4)
                     masked = int32(key0 + (block_keys - 1)) > wg_first_pos  # the tile reaches past the first row's position
                     if overlap:
                         desc_v_previous = _v_descriptor(tile0, max(previous, 0))  # (unused on the first tile)
@@ -687,10 +698,10 @@ def prefill_attention_wgmma_kernel_for(group: int, head_dim: int, tiling: Tiling
                     total = row_sum[h]
                     total += cuda.shfl_xor_sync(FULL_MASK, total, 1)  # the quad's four shares of l
                     total += cuda.shfl_xor_sync(FULL_MASK, total, 2)
-                    row = wg_row0 + warp * 16 + h * 8 + g
+                    row = int32(wg_row0 + warp * 16 + h * 8 + g)
                     if row < num_rows:
-                        token = first_token + row // group
-                        head = kv_head * group + row % group
+                        token = int32(first_token + div(row, group))
+                        head = int32(kv_head * group + mod(row, group))
                         inv = float32(1.0) / total
                         for j in range(dim_blocks):
                             store_f32x2(out, (token, head, 8 * j + 2 * qd), acc_o[4 * j + 2 * h] * inv,
