@@ -28,7 +28,8 @@ tests/test_decode_attention_tc.py tests/test_decode_attention_fast.py``.
 Variants (``--sweep``) set a module's knobs: ``tc_p1`` one page a step at 128 registers (4 blocks per
 SM) whatever the grid; ``tc_w4`` full grids in blocks of 4 warps whatever their size (not as many
 as fit one wave: ``full_grid_warps``); ``tc_full2`` full grids on two pages a step at 168 registers
-like the rest; ``tc_nocap`` no register cap; ``tc_s64`` /
+like the rest; ``tc_nocap`` no register cap; ``tc_kvh_blocks`` full grids of one-warp blocks as a
+block per (kv head, sequence), not a block per sequence of a warp per kv head; ``tc_s64`` /
 ``tc_s16`` at most 64 / 16 ranges per sequence (``MAX_SPLITS`` is 32; it matters past 4,096 tokens
 at batch 1, e.g. 1 x 16,384).
 """
@@ -61,7 +62,7 @@ GROUP = NUM_HEADS // NUM_KV_HEADS
 SHAPES = [(1, 256), (1, 1024), (1, 16384), (4, 4096), (32, 4096), (64, 1024), (256, 512)]  # (batch, context)
 KNOBS = {fast: ("PREFETCH", "MAX_REGISTERS", "BLOCKS_PER_SM", "SPLIT_REF_BLOCKS", "NUM_WARPS", "MAX_SPLITS"),
          tc: ("MAX_REGISTERS", "PAGES_PER_STEP", "NUM_WARPS", "FULL_GRID_PAGES_PER_STEP", "FULL_GRID_MAX_REGISTERS",
-              "FULL_GRID_WARP_SLOTS")}
+              "FULL_GRID_WARP_SLOTS", "FULL_GRID_HEAD_WARPS")}
 DEFAULTS = {module: {name: getattr(module, name) for name in names} for module, names in KNOBS.items()}
 VARIANTS = {  # name: (the module whose launcher runs, {module: knobs})
     "fast": (fast, {}),
@@ -70,6 +71,7 @@ VARIANTS = {  # name: (the module whose launcher runs, {module: knobs})
     "tc_w4": (tc, {tc: {"FULL_GRID_WARP_SLOTS": 1 << 30}}),  # full grids in blocks of 4 warps, however many
     "tc_full2": (tc, {tc: {"FULL_GRID_PAGES_PER_STEP": 2, "FULL_GRID_MAX_REGISTERS": 168}}),  # full grids as the others
     "tc_nocap": (tc, {tc: {"MAX_REGISTERS": None}}),
+    "tc_kvh_blocks": (tc, {tc: {"FULL_GRID_HEAD_WARPS": False}}),  # one-warp full grids: a block per (kv head, seq)
     "tc_s64": (tc, {fast: {"MAX_SPLITS": 64}}),  # the split rule lives in decode_attention_fast
     "tc_s16": (tc, {fast: {"MAX_SPLITS": 16}}),
 }

@@ -96,11 +96,17 @@ def test_decode_tc_masks_unwritten_slots_before_any_mma():
 
 
 def test_full_grids_take_a_page_a_step():
-    """Full grids: a page a step at 128 registers, K/V streamed past L1 in four-warp blocks only;
-    other grids (four warps, two pages a step, 168 registers) stream at HD 64, not at HD 128."""
-    for warps, stream in ((4, True), (2, False), (1, False)):
+    """Full grids: a page a step at 128 registers, K/V streamed past L1 in four-warp blocks only,
+    one-warp blocks as a block per sequence of a warp per kv head where the kv heads divide an SM's
+    16 warp slots (8: yes; 3: no); other grids (four warps, two pages a step, 168 registers) stream
+    at HD 64, not at HD 128."""
+    for warps, stream in ((4, True), (2, False)):
         assert tc.launched_kernel(4, 64, 8, full_grid=True, num_warps=warps) is tc.decode_attention_tc_kernel_for(
             4, 64, 8, warps, False, tc.FULL_GRID_PAGES_PER_STEP, tc.FULL_GRID_MAX_REGISTERS, stream)
+    assert tc.launched_kernel(4, 64, 8, full_grid=True, num_warps=1) is tc.decode_attention_tc_kernel_for(
+        4, 64, 8, 8, False, tc.FULL_GRID_PAGES_PER_STEP, tc.FULL_GRID_MAX_REGISTERS, False, True)
+    assert tc.launched_kernel(3, 64, 3, full_grid=True, num_warps=1) is tc.decode_attention_tc_kernel_for(
+        3, 64, 3, 1, False, tc.FULL_GRID_PAGES_PER_STEP, tc.FULL_GRID_MAX_REGISTERS, False)
     for split in (False, True):
         assert tc.launched_kernel(4, 64, 8, split=split) is tc.decode_attention_tc_kernel_for(
             4, 64, 8, tc.NUM_WARPS, split, tc.PAGES_PER_STEP, tc.MAX_REGISTERS, True)
@@ -119,6 +125,7 @@ def test_full_grids_take_the_most_warps_a_block_that_fit_one_wave(monkeypatch, b
 def test_full_grids_of_every_block_size(monkeypatch, num_seqs, warps):
     """The simulator's one SM: 3-4 blocks run 4 warps each, 5-8 two, more one; every sequence's
     result within the bound, whichever warps merge it (lengths around the page edges, repeated)."""
+    monkeypatch.setattr(tc, "FULL_GRID_HEAD_WARPS", False)  # one-warp blocks of one kv head: below
     grids = record_grids(monkeypatch)
     blocks = []
     real = tc.decode_attention_tc_kernel_for
@@ -127,6 +134,18 @@ def test_full_grids_of_every_block_size(monkeypatch, num_seqs, warps):
     check_tc(np.random.default_rng(26), lengths, 4, 1, 64)
     assert grids == [("decode_attention_tc_kernel", (1, num_seqs))]
     assert blocks == [warps]
+
+
+@pytest.mark.parametrize("num_kv_heads, head_warps", [(2, True), (4, True), (3, False)])
+def test_one_warp_full_grids_run_a_block_per_sequence_of_a_warp_per_kv_head(monkeypatch, num_kv_heads, head_warps):
+    """A full grid past two warps a block (the simulator's one SM: more than 8 blocks) runs a block
+    per sequence whose warp w takes kv head w's pages and writes its heads' output straight from its
+    registers, where the kv heads divide the SM's 16 warp slots; else a block per (kv head, sequence)
+    of one warp. Every head of every sequence within the bound (lengths around the page edges)."""
+    grids = record_grids(monkeypatch)
+    lengths = (LENGTHS * 2)[:12]
+    check_tc(np.random.default_rng(27), lengths, 2, num_kv_heads, 64)
+    assert grids == [("decode_attention_tc_kernel", (12,) if head_warps else (num_kv_heads, 12))]
 
 
 def test_decode_tc_several_steps_per_warp_and_scale(monkeypatch):
@@ -162,10 +181,13 @@ def test_unsupported_heads_run_the_cuda_core_kernel(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("seq_lens", [[1024, 1, 16, 17] + [int(n) for n in np.random.default_rng(0).integers(1, 1025, 60)],
-                                      [3000], [1000, 3000, 17], [16384], [140]])  # fmt: skip
+                                      [3000], [1000, 3000, 17], [16384], [140],
+                                      [int(n) for n in np.random.default_rng(1).integers(1, 600, 300)]])  # fmt: skip
 def test_decode_tc_gpu(seq_lens):
-    """Llama 3.2 1B heads (H 32, KVH 8, HD 64): 64 sequences (no split), batches of 1 to 3 split over
-    the context, with fresh random inputs (the seed is in the failure message)."""
+    """Llama 3.2 1B heads (H 32, KVH 8, HD 64): 64 sequences (no split; a full grid of four-warp
+    blocks), batches of 1 to 3 split over the context, 300 sequences (a full grid past two warps a
+    block on 132 SMs: a block per sequence, a warp per kv head), with fresh random inputs (the seed
+    is in the failure message)."""
     seed = int(np.random.SeedSequence().entropy % 2**32)
     try:
         check_tc(np.random.default_rng(seed), seq_lens, 4, 8, 64)

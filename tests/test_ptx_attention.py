@@ -49,7 +49,8 @@ def test_fast_decode_uses_hardware_exp2_and_l2_prefetch(ptx, key):
 @pytest.mark.parametrize(
     "key, streamed",
     [("decode_attention_tc g4 hd64", True), ("decode_attention_tc g4 hd64 split", True), ("decode_attention_tc g8 hd128", False),
-     ("decode_attention_tc g4 hd64 full grid w4", True), ("decode_attention_tc g4 hd64 full grid w1", False)],
+     ("decode_attention_tc g4 hd64 full grid w4", True), ("decode_attention_tc g4 hd64 full grid w1 kv-head warps", False),
+     ("decode_attention_tc g3 hd64 full grid w1", False)],
 )  # fmt: skip
 def test_tensor_core_decode_uses_mma_and_16_byte_loads(ptx, key, streamed):
     """16-byte K/V loads; four-warp blocks at head dim 64 stream them past L1."""

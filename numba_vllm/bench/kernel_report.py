@@ -171,11 +171,12 @@ REGISTRY: tuple[KernelVariant, ...] = (
         for split in (False, True)
         if hd in (64, 128) and (not split or (g, hd) == (4, 64))
     ),  # fmt: skip
-    *(  # full unsplit grids, in blocks of 4, 2 or 1 warps (full_grid_warps)
-        KernelVariant("decode_attention_tc", f"g4 hd64 full grid w{w}",
-                      f"decode_attention_tc:launched_kernel(4, 64, 8, False, True, {w})", DECODE_FAST_SIG, f"{w} * WARP_SIZE",
-                      spill_budget=DECODE_SPILL_BUDGET)
-        for w in (4, 2, 1)
+    *(  # full unsplit grids, in blocks of 4, 2 or 1 warps (full_grid_warps); one-warp blocks as a block per
+        # sequence of a warp per kv head where the kv heads divide an SM's 16 warps (head_warp_blocks), else not
+        KernelVariant("decode_attention_tc", f"g{g} hd64 full grid w{w}{label}",
+                      f"decode_attention_tc:launched_kernel({g}, 64, {kvh}, False, True, {w})", DECODE_FAST_SIG,
+                      f"{threads} * WARP_SIZE", spill_budget=DECODE_SPILL_BUDGET)
+        for g, kvh, w, threads, label in ((4, 8, 4, 4, ""), (4, 8, 2, 2, ""), (4, 8, 1, 8, " kv-head warps"), (3, 3, 1, 1, ""))
     ),  # fmt: skip
     KernelVariant("decode_attention_fast_merge", "", "decode_attention_fast:decode_attention_fast_merge_kernel",
                   "(f32(3), f32(3))", "MERGE_THREADS"),  # fmt: skip

@@ -16,7 +16,10 @@ so the kernel waits on memory only.
 Mapping (``g = lane >> 2``, ``t = lane & 3``, the fragment layout of ``kernels/mma.py``). A block
 per (kv head, sequence[, range of pages]), ``NUM_WARPS`` warps (in a full unsplit grid as many as
 let the whole grid run in one wave: ``full_grid_warps``); warp ``w`` of ``W`` takes steps ``w, w +
-W, ...`` of ``PAGES_PER_STEP`` pages (one in a full grid: ``FULL_GRID_*``). The loads are
+W, ...`` of ``PAGES_PER_STEP`` pages (one in a full grid: ``FULL_GRID_*``). A full grid too large
+for blocks of two warps runs a block per sequence instead, warp ``w`` taking every page of kv head
+``w`` (``head_warp_blocks``): the same warps, each a (kv head, sequence) as before, but a page's
+rows of all kv heads read from one SM at about the same time. The loads are
 software-pipelined: the next step's K rows are requested as soon as this step's S is computed and
 its V rows once this step's ``P V`` is, each into the registers just consumed, so a warp keeps a
 step's rows in flight while it computes, with no more registers than one step's.
@@ -110,7 +113,11 @@ the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 
   mostly on their loads (9.8 and 6.2 of 13.7 and 13.0 cycles between issues). This grid in
   four-warp blocks with the streamed loads (which took 64 x 1,024's four-warp blocks from 43.7 to
   40.5 us) still loses: 84.9 against 80.4 us for the one-warp blocks (torch 77.5;
-  ``benchmarks/decode_attention_gpu.py --variants tc_w4``, CUDA events, 2026-12-04). Nor is
+  ``benchmarks/decode_attention_gpu.py --variants tc_w4``, CUDA events, 2026-12-04). A block per
+  sequence with a warp per kv head (``head_warp_blocks``; 256 blocks of 8 warps, 125 registers, two
+  blocks an SM) took 78.6, 78.1 and 78.1 us in three runs against 80.0, 80.0 and 79.7 (torch 77.0,
+  76.6, 76.8; events): the launcher's since (``bench kernels``, CUPTI: 75.0 against torch's 73.7 us,
+  1.02x); the same with a barrier every step to keep the 8 warps in lockstep 81.7 and 80.5. Nor is
   the loop's integer work the gap: its SASS is ~250 instructions a page a warp in the steady state
   (16 ``HMMA``, 8 16-byte loads, the softmax of 4 scores), with no 64-bit index arithmetic worth
   removing, and the warps issue once every ~14 cycles.
@@ -148,6 +155,7 @@ MAX_REGISTERS = 168  # per thread at HD 64: 3 blocks of 4 warps per multiprocess
 FULL_GRID_BLOCKS_PER_SM = 3
 FULL_GRID_PAGES_PER_STEP, FULL_GRID_MAX_REGISTERS = 1, 128
 FULL_GRID_WARP_SLOTS = 16  # warps per multiprocessor at 128 registers (65536 / (128 * 32))
+FULL_GRID_HEAD_WARPS = True  # full grids of one-warp blocks run as a block per sequence, a warp per kv head
 MAX_GROUP = 8  # query heads per kv head: the rows 0..7 of an mma's M
 SUPPORTED_HEAD_DIMS = (64, 128)  # a lane's share of a K row and of a V row are whole 16-byte loads
 RESCALE_THRESHOLD = fast.RESCALE_THRESHOLD
@@ -161,12 +169,14 @@ def supported(group: int, head_dim: int) -> bool:
 @functools.cache
 def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int, num_warps: int = NUM_WARPS,
                                    split: bool = False, pages_per_step: int = PAGES_PER_STEP,
-                                   max_registers: int | None = MAX_REGISTERS, stream: bool = False):  # fmt: skip
+                                   max_registers: int | None = MAX_REGISTERS, stream: bool = False,
+                                   head_warps: bool = False):  # fmt: skip
     """The kernel for ``group`` query heads per kv head, ``head_dim``, ``num_kv_heads`` (compile-time:
     a step's addresses are one base plus constant offsets), blocks of ``num_warps`` warps taking
     ``pages_per_step`` pages a step; ``split``: write the partial state of a page range;
     ``max_registers``: the cap (None: none); ``stream``: K and V rows loaded without allocating
-    them in L1 (``load_u32x4_stream``)."""
+    them in L1 (``load_u32x4_stream``); ``head_warps`` (unsplit): a block per sequence, whose warp w
+    takes every step of kv head w (``num_warps`` = ``num_kv_heads``) and writes its heads' output."""
     if not supported(group, head_dim):
         raise KernelError(f"decode_attention_tc: group {group}, head_dim {head_dim} not supported")
     chunks = head_dim // 16  # k chunks of S = Q K^T
@@ -180,6 +190,7 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
     q_frag_len, o_len, s_len = 2 * chunks, 2 * dim_tiles, 4 * pages_per_step
     kw_len, vw_len = pages_per_step * 2 * k_words, pages_per_step * 4 * v_words
     threads = num_warps * WARP_SIZE
+    step_stride = 1 if head_warps else num_warps  # a warp's steps: si, si + step_stride, ...
     minus_inf = float32(-math.inf)
     merge_block = fast.block_merge_for(num_warps, group, head_dim, threads, split)
     low_half = uint32(0xFFFF)
@@ -226,9 +237,13 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
         bits flattened; block_tables: (B, max_pages) int32; context_lens: (B,) int32; scale_log2:
         f32, the softmax scale times log2(e); pages_per_split: int32 (split only); out: (B, H, HD)
         f32, or with ``split`` the partial states (splits * B, H, HD + 2) f32."""
-        kv_head = cuda.blockIdx.x
-        b = cuda.blockIdx.y
         warp = cuda.threadIdx.x // WARP_SIZE
+        if head_warps:
+            kv_head = warp
+            b = cuda.blockIdx.x
+        else:
+            kv_head = cuda.blockIdx.x
+            b = cuda.blockIdx.y
         lane = cuda.threadIdx.x % WARP_SIZE
         g = lane >> 2  # the lane's head (S, O rows), K token within an n tile, V dims
         t = lane & 3  # the lane's K dims, its tokens' pairs in S and V
@@ -270,14 +285,14 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
         # Software-pipelined: step si's K and V are in flight from the previous iteration; the next
         # step's K loads go out once S is computed (kw is free), its V loads once P V is (vw is free),
         # so a warp has a page's rows on their way while it computes.
-        si = warp
+        si = 0 if head_warps else warp
         fill_pages(pages, block_tables, b, start, last_page, si, num_steps)
         if si < num_steps:
             load_k(k_cache, kw, pages, g, k_lane)
             load_v(v_cache, vw, pages, t, v_lane)
-        fill_pages(pages, block_tables, b, start, last_page, si + num_warps, num_steps)
+        fill_pages(pages, block_tables, b, start, last_page, si + step_stride, num_steps)
         while si < num_steps:  # warp-uniform: every lane takes part in every mma
-            nxt = si + num_warps
+            nxt = si + step_stride
             first = start + si * step_tokens
             tail = first + step_tokens > end  # warp-uniform: the step reaches past the context
             if tail:  # unwritten slots may hold any bits: zero them before any mma
@@ -344,12 +359,20 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
                     o[2 * u + 1] = d1
             if nxt < num_steps:  # the next step's V, into the words P V is done with
                 load_v(v_cache, vw, pages, t, v_lane)
-            fill_pages(pages, block_tables, b, start, last_page, nxt + num_warps, num_steps)
+            fill_pages(pages, block_tables, b, start, last_page, nxt + step_stride, num_steps)
             si = nxt
 
-        # The warps' states meet in shared memory: per (warp, head) m and the sum, per dim sum p * V.
         sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 1)
         sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 2)
+        if head_warps:  # the warp's state is its kv head's whole result: O / l, from its registers
+            if g < group:
+                inv = float32(1.0) / sum_exp
+                h = kv_head * group + g
+                for u in range(dim_tiles):  # columns 2t, 2t + 1 of n tile u: dims (2t) * HD / 8 + u, ...
+                    out[b, h, 2 * t * (head_dim // 8) + u] = o[2 * u] * inv
+                    out[b, h, (2 * t + 1) * (head_dim // 8) + u] = o[2 * u + 1] * inv
+            return
+        # The warps' states meet in shared memory: per (warp, head) m and the sum, per dim sum p * V.
         part_m = cuda.shared.array((num_warps, group), float32)
         part_sum = cuda.shared.array((num_warps, group), float32)
         part_acc = cuda.shared.array((num_warps, group, head_dim), float32)
@@ -383,15 +406,27 @@ def full_grid_warps(num_blocks: int) -> int:
     return warps
 
 
+def head_warp_blocks(num_kv_heads: int, num_warps: int) -> bool:
+    """Whether a full grid of ``num_warps``-warp blocks (one a (kv head, sequence)) runs instead as a
+    block per sequence with a warp per kv head (``head_warps``): for one-warp blocks, when whole
+    blocks fill an SM's warp slots (the kv heads divide ``FULL_GRID_WARP_SLOTS``). A sequence's pages
+    hold all its kv heads' rows (16 KB a page at 8 x 64 dims); its warps on one SM read each page at
+    about the same time instead of eight blocks drifting apart over the GPU (module docstring)."""
+    return FULL_GRID_HEAD_WARPS and num_warps == 1 and FULL_GRID_WARP_SLOTS % num_kv_heads == 0
+
+
 def launched_kernel(group: int, head_dim: int, num_kv_heads: int, split: bool = False, full_grid: bool = False,
                     num_warps: int = NUM_WARPS):  # fmt: skip
     """The build the launcher runs for these heads (the module's warps, pages per step, cap);
     ``full_grid``: an unsplit grid of ``FULL_GRID_BLOCKS_PER_SM`` blocks per SM or more (HD 64 only),
-    in blocks of ``num_warps`` warps (``full_grid_warps``). At HD 64, blocks of ``NUM_WARPS`` warps
-    stream their K and V rows past L1, smaller blocks do not (module docstring: measured; HD 128: not
-    measured, loaded as before)."""
+    in blocks of ``num_warps`` warps (``full_grid_warps``; one-warp blocks as ``head_warp_blocks``
+    says). At HD 64, blocks of ``NUM_WARPS`` warps stream their K and V rows past L1, smaller blocks
+    do not (module docstring: measured; HD 128: not measured, loaded as before)."""
     full = full_grid and not split and head_dim <= 64
     stream = head_dim <= 64 and (num_warps if full else NUM_WARPS) == NUM_WARPS
+    if full and head_warp_blocks(num_kv_heads, num_warps):
+        return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, num_kv_heads, False,
+                                              FULL_GRID_PAGES_PER_STEP, FULL_GRID_MAX_REGISTERS, False, True)  # fmt: skip
     if full:
         return decode_attention_tc_kernel_for(group, head_dim, num_kv_heads, num_warps, False, FULL_GRID_PAGES_PER_STEP,
                                               FULL_GRID_MAX_REGISTERS, stream)  # fmt: skip
@@ -430,6 +465,9 @@ def decode_attention_tc(q, k_cache, v_cache, block_tables, context_lens, scale: 
     size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
     args = (q, k_cache.view(np.uint16).reshape(size), v_cache.view(np.uint16).reshape(size), block_tables, context_lens,
             np.float32(scale * fast.LOG2E), np.int32(pages_per_split))  # fmt: skip
+    if full_grid and head_warp_blocks(num_kv_heads, warps):
+        launch(attention, (batch,), num_kv_heads * WARP_SIZE, *args, out)
+        return
     threads = warps * WARP_SIZE
     if splits == 1:
         launch(attention, (num_kv_heads, batch), threads, *args, out)
