@@ -231,6 +231,101 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
                     for e in range(4):
                         vw[(p * 4 + r) * v_words + 4 * i + e] = words[e]
 
+    @device_function
+    def step_scores(q_frag, kw, s, first, end, g, t, scale_log2, tail):
+        """S = Q K^T of the step whose first token is ``first``: s (page, n tile, pair) gets head g's
+        scores of tokens 8j + 2t, 8j + 2t + 1 of each page in log2 units (-inf past ``end``, the
+        K words of those tokens zeroed first if ``tail``); returns the lane's max of them."""
+        if tail:  # unwritten slots may hold any bits: zero them before any mma
+            for p in range(pages_per_step):
+                for j in range(2):
+                    if first + p * PAGE_SIZE + 8 * j + g >= end:
+                        for w in range(k_words):
+                            kw[(p * 2 + j) * k_words + w] = uint32(0)
+        m_step = minus_inf
+        for p in range(pages_per_step):
+            page_first = first + p * PAGE_SIZE
+            for j in range(2):
+                s0 = s1 = s2 = s3 = float32(0.0)
+                for c in range(chunks):
+                    kb = (p * 2 + j) * k_words + 2 * c
+                    s0, s1, s2, s3 = mma_bf16_16816(q_frag[2 * c], uint32(0), q_frag[2 * c + 1], uint32(0),
+                                                    kw[kb], kw[kb + 1], s0, s1, s2, s3)  # fmt: skip
+                pos = page_first + 8 * j + 2 * t
+                s[(p * 2 + j) * 2] = s0 * scale_log2 if pos < end else minus_inf
+                s[(p * 2 + j) * 2 + 1] = s1 * scale_log2 if pos + 1 < end else minus_inf
+                m_step = max(m_step, max(s[(p * 2 + j) * 2], s[(p * 2 + j) * 2 + 1]))
+        return m_step
+
+    @device_function
+    def step_accumulate(o, s, vw, m, sum_exp, m_step, first, end, t, tail):
+        """The online softmax and O += P V of the step ``step_scores`` scored (``m_step``: the lane's
+        max); returns the new (m, sum_exp)."""
+        m_step = max(m_step, cuda.shfl_xor_sync(FULL_MASK, m_step, 1))  # over the quad: head g's step max
+        m_step = max(m_step, cuda.shfl_xor_sync(FULL_MASK, m_step, 2))
+        if m_step > m + RESCALE_THRESHOLD:  # quad-uniform; true on the first step (m = -inf)
+            alpha = exp2_approx(m - m_step)  # 0 on the first step
+            sum_exp *= alpha
+            for i in range(o_len):
+                o[i] *= alpha
+            m = m_step
+        if tail:
+            for p in range(pages_per_step):
+                for r in range(4):
+                    if first + p * PAGE_SIZE + 8 * (r // 2) + 2 * t + r % 2 >= end:
+                        for w in range(v_words):
+                            vw[(p * 4 + r) * v_words + w] = uint32(0)
+        # O += P V, a page at a time: P's A fragment is the S fragment, in bf16.
+        for p in range(pages_per_step):
+            a = cuda.local.array(2, uint32)  # P rows g: tokens (2t, 2t + 1), (8 + 2t, 9 + 2t)
+            for j in range(2):
+                p0 = exp2_approx(s[(p * 2 + j) * 2] - m)  # 0 for a masked token (-inf)
+                p1 = exp2_approx(s[(p * 2 + j) * 2 + 1] - m)
+                sum_exp += p0 + p1
+                a[j] = pack_bf16x2(p0, p1)
+            for u in range(dim_tiles):  # n tile u: dims n * HD / 8 + u
+                w = u // 2
+                v0 = vw[(p * 4) * v_words + w]  # token 2t
+                v1 = vw[(p * 4 + 1) * v_words + w]  # token 2t + 1
+                v2 = vw[(p * 4 + 2) * v_words + w]  # token 8 + 2t
+                v3 = vw[(p * 4 + 3) * v_words + w]  # token 9 + 2t
+                if u % 2 == 0:  # the low halves: dim 2w of the lane's share
+                    b0 = (v0 & low_half) | (v1 << uint32(16))
+                    b1 = (v2 & low_half) | (v3 << uint32(16))
+                else:  # the high halves: dim 2w + 1
+                    b0 = (v0 >> uint32(16)) | (v1 & high_half)
+                    b1 = (v2 >> uint32(16)) | (v3 & high_half)
+                d0, d1, _, _ = mma_bf16_16816(a[0], uint32(0), a[1], uint32(0), b0, b1, o[2 * u], o[2 * u + 1],
+                                              float32(0.0), float32(0.0))  # fmt: skip
+                o[2 * u] = d0
+                o[2 * u + 1] = d1
+        return m, sum_exp
+
+    @device_function
+    def load_q(q, q_frag, b, kv_head, g, t):
+        """Q's A fragment (rows g < group), in bf16, with K's dim permutation: q_frag (chunk, a0 | a2)."""
+        for c in range(chunks):
+            q_frag[2 * c] = uint32(0)
+            q_frag[2 * c + 1] = uint32(0)
+            if g < group:
+                d = t * (head_dim // 4) + 4 * c
+                h = kv_head * group + g
+                q_frag[2 * c] = pack_bf16x2(q[b, h, d], q[b, h, d + 1])
+                q_frag[2 * c + 1] = pack_bf16x2(q[b, h, d + 2], q[b, h, d + 3])
+
+    @device_function
+    def store_heads(out, o, sum_exp, b, kv_head, g, t):
+        """A warp holding a kv head's whole state writes its heads' O / l (columns 2t, 2t + 1 of n
+        tile u: dims (2t) * HD / 8 + u, ...), the sums first added over the quad."""
+        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 1)
+        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 2)
+        if g < group:
+            inv = float32(1.0) / sum_exp
+            h = kv_head * group + g
+            for u in range(dim_tiles):
+                out[b, h, 2 * t * (head_dim // 8) + u] = o[2 * u] * inv
+                out[b, h, (2 * t + 1) * (head_dim // 8) + u] = o[2 * u + 1] * inv
+
     @kernel(max_registers=max_registers)
     def decode_attention_tc_kernel(q, k_cache, v_cache, block_tables, context_lens, scale_log2, pages_per_split, out):
         """q: (B, H, HD) f32; k_cache, v_cache: (P * PAGE_SIZE * KVH * HD,) uint16, the bf16 pools'
@@ -260,16 +355,8 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
         k_lane = head_offset + t * (head_dim // 4)  # the lane's first K element in a token row
         v_lane = head_offset + g * (head_dim // 8)  # the lane's first V element in a token row
 
-        # Q's A fragment (rows g < group), in bf16, with K's dim permutation.
         q_frag = cuda.local.array(q_frag_len, uint32)  # (chunk, a0 | a2)
-        for c in range(chunks):
-            q_frag[2 * c] = uint32(0)
-            q_frag[2 * c + 1] = uint32(0)
-            if g < group:
-                d = t * (head_dim // 4) + 4 * c
-                h = kv_head * group + g
-                q_frag[2 * c] = pack_bf16x2(q[b, h, d], q[b, h, d + 1])
-                q_frag[2 * c + 1] = pack_bf16x2(q[b, h, d + 2], q[b, h, d + 3])
+        load_q(q, q_frag, b, kv_head, g, t)
         # (dim tile, c0 | c1): O row g. Rows 8..15 of P are zero, so O's rows g + 8 (c2, c3) stay zero:
         # they go into each mma as constant zeros and come out unused, holding no registers.
         o = cuda.local.array(o_len, float32)
@@ -295,83 +382,20 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
             nxt = si + step_stride
             first = start + si * step_tokens
             tail = first + step_tokens > end  # warp-uniform: the step reaches past the context
-            if tail:  # unwritten slots may hold any bits: zero them before any mma
-                for p in range(pages_per_step):
-                    for j in range(2):
-                        if first + p * PAGE_SIZE + 8 * j + g >= end:
-                            for w in range(k_words):
-                                kw[(p * 2 + j) * k_words + w] = uint32(0)
-
-            # S = Q K^T: head g's scores of tokens 8j + 2t, 8j + 2t + 1 of each page, scaled to log2 units.
-            m_step = minus_inf
-            for p in range(pages_per_step):
-                page_first = first + p * PAGE_SIZE
-                for j in range(2):
-                    s0 = s1 = s2 = s3 = float32(0.0)
-                    for c in range(chunks):
-                        kb = (p * 2 + j) * k_words + 2 * c
-                        s0, s1, s2, s3 = mma_bf16_16816(q_frag[2 * c], uint32(0), q_frag[2 * c + 1], uint32(0),
-                                                        kw[kb], kw[kb + 1], s0, s1, s2, s3)  # fmt: skip
-                    pos = page_first + 8 * j + 2 * t
-                    s[(p * 2 + j) * 2] = s0 * scale_log2 if pos < end else minus_inf
-                    s[(p * 2 + j) * 2 + 1] = s1 * scale_log2 if pos + 1 < end else minus_inf
-                    m_step = max(m_step, max(s[(p * 2 + j) * 2], s[(p * 2 + j) * 2 + 1]))
+            m_step = step_scores(q_frag, kw, s, first, end, g, t, scale_log2, tail)
             if nxt < num_steps:  # the next step's K, into the words S is done with
                 load_k(k_cache, kw, pages, g, k_lane)
-            m_step = max(m_step, cuda.shfl_xor_sync(FULL_MASK, m_step, 1))  # over the quad: head g's step max
-            m_step = max(m_step, cuda.shfl_xor_sync(FULL_MASK, m_step, 2))
-            if m_step > m + RESCALE_THRESHOLD:  # quad-uniform; true on the first step (m = -inf)
-                alpha = exp2_approx(m - m_step)  # 0 on the first step
-                sum_exp *= alpha
-                for i in range(o_len):
-                    o[i] *= alpha
-                m = m_step
-
-            if tail:
-                for p in range(pages_per_step):
-                    for r in range(4):
-                        if first + p * PAGE_SIZE + 8 * (r // 2) + 2 * t + r % 2 >= end:
-                            for w in range(v_words):
-                                vw[(p * 4 + r) * v_words + w] = uint32(0)
-            # O += P V, a page at a time: P's A fragment is the S fragment, in bf16.
-            for p in range(pages_per_step):
-                a = cuda.local.array(2, uint32)  # P rows g: tokens (2t, 2t + 1), (8 + 2t, 9 + 2t)
-                for j in range(2):
-                    p0 = exp2_approx(s[(p * 2 + j) * 2] - m)  # 0 for a masked token (-inf)
-                    p1 = exp2_approx(s[(p * 2 + j) * 2 + 1] - m)
-                    sum_exp += p0 + p1
-                    a[j] = pack_bf16x2(p0, p1)
-                for u in range(dim_tiles):  # n tile u: dims n * HD / 8 + u
-                    w = u // 2
-                    v0 = vw[(p * 4) * v_words + w]  # token 2t
-                    v1 = vw[(p * 4 + 1) * v_words + w]  # token 2t + 1
-                    v2 = vw[(p * 4 + 2) * v_words + w]  # token 8 + 2t
-                    v3 = vw[(p * 4 + 3) * v_words + w]  # token 9 + 2t
-                    if u % 2 == 0:  # the low halves: dim 2w of the lane's share
-                        b0 = (v0 & low_half) | (v1 << uint32(16))
-                        b1 = (v2 & low_half) | (v3 << uint32(16))
-                    else:  # the high halves: dim 2w + 1
-                        b0 = (v0 >> uint32(16)) | (v1 & high_half)
-                        b1 = (v2 >> uint32(16)) | (v3 & high_half)
-                    d0, d1, _, _ = mma_bf16_16816(a[0], uint32(0), a[1], uint32(0), b0, b1, o[2 * u], o[2 * u + 1],
-                                                  float32(0.0), float32(0.0))  # fmt: skip
-                    o[2 * u] = d0
-                    o[2 * u + 1] = d1
+            m, sum_exp = step_accumulate(o, s, vw, m, sum_exp, m_step, first, end, t, tail)
             if nxt < num_steps:  # the next step's V, into the words P V is done with
                 load_v(v_cache, vw, pages, t, v_lane)
             fill_pages(pages, block_tables, b, start, last_page, nxt + step_stride, num_steps)
             si = nxt
 
+        if head_warps:  # the warp's state is its kv head's whole result: O / l, from its registers
+            store_heads(out, o, sum_exp, b, kv_head, g, t)
+            return
         sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 1)
         sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 2)
-        if head_warps:  # the warp's state is its kv head's whole result: O / l, from its registers
-            if g < group:
-                inv = float32(1.0) / sum_exp
-                h = kv_head * group + g
-                for u in range(dim_tiles):  # columns 2t, 2t + 1 of n tile u: dims (2t) * HD / 8 + u, ...
-                    out[b, h, 2 * t * (head_dim // 8) + u] = o[2 * u] * inv
-                    out[b, h, (2 * t + 1) * (head_dim // 8) + u] = o[2 * u + 1] * inv
-            return
         # The warps' states meet in shared memory: per (warp, head) m and the sum, per dim sum p * V.
         part_m = cuda.shared.array((num_warps, group), float32)
         part_sum = cuda.shared.array((num_warps, group), float32)
