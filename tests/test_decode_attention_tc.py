@@ -33,11 +33,14 @@ LENGTHS = [1, 15, 16, 17, 33, 100]  # around page edges, all in one launch; 100:
 
 def check_tc(rng, seq_lens, group, num_kv_heads, head_dim, scale=None, extra_columns=0, unwritten=np.nan):
     """Decode one query per sequence over a fresh paged cache with decode_attention_tc; assert the
-    bound against the reference; return the output (B, H, HD) on the host."""
+    bound against the reference; return the output (B, H, HD) on the host. ``extra_columns`` < 0:
+    the table loses that many columns (its padding column, when the contexts leave it empty)."""
     num_heads = group * num_kv_heads
     scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
     cache = PagedCache(rng, seq_lens, num_kv_heads, head_dim, unwritten=unwritten)
-    cache.block_tables = np.pad(cache.block_tables, ((0, 0), (0, extra_columns)))
+    if extra_columns < 0:
+        cache.block_tables = np.ascontiguousarray(cache.block_tables[:, :extra_columns])
+    cache.block_tables = np.pad(cache.block_tables, ((0, 0), (0, max(extra_columns, 0))))
     past = np.arange(cache.block_tables.shape[1]) >= -(-np.array(seq_lens)[:, None] // PAGE_SIZE)
     cache.block_tables[past] = cache.num_pages  # names no page: a kernel that looks it up fails
     q = rng.standard_normal((len(seq_lens), num_heads, head_dim)).astype(np.float32)
@@ -146,6 +149,14 @@ def test_one_warp_full_grids_run_a_block_per_sequence_of_a_warp_per_kv_head(monk
     lengths = (LENGTHS * 2)[:12]
     check_tc(np.random.default_rng(27), lengths, 2, num_kv_heads, 64)
     assert grids == [("decode_attention_tc_kernel", (12,) if head_warps else (num_kv_heads, 12))]
+
+
+def test_head_warp_blocks_read_page_zero_before_the_context_length():
+    """A block per sequence requests page 0's rows before the context length arrives, with page 1's
+    table entry clamped to the table: contexts of one page in a table of one column (the simulator
+    raises on an index past it), and contexts of 1 .. 3 pages in a table of 3."""
+    check_tc(np.random.default_rng(28), [1, 16, 5, 15, 2, 9, 16, 1, 3, 11, 7, 14], 2, 2, 64, extra_columns=-1)
+    check_tc(np.random.default_rng(29), [1, 17, 33, 48, 16, 32, 2, 40, 47, 20, 1, 3], 2, 2, 64, extra_columns=-1)
 
 
 def test_decode_tc_several_steps_per_warp_and_scale(monkeypatch):

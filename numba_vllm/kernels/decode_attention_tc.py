@@ -19,7 +19,8 @@ let the whole grid run in one wave: ``full_grid_warps``); warp ``w`` of ``W`` ta
 W, ...`` of ``PAGES_PER_STEP`` pages (one in a full grid: ``FULL_GRID_*``). A full grid too large
 for blocks of two warps runs a block per sequence instead, warp ``w`` taking every page of kv head
 ``w`` (``head_warp_blocks``): the same warps, each a (kv head, sequence) as before, but a page's
-rows of all kv heads read from one SM at about the same time. The loads are
+rows of all kv heads read from one SM at about the same time; its warps request page 0's rows
+before the context length has arrived (every context has a page 0). The loads are
 software-pipelined: the next step's K rows are requested as soon as this step's S is computed and
 its V rows once this step's ``P V`` is, each into the registers just consumed, so a warp keeps a
 step's rows in flight while it computes, with no more registers than one step's.
@@ -121,6 +122,22 @@ the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 
   the loop's integer work the gap: its SASS is ~250 instructions a page a warp in the steady state
   (16 ``HMMA``, 8 16-byte loads, the softmax of 4 scores), with no 64-bit index arithmetic worth
   removing, and the warps issue once every ~14 cycles.
+- 256 x 512 (2026-12-04, evening; CUPTI, L2 flushed, median of 40, alternated rounds on one H200).
+  The blocks of a warp per kv head requesting page 0's rows (and page 1's table entry) before the
+  context length arrives, instead of after it (a table entry, then the rows: one trip to memory
+  fewer before the first bytes flow; the loop takes its first step unchecked so that the compiler
+  does not sink the loads below the test): 73.4-73.6 against 73.8-74.2 us in four rounds, torch
+  72.9-73.1; at 256 x 500 73.5-73.7 against 74.0-74.1 (torch 71.7-72.0). The same cache with each
+  sequence's pages in order instead of shuffled: 73.4 against 74.1 us (torch 72.9): scattered pages
+  cost ~1% here. Tried and slower (CUDA events, ``benchmarks/decode_attention_gpu.py``, against
+  77.3-77.4 us for these blocks, torch 76.2-76.7): the block staging whole pages (K and V of all 8
+  kv heads, 16 KB each, one 2-D TMA copy apiece) in a ring of shared memory, its warps reading
+  their rows with ``ld.shared.v4`` and the last warp done with a stage refilling it (116
+  registers, no spills): 82.2 / 82.0 / 83.7 us with 2 / 3 / 4 pages in flight a block (4: one
+  block an SM); and an L2 prefetch of the rows 1 / 2 / 4 steps past the next step's, a lane a row
+  (``prefetch.global.L2``): 82.7 / 85.9 / 119.7 us (64 x 1,024 in four-warp blocks: 45.8 / 47.0
+  / 52.4 against 44.0). Each warp has one page's rows in flight already and the memory answers in
+  ~2 us under this load, so more bytes in flight queue rather than flow.
 
 Head dims 64 and 128, groups up to 8 (the M rows of one mma); other shapes run
 ``decode_attention_fast``. Numerics: q and P in bf16 (8 significant bits): each weight is off by a
@@ -373,12 +390,19 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
         # step's K loads go out once S is computed (kw is free), its V loads once P V is (vw is free),
         # so a warp has a page's rows on their way while it computes.
         si = 0 if head_warps else warp
-        fill_pages(pages, block_tables, b, start, last_page, si, num_steps)
-        if si < num_steps:
+        if head_warps:  # every context has a page 0 (context_lens >= 1): its rows are requested before the
+            # context length has arrived, and page 1's entry (used only if the context has one) with them
+            pages[0] = block_tables[b, 0]
             load_k(k_cache, kw, pages, g, k_lane)
             load_v(v_cache, vw, pages, t, v_lane)
-        fill_pages(pages, block_tables, b, start, last_page, si + step_stride, num_steps)
-        while si < num_steps:  # warp-uniform: every lane takes part in every mma
+            pages[0] = block_tables[b, min(1, block_tables.shape[1] - 1)]
+        else:
+            fill_pages(pages, block_tables, b, start, last_page, si, num_steps)
+            if si < num_steps:
+                load_k(k_cache, kw, pages, g, k_lane)
+                load_v(v_cache, vw, pages, t, v_lane)
+            fill_pages(pages, block_tables, b, start, last_page, si + step_stride, num_steps)
+        while head_warps or si < num_steps:  # warp-uniform: every lane takes part in every mma (head_warps: below)
             nxt = si + step_stride
             first = start + si * step_tokens
             tail = first + step_tokens > end  # warp-uniform: the step reaches past the context
@@ -390,6 +414,8 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
                 load_v(v_cache, vw, pages, t, v_lane)
             fill_pages(pages, block_tables, b, start, last_page, nxt + step_stride, num_steps)
             si = nxt
+            if head_warps and si >= num_steps:  # (a loop that takes its first step unchecked: the loads
+                break  # above are issued before the context length is known, not sunk below its test)
 
         if head_warps:  # the warp's state is its kv head's whole result: O / l, from its registers
             store_heads(out, o, sum_exp, b, kv_head, g, t)
