@@ -10,7 +10,7 @@ of ``tests/test_decode_attention_tc.py`` against the reference on bf16 q. Batche
 (64 up to 1,024 tokens, 3 of up to 3,000, 1 of 16,384), and batches whose block table is padded to
 the next power of two, which must give the same bits (CUDA graphs pad tables).
 
-Timing: before every call an L2 flush (a 256 MB write, as ``bench kernels`` does) and a 200 us
+Timing: before every call an L2 flush (a 256 MB write, as ``bench kernels`` does) and a 1 ms
 sleeping kernel, then CUDA events around the call: the GPU is busy while the host enqueues it, so
 the events time the GPU's work only (launch gaps between a split's two kernels included). Median of
 ``--iters``. torch: ``scaled_dot_product_attention`` in bf16 with ``enable_gqa`` on K/V gathered
@@ -132,9 +132,12 @@ def check_all(attention, seed: int) -> list[str]:
     return lines
 
 
+SLEEP_US = 1000  # longer than the host takes to enqueue a split launch and its merge (~200 us measured)
+
+
 def time_events(fn, flush, iters: int) -> float:
     """Median GPU time (us) of ``fn`` after an L2 flush, the host's launches hidden behind a sleep."""
-    return kernel_times_behind_sleep(fn, flush, iters) * 1e6
+    return kernel_times_behind_sleep(fn, flush, iters, SLEEP_US) * 1e6
 
 
 def time_shape(batch: int, context: int, names, torch, flush, iters: int) -> dict:
