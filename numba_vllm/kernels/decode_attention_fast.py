@@ -76,6 +76,7 @@ from numba import cuda, float32, uint32
 from numba_vllm.kernels._launch import KernelError, check_array, launch, num_sms
 from numba_vllm.kernels.approx_math import exp2_approx
 from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.kept_views import flat_bits, leading_block
 from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
 from numba_vllm.kernels.vector_load import BF16_PER_VECTOR, bf16x2_to_f32, load_u32x4, prefetch_l2
 from numba_vllm.loading.bf16 import BF16
@@ -426,9 +427,9 @@ def decode_attention_fast(q, k_cache, v_cache, block_tables, context_lens, scale
     group = num_heads // num_kv_heads
     splits, pages_per_split = pick_split(batch * num_kv_heads, block_tables.shape[1], min_split_pages(head_dim))
     attention = launched_kernel(group, head_dim, num_kv_heads, splits > 1)
-    size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
-    args = (q, k_cache.view(np.uint16).reshape(size), v_cache.view(np.uint16).reshape(size), block_tables, context_lens,
-            np.float32(scale * LOG2E), np.int32(pages_per_split))  # fmt: skip
+    # the kernel reads the caches 16 bytes at a time through their bits, flattened
+    args = (q, flat_bits(k_cache), flat_bits(v_cache), block_tables, context_lens, np.float32(scale * LOG2E),
+            np.int32(pages_per_split))  # fmt: skip
     threads = NUM_WARPS * WARP_SIZE
     if splits == 1:
         launch(attention, (num_kv_heads, batch), threads, *args, out)
@@ -442,12 +443,13 @@ def launch_split_merge(attention, grid, threads: int, args, out, workspace) -> N
     ``out`` (B, H, HD)."""
     splits = grid[2]
     batch, num_heads, head_dim = out.shape
-    size = splits * batch * num_heads * (head_dim + 2)
+    shape = (splits * batch, num_heads, head_dim + 2)
     if workspace is None:
-        workspace = cuda.device_array(size, np.float32)
-    if size > workspace.shape[0]:  # pick_split keeps splits x B x KVH within MAX_SPLIT_BLOCKS
+        partials = cuda.device_array(shape, np.float32)
+    elif splits * batch * num_heads * (head_dim + 2) > workspace.shape[0]:  # (pick_split keeps it within MAX_SPLIT_BLOCKS)
         raise KernelError(f"decode attention: a {splits}-way split of {batch} x {num_heads} heads exceeds the workspace")
-    partials = workspace[:size].reshape(splits * batch, num_heads, head_dim + 2)
+    else:
+        partials = leading_block(workspace, shape)  # a view kept per shape (kept_views: host time)
     launch(attention, grid, threads, *args, partials)
     outputs = batch * num_heads * head_dim
     launch(decode_attention_fast_merge_kernel, (-(-outputs // MERGE_THREADS),), MERGE_THREADS, partials, out)

@@ -157,6 +157,7 @@ from numba_vllm.kernels import decode_attention_fast as fast
 from numba_vllm.kernels._launch import KernelError, check_array, launch, num_sms
 from numba_vllm.kernels.approx_math import exp2_approx
 from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.kept_views import flat_bits
 from numba_vllm.kernels.mma import mma_bf16_16816, pack_bf16x2
 from numba_vllm.kernels.reductions import FULL_MASK, WARP_SIZE
 from numba_vllm.kernels.vector_load import load_u32x4, load_u32x4_stream
@@ -512,9 +513,9 @@ def decode_attention_tc(q, k_cache, v_cache, block_tables, context_lens, scale: 
     full_grid = splits == 1 and head_dim <= 64 and num_blocks >= FULL_GRID_BLOCKS_PER_SM * num_sms()
     warps = full_grid_warps(num_blocks) if full_grid else NUM_WARPS
     attention = launched_kernel(group, head_dim, num_kv_heads, splits > 1, full_grid, warps)
-    size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
-    args = (q, k_cache.view(np.uint16).reshape(size), v_cache.view(np.uint16).reshape(size), block_tables, context_lens,
-            np.float32(scale * fast.LOG2E), np.int32(pages_per_split))  # fmt: skip
+    # the kernel reads the caches 16 bytes at a time through their bits, flattened
+    args = (q, flat_bits(k_cache), flat_bits(v_cache), block_tables, context_lens, np.float32(scale * fast.LOG2E),
+            np.int32(pages_per_split))  # fmt: skip
     if full_grid and head_warp_blocks(num_kv_heads, warps):
         launch(attention, (batch,), num_kv_heads * WARP_SIZE, *args, out)
         return

@@ -126,6 +126,7 @@ from numba import cuda, float32, int32, int64, uint32, uint64
 
 from numba_vllm.kernels._launch import KernelError, launch
 from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.kept_views import flat_bits
 from numba_vllm.kernels.mma import (
     MMA_K,
     MMA_M,
@@ -530,6 +531,6 @@ def prefill_attention_tc(q, k_cache, v_cache, block_tables, cu_seqlens, start_po
     warp_m_tiles, block_keys, q_shared = tiling or default_tiling(head_dim)
     kernel_ = prefill_attention_tc_kernel_for(group, head_dim, warp_m_tiles, block_keys, q_shared, num_kv_heads)
     num_row_tiles = -(-max_new_tokens * group // block_rows_for(warp_m_tiles))
-    size = k_cache.size  # the kernel reads the caches 16 bytes at a time through their bits, flattened
-    launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), THREADS, q, k_cache.view(np.uint16).reshape(size),
-           v_cache.view(np.uint16).reshape(size), block_tables, cu_seqlens, start_pos, np.float32(scale * LOG2_E), out)
+    # the kernel reads the caches 16 bytes at a time through their bits, flattened
+    launch(kernel_, (num_kv_heads, num_seqs, num_row_tiles), THREADS, q, flat_bits(k_cache), flat_bits(v_cache),
+           block_tables, cu_seqlens, start_pos, np.float32(scale * LOG2_E), out)  # fmt: skip

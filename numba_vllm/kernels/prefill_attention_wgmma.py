@@ -132,7 +132,6 @@ from __future__ import annotations
 
 import functools
 import math
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -141,6 +140,7 @@ from numba import cuda, float32, int32, uint32
 from numba_vllm.kernels._launch import KernelError, hopper, launch, num_sms
 from numba_vllm.kernels.index_math import div, mod
 from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.kept_views import kept
 from numba_vllm.kernels.mma import pack_bf16x2, store_shared_u32x4
 from numba_vllm.kernels.prefill_attention import check_prefill_args
 from numba_vllm.kernels.prefill_attention_tc import LOG2_E, RESCALE_LOG2, row_tile
@@ -729,21 +729,19 @@ def cache_rows(cache):
     return cache.view(np.uint16).reshape(pages * page_size, kv_heads * head_dim)
 
 
-_cache_operands: dict = {}  # id(k_cache) -> (k_cache and v_cache weak references, k_rows, v_rows, k_map, v_map)
+def _rows_and_map(cache):
+    """A cache's ``cache_rows`` view and the tensor map of its boxes (16 x 64)."""
+    rows = cache_rows(cache)
+    return rows, tensor_map_2d(rows, rows.shape[0], PAGE_SIZE)
 
 
 def cache_operands(k_cache, v_cache):
     """(k_rows, v_rows, k_map, v_map) of a layer's caches, made once per cache array and kept while it
-    lives: the views and their tensor-map lookups cost more host time than the launch itself. (Kept
-    beside the cache, not holding it: a dropped engine's cache memory is freed.)"""
-    entry = _cache_operands.get(id(k_cache))
-    if entry is None or entry[0]() is not k_cache or entry[1]() is not v_cache:
-        k_rows, v_rows = cache_rows(k_cache), cache_rows(v_cache)
-        entry = (weakref.ref(k_cache), weakref.ref(v_cache), k_rows, v_rows,
-                 tensor_map_2d(k_rows, k_rows.shape[0], PAGE_SIZE), tensor_map_2d(v_rows, v_rows.shape[0], PAGE_SIZE))
-        _cache_operands[id(k_cache)] = entry
-        weakref.finalize(k_cache, _cache_operands.pop, id(k_cache), None)
-    return entry[2:]
+    lives (``kept_views``): the views and their tensor-map lookups cost more host time than the
+    launch itself."""
+    k_rows, k_map = kept(k_cache, "rows_and_map", _rows_and_map)
+    v_rows, v_map = kept(v_cache, "rows_and_map", _rows_and_map)
+    return k_rows, v_rows, k_map, v_map
 
 
 def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,
