@@ -334,9 +334,7 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
     @device_function
     def store_heads(out, o, sum_exp, b, kv_head, g, t):
         """A warp holding a kv head's whole state writes its heads' O / l (columns 2t, 2t + 1 of n
-        tile u: dims (2t) * HD / 8 + u, ...), the sums first added over the quad."""
-        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 1)
-        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 2)
+        tile u: dims (2t) * HD / 8 + u, ...); ``sum_exp``: head g's sum over the quad."""
         if g < group:
             inv = float32(1.0) / sum_exp
             h = kv_head * group + g
@@ -418,11 +416,11 @@ def decode_attention_tc_kernel_for(group: int, head_dim: int, num_kv_heads: int,
             if head_warps and si >= num_steps:  # (a loop that takes its first step unchecked: the loads
                 break  # above are issued before the context length is known, not sunk below its test)
 
+        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 1)
+        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 2)
         if head_warps:  # the warp's state is its kv head's whole result: O / l, from its registers
             store_heads(out, o, sum_exp, b, kv_head, g, t)
             return
-        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 1)
-        sum_exp += cuda.shfl_xor_sync(FULL_MASK, sum_exp, 2)
         # The warps' states meet in shared memory: per (warp, head) m and the sum, per dim sum p * V.
         part_m = cuda.shared.array((num_warps, group), float32)
         part_sum = cuda.shared.array((num_warps, group), float32)

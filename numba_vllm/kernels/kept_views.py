@@ -42,6 +42,13 @@ def flat_bits(cache):
     return kept(cache, "flat_bits", lambda a: a.view(np.uint16).reshape(a.size))
 
 
+def page_rows(cache):
+    """A (num_pages, PAGE_SIZE, KVH, HD) bf16 cache as the (num_pages * PAGE_SIZE, KVH * HD) uint16
+    matrix of its slots' rows, kept (what rope writes and the Hopper prefill's tensor maps describe)."""
+    pages, page_size, kv_heads, head_dim = cache.shape
+    return kept(cache, "page_rows", lambda a: a.view(np.uint16).reshape(pages * page_size, kv_heads * head_dim))
+
+
 def leading_block(workspace, shape: tuple):
     """The first ``prod(shape)`` elements of a 1-D ``workspace`` as an array of ``shape``, kept per shape."""
     return kept(workspace, ("leading", shape), lambda a: a[: int(np.prod(shape))].reshape(*shape))

@@ -140,7 +140,7 @@ from numba import cuda, float32, int32, uint32
 from numba_vllm.kernels._launch import KernelError, hopper, launch, num_sms
 from numba_vllm.kernels.index_math import div, mod
 from numba_vllm.kernels.jit import device_function, kernel
-from numba_vllm.kernels.kept_views import kept
+from numba_vllm.kernels.kept_views import kept, page_rows
 from numba_vllm.kernels.mma import pack_bf16x2, store_shared_u32x4
 from numba_vllm.kernels.prefill_attention import check_prefill_args
 from numba_vllm.kernels.prefill_attention_tc import LOG2_E, RESCALE_LOG2, row_tile
@@ -722,26 +722,18 @@ def check_wgmma_attention(head_dim: int) -> None:
                           "use 'tensor_cores'")  # fmt: skip
 
 
-def cache_rows(cache):
-    """The cache (num_pages, PAGE_SIZE, KVH, HD) bf16 as the (num_pages * PAGE_SIZE, KVH * HD) uint16
-    matrix the tensor maps describe (a view: the same memory)."""
-    pages, page_size, kv_heads, head_dim = cache.shape
-    return cache.view(np.uint16).reshape(pages * page_size, kv_heads * head_dim)
-
-
-def _rows_and_map(cache):
-    """A cache's ``cache_rows`` view and the tensor map of its boxes (16 x 64)."""
-    rows = cache_rows(cache)
-    return rows, tensor_map_2d(rows, rows.shape[0], PAGE_SIZE)
+def _tensor_map(cache):
+    """The tensor map of a cache's ``page_rows``, in boxes of 16 x 64."""
+    rows = page_rows(cache)
+    return tensor_map_2d(rows, rows.shape[0], PAGE_SIZE)
 
 
 def cache_operands(k_cache, v_cache):
     """(k_rows, v_rows, k_map, v_map) of a layer's caches, made once per cache array and kept while it
     lives (``kept_views``): the views and their tensor-map lookups cost more host time than the
     launch itself."""
-    k_rows, k_map = kept(k_cache, "rows_and_map", _rows_and_map)
-    v_rows, v_map = kept(v_cache, "rows_and_map", _rows_and_map)
-    return k_rows, v_rows, k_map, v_map
+    return (page_rows(k_cache), page_rows(v_cache), kept(k_cache, "tensor_map", _tensor_map),
+            kept(v_cache, "tensor_map", _tensor_map))
 
 
 def prefill_attention_wgmma(q, k_cache, v_cache, block_tables, cu_seqlens, start_pos, scale: float, out,

@@ -73,6 +73,7 @@ from numba import cuda, float32, int32, uint16, uint32
 
 from numba_vllm.kernels._launch import KernelError, check_array, launch
 from numba_vllm.kernels.jit import device_function, kernel
+from numba_vllm.kernels.kept_views import page_rows
 from numba_vllm.kernels.mma import pack_bf16x2
 from numba_vllm.kernels.reductions import WARP_SIZE
 from numba_vllm.loading.bf16 import BF16
@@ -204,7 +205,5 @@ def rope_and_cache_write(qkv, positions, inv_freq, kv_indices, q, k_cache, v_cac
     num_warps = min(ROPE_WARPS, num_heads + 2 * num_kv_heads)
     if qkv.size >= 2**31:
         raise KernelError(f"rope: a step of 2**31 q/k/v elements or more ({qkv.size}) needs 64-bit indices")
-    slots, row = k_cache.shape[0] * PAGE_SIZE, num_kv_heads * head_dim
-    k_rows, v_rows = (cache.view(np.uint16).reshape(slots, row) for cache in (k_cache, v_cache))
     launch(rope_kernel, num_tokens, (WARP_SIZE, num_warps), qkv.reshape(qkv.size), positions, inv_freq, kv_indices,
-           q.reshape(q.size), k_rows, v_rows, np.int32(num_heads), np.int32(num_kv_heads))  # fmt: skip
+           q.reshape(q.size), page_rows(k_cache), page_rows(v_cache), np.int32(num_heads), np.int32(num_kv_heads))  # fmt: skip
