@@ -2,8 +2,9 @@
 
 Why: numba builds a new array object for every ``view``, ``reshape`` or slice of a device array
 (~5-15 us of Python each on the H200's host, more than the launch's own argument handling, which
-the fast path brings to ~18 us). Attention launchers reinterpret the same arrays at every call (a
-layer's K/V cache as flat uint16 bits, a workspace as the partials of a split), and in a step that
+the fast path brings to ~18 us). Attention and rope launchers reinterpret the same arrays at every
+call (a layer's K/V cache as flat uint16 bits or as rows of slots, a workspace as the partials of a
+split), and in a step that
 is not replayed from a CUDA graph (prefill and mixed steps launch attention from Python, layer by
 layer) those views were a third of the launch's cost: ``decode_attention_tc`` measured 67 us a
 call unsplit and 146 us split (kernel and merge) on the H200's host.
