@@ -357,23 +357,27 @@ if simulator_enabled():
         """Where the 128-byte swizzle puts byte ``address`` (bits 4-6 ^= bits 7-9)."""
         return address ^ (((address >> 7) & 7) << 4)
 
+    _BARRIER_LOCK = threading.Lock()  # guards every simulated mbarrier and named barrier
+
     class _MBarrier:
-        """An mbarrier: arrivals still expected in this phase, bytes still expected, phases completed."""
+        """An mbarrier: arrivals still expected in this phase, bytes still expected, phases completed;
+        ``completed`` (on ``_BARRIER_LOCK``) wakes its waiters when a phase completes."""
 
         def __init__(self, count):
             self.count = count
             self.pending = count
             self.tx = 0
             self.phase = 0
+            self.completed = threading.Condition(_BARRIER_LOCK)
 
         def update(self, arrivals, tx):
+            """Count arrivals and bytes (``_BARRIER_LOCK`` held)."""
             self.pending -= arrivals
             self.tx += tx
             if self.pending == 0 and self.tx == 0:
                 self.phase += 1
                 self.pending = self.count
-
-    _BARRIER_LOCK = threading.Lock()
+                self.completed.notify_all()
 
     def _mbarrier(address, block=None):
         """The mbarrier at shared ``address`` of ``block`` (default: the calling thread's)."""
@@ -406,10 +410,11 @@ if simulator_enabled():
             barrier.update(1, int(tx_bytes))
 
     def mbarrier_wait(address, parity):
-        """Poll until the phase of parity ``parity`` of the mbarrier has completed (simulator)."""
+        """Sleep until the phase of parity ``parity`` of the mbarrier has completed (simulator)."""
         barrier = _mbarrier(address)
         wait_on_cluster(  # until the phase in progress is no longer the one of that parity
-            threading.current_thread().block, lambda: barrier.phase % 2 != parity, lambda: (barrier.pending, barrier.tx),
+            threading.current_thread().block, barrier.completed, lambda: barrier.phase % 2 != parity,
+            lambda: (barrier.pending, barrier.tx),
             lambda: (f"on the mbarrier at shared address {int(address)} (phase {barrier.phase}, {barrier.pending} "
                      f"arrivals and {barrier.tx} bytes outstanding)"))  # fmt: skip
 
@@ -443,12 +448,14 @@ if simulator_enabled():
             barrier.update(0, -int(tx_bytes))
 
     class _NamedBarrier:
-        """A hardware barrier 1-15: arrivals counted in this phase (whoever makes them), phases completed."""
+        """A hardware barrier 1-15: arrivals counted in this phase (whoever makes them), phases completed;
+        ``completed`` (on ``_BARRIER_LOCK``) wakes its waiters when a phase completes."""
 
         def __init__(self, threads):
             self.threads = threads
             self.arrived = 0
             self.phase = 0
+            self.completed = threading.Condition(_BARRIER_LOCK)
 
     def _named_arrival(index, threads):
         """Count the calling thread's arrival on barrier ``index`` of its block; the phase it joined and the barrier."""
@@ -463,13 +470,15 @@ if simulator_enabled():
             if barrier.arrived == barrier.threads:
                 barrier.arrived = 0
                 barrier.phase += 1
+                barrier.completed.notify_all()
         return barrier, phase
 
     def named_barrier(index, threads):
         """bar.sync index, threads (simulator): wait until ``threads`` arrivals (this thread's, other
         threads' ``named_barrier`` or ``named_barrier_arrive``) complete the barrier's phase."""
         barrier, phase = _named_arrival(index, threads)
-        wait_on_cluster(threading.current_thread().block, lambda: barrier.phase != phase, lambda: barrier.arrived,
+        wait_on_cluster(threading.current_thread().block, barrier.completed, lambda: barrier.phase != phase,
+                        lambda: barrier.arrived,
                         lambda: f"on bar.sync {int(index)} ({barrier.arrived} of {barrier.threads} arrivals)")  # fmt: skip
 
     def named_barrier_arrive(index, threads):
