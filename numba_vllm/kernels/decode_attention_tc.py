@@ -138,6 +138,13 @@ the pipelined loads alone gave 64 x 1,024 43.7 against 44.2 us, 32 x 4,096 77.2 
   (``prefetch.global.L2``): 82.7 / 85.9 / 119.7 us (64 x 1,024 in four-warp blocks: 45.8 / 47.0
   / 52.4 against 44.0). Each warp has one page's rows in flight already and the memory answers in
   ~2 us under this load, so more bytes in flight queue rather than flow.
+- 256 x 512, where the last percent goes (2026-12-04, night; CUPTI, ``docs/benchmarks.md``): a
+  read-only kernel with this grid and these loads takes 71.8-72.8 us (torch 72.8-73.6, this kernel
+  73.9-74.5), so the work adds ~2 us; a flat read of the same bytes 68.2. The warps all start within
+  0.2 us and end between 65.5 and 74.6 (median 70.2): the spread is the memory's. Bulk L2 prefetches
+  of a warp's remaining pages near its end (or once part of the grid has finished) were slower
+  (74.9-81.8). Pages laid out head-major (a warp's 16 rows one contiguous 2 KB) gave 73.3 against
+  73.7, and 38.7 against 39.9 at 64 x 1,024: the layout is the engine's, not changed.
 
 Head dims 64 and 128, groups up to 8 (the M rows of one mma); other shapes run
 ``decode_attention_fast``. Numerics: q and P in bf16 (8 significant bits): each weight is off by a
