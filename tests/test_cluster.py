@@ -67,3 +67,33 @@ def test_a_cluster_that_does_not_divide_the_grid_is_refused():
     out = cuda.to_device(np.zeros((4, 8), np.float32))
     with pytest.raises(KernelError, match="_exchange_kernel"):
         launch(_exchange_kernel, (2, 1, 2), 32, out, shared_bytes=48, cluster=(1, 2, 1))
+
+
+@kernel
+def _early_exit_kernel(out, spin):
+    # out (clusters * size, 2) f32: column 0 written after the cluster barrier, column 1 by the warp that left
+    rank = cuda.blockIdx.z
+    row = cuda.blockIdx.x * cuda.gridDim.z + rank
+    if cuda.threadIdx.x >= 32:  # warp 1 works a while, then returns without reaching the barrier
+        acc = float32(0.0)
+        for _ in range(spin):
+            acc += float32(1.0)
+        out[row, 1] = acc
+        return
+    cluster_sync()
+    if cuda.threadIdx.x == 0:
+        out[row, 0] = float32(1.0)
+
+
+def test_the_cluster_barrier_completes_when_the_threads_it_waits_for_return(monkeypatch):
+    """barrier.cluster waits for the cluster's threads that have not exited: a warp that returns while
+    the others wait completes it (in the simulator its exit wakes them; a short hang timeout makes a
+    missed wake-up fail here in seconds)."""
+    from numba_vllm.sim import blocks as sim_blocks
+
+    monkeypatch.setattr(sim_blocks, "hang_timeout_s", 3.0)
+    clusters, size, spin = 2, 2, 3000
+    out = cuda.to_device(np.full((clusters * size, 2), np.nan, np.float32))
+    launch(_early_exit_kernel, (clusters, 1, size), 64, out, np.int32(spin), cluster=(1, 1, size))
+    want = np.tile(np.array([1.0, spin], np.float32), (clusters * size, 1))
+    np.testing.assert_array_equal(out.copy_to_host(), want)

@@ -353,6 +353,8 @@ class Block:
                     self._fail((self._deadlock_error(), None))
             if self.num_live == 0:
                 self.finished.notify_all()
+        if self.cluster is not None:  # a cluster barrier that waited only on this thread completes now
+            self.cluster.thread_exited()
 
     def wait_finished(self):
         """Launching thread: sleep until every thread returned; after a failure, not forever."""
@@ -550,12 +552,16 @@ class _Cluster:
             self._complete_if_all_arrived()
 
         def passed():  # (called with the lock held)
-            self._complete_if_all_arrived()  # (threads that exited meanwhile no longer count)
             return self.generation != generation
 
         wait_on_cluster(self.blocks[0], self.passed, passed, lambda: self.arrived, lambda: (
             f"in barrier.cluster: {self.arrived} of {sum(block.num_live for block in self.blocks)} live threads "
             "of the cluster arrived"))  # fmt: skip
+
+    def thread_exited(self):
+        """A thread of the cluster returned: it no longer counts at the rendezvous."""
+        with self.lock:
+            self._complete_if_all_arrived()
 
     def _complete_if_all_arrived(self):
         if self.arrived and self.arrived >= sum(block.num_live for block in self.blocks):
