@@ -13,10 +13,10 @@ On a GPU, a kernel's second and later launches with the same argument layout ski
 per-launch argument handling (`fast_launch.py`: ~25-50 us a launch down to a few).
 
 A block whose static and dynamic shared memory together pass 48 KB needs an opt-in per kernel,
-which numba has no switch for: the first launch of a layout asking for dynamic shared memory
-compiles the kernel first and raises its ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` to the
-size asked for (the later launches of that layout must ask for no more, which holds for kernels
-whose size is fixed by their tiling).
+which numba has no switch for: a launch of a layout asking for more dynamic shared memory than
+its launches so far compiles the kernel first and raises its
+``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` to the size asked for (a kernel whose size is
+fixed by its tiling does this once; one launched with growing sizes, once per new largest).
 
 Thread-block clusters (``cluster=(x, y, z)``, ``kernels/cluster.py``) need the driver's extended
 launch, which numba's launch does not make: such a kernel is compiled for its arguments first and
@@ -73,6 +73,8 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0, cluster=None) -> N
                 if prepared is None:
                     raise ValueError("a cluster launch needs arguments that cuda.core can pass (device arrays, scalars)")
             if prepared is not None:
+                if shared_bytes > _dynamic_shared.get(key, 0):  # more than this layout's launches so far
+                    _compiled(kernel, args, shared_bytes)
                 cluster = None if cluster is None else _dim3(cluster)
                 fast_launch.launch_prepared(prepared, _dim3(grid), _dim3(block), shared_bytes, stream, args, cluster)
                 return
@@ -108,17 +110,23 @@ def max_active_clusters(kernel, args, block: int, shared_bytes: int, cluster) ->
 _active_clusters: dict = {}  # (layout, block, shared bytes, cluster) -> clusters at once
 
 
+_dynamic_shared: dict = {}  # layout key -> the dynamic shared memory (bytes) its kernel's attribute allows
+
+
 def _compiled(kernel, args, shared_bytes: int):
     """`kernel` compiled for `args` (numba's overload), allowed to launch with `shared_bytes` of
-    dynamic shared memory (the driver attribute raised to it: the kernel's static shared memory
-    counts against the same 48 KB, so any dynamic size may need it)."""
+    dynamic shared memory: the driver attribute is raised to it if the layout's launches so far asked
+    for less, never lowered (the kernel's static shared memory counts against the same 48 KB, so any
+    dynamic size may need it)."""
     overload = kernel.compile(tuple(kernel.typeof_pyval(a) for a in args))
-    if shared_bytes:
+    key = fast_launch.layout_key(kernel, args)
+    if shared_bytes > _dynamic_shared.get(key, 0):
         from numba.cuda.cudadrv.driver import binding, driver
 
         function = overload._codelibrary.get_cufunc()
         attribute = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         driver.cuKernelSetAttribute(attribute, shared_bytes, function.handle, function.device.id)
+        _dynamic_shared[key] = shared_bytes
     return overload
 
 
