@@ -23,6 +23,8 @@ from numba_vllm.kernels.cluster import (
 from numba_vllm.kernels.jit import kernel
 from numba_vllm.kernels.wgmma import fence_mbarrier_init, mbarrier_init, shared_address
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 SLOTS_OFFSET = 16  # bytes: the mbarrier (8), then from a 16-byte boundary one 16-byte slot per block of the cluster
 
 
