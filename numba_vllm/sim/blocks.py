@@ -541,7 +541,7 @@ class _Cluster:
     def __init__(self, blocks):
         self.blocks = blocks  # by rank
         self.lock = threading.Lock()
-        self.passed = threading.Condition(self.lock)  # notified when a rendezvous completes
+        self.completed = threading.Condition(self.lock)  # notified when a rendezvous completes
         self.arrived = 0
         self.generation = 0  # completed rendezvous
 
@@ -554,7 +554,7 @@ class _Cluster:
         def passed():  # (called with the lock held)
             return self.generation != generation
 
-        wait_on_cluster(self.blocks[0], self.passed, passed, lambda: self.arrived, lambda: (
+        wait_on_cluster(self.blocks[0], self.completed, passed, lambda: self.arrived, lambda: (
             f"in barrier.cluster: {self.arrived} of {sum(block.num_live for block in self.blocks)} live threads "
             "of the cluster arrived"))  # fmt: skip
 
@@ -567,7 +567,7 @@ class _Cluster:
         if self.arrived and self.arrived >= sum(block.num_live for block in self.blocks):
             self.arrived = 0
             self.generation += 1
-            self.passed.notify_all()
+            self.completed.notify_all()
 
 
 RECHECK_S = 0.2  # a thread waiting on other blocks looks this often for a failed block or a stall
