@@ -73,7 +73,7 @@ def launch(kernel, grid, block, *args, shared_bytes: int = 0, cluster=None) -> N
                 if prepared is None:
                     raise ValueError("a cluster launch needs arguments that cuda.core can pass (device arrays, scalars)")
             if prepared is not None:
-                if shared_bytes > _dynamic_shared.get(key, 0):  # more than this layout's launches so far
+                if shared_bytes and shared_bytes > _dynamic_shared.get(key, 0):  # more than this layout's launches so far
                     _compiled(kernel, args, shared_bytes)
                 cluster = None if cluster is None else _dim3(cluster)
                 fast_launch.launch_prepared(prepared, _dim3(grid), _dim3(block), shared_bytes, stream, args, cluster)

@@ -446,7 +446,7 @@ def launch_split_merge(attention, grid, threads: int, args, out, workspace) -> N
     shape = (splits * batch, num_heads, head_dim + 2)
     if workspace is None:
         partials = cuda.device_array(shape, np.float32)
-    elif splits * batch * num_heads * (head_dim + 2) > workspace.shape[0]:  # (pick_split keeps it within MAX_SPLIT_BLOCKS)
+    elif math.prod(shape) > workspace.shape[0]:  # (pick_split keeps it within MAX_SPLIT_BLOCKS)
         raise KernelError(f"decode attention: a {splits}-way split of {batch} x {num_heads} heads exceeds the workspace")
     else:
         partials = leading_block(workspace, shape)  # a view kept per shape (kept_views: host time)
