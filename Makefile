@@ -71,8 +71,12 @@ browser-deps:  ## Debian's chromium and chromium-driver for the browser test (ap
 test-browser: setup browser-deps  ## the dashboard in headless Chromium (part of `make test` too)
 	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m browser
 
+# `make test-gpu` runs its files in GPU_TEST_WORKERS processes sharing the GPU (pytest-xdist, a file whole on
+# one of them): most of its time is numba compiling kernels on the CPU, which the processes spread over the cores.
+GPU_TEST_WORKERS ?= 8
+
 test-gpu:  ## the GPU-marked tests on a real NVIDIA GPU, and the simulator tests marked to run there too
-	NUMBA_VLLM_TEST_GPU=1 $(GPU_PY) -m pytest -q -m "gpu or gpu_too"
+	NUMBA_VLLM_TEST_GPU=1 $(GPU_PY) -m pytest -q -m "gpu or gpu_too" -n $(GPU_TEST_WORKERS) --dist loadfile
 
 fuzz: setup  ## fuzz the server against its OpenAPI schema (schemathesis; FUZZ_EXAMPLES cases per operation and mode)
 	NUMBA_VLLM_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) $(VPY) -m pytest -q -s tests/test_fuzz.py

@@ -23,7 +23,8 @@ from tests.helpers.products import wgmma_conversion
 gpu = pytest.mark.gpu
 RTOL = 2e-6
 # In the simulator exp(100) is a Python float; adding it to a float32 overflows to inf with a warning.
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning"),
+              pytest.mark.gpu_too]  # `make test-gpu` runs these on the GPU as well
 
 
 def _rng():

@@ -35,6 +35,8 @@ from numba_vllm.loading.bf16 import to_bf16, upload_bf16
 from numba_vllm.model.config import PAGE_SIZE
 from tests.helpers.attention import ATOL, PREFILL_SEQS, RTOL, PagedCache, nan_device, reference_attention
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 EDGE_LENGTHS = [1, 15, 16, 17, 33]  # around page edges, all in one launch
 
 

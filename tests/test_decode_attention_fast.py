@@ -19,6 +19,8 @@ from numba_vllm.kernels._launch import launch
 from numba_vllm.model.config import PAGE_SIZE
 from tests.test_attention import check_decode
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 LENGTHS = [1, 15, 16, 17, 33, 100]  # around page edges, all in one launch; 100: a 7-page table
 
 

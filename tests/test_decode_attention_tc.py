@@ -26,6 +26,8 @@ from numba_vllm.loading.bf16 import BF16
 from numba_vllm.model.config import PAGE_SIZE
 from tests.helpers.attention import PagedCache, nan_device, reference_attention
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 P_BOUND = 1.1 * 2.0**-8  # a bf16-rounded weight's relative error, plus fp32 slack
 ATOL = 2e-6
 LENGTHS = [1, 15, 16, 17, 33, 100]  # around page edges, all in one launch; 100: a 7-page table
@@ -67,6 +69,12 @@ def pretend_sms(monkeypatch, sms=132):
     monkeypatch.setattr(fast, "num_sms", lambda: sms)
     monkeypatch.setattr(tc, "NUM_WARPS", 1)
     monkeypatch.setattr(tc, "PAGES_PER_STEP", 1)
+
+
+def one_sm(monkeypatch):
+    """Grids sized for a GPU of one multiprocessor, as the simulator reports (on a GPU too)."""
+    monkeypatch.setattr(tc, "num_sms", lambda: 1)
+    monkeypatch.setattr(fast, "num_sms", lambda: 1)
 
 
 def record_grids(monkeypatch):
@@ -126,8 +134,9 @@ def test_full_grids_take_the_most_warps_a_block_that_fit_one_wave(monkeypatch, b
 
 @pytest.mark.parametrize("num_seqs, warps", [(4, 4), (6, 2), (12, 1)])
 def test_full_grids_of_every_block_size(monkeypatch, num_seqs, warps):
-    """The simulator's one SM: 3-4 blocks run 4 warps each, 5-8 two, more one; every sequence's
-    result within the bound, whichever warps merge it (lengths around the page edges, repeated)."""
+    """One SM: 3-4 blocks run 4 warps each, 5-8 two, more one; every sequence's result within the
+    bound, whichever warps merge it (lengths around the page edges, repeated)."""
+    one_sm(monkeypatch)
     monkeypatch.setattr(tc, "FULL_GRID_HEAD_WARPS", False)  # one-warp blocks of one kv head: below
     grids = record_grids(monkeypatch)
     blocks = []
@@ -141,10 +150,11 @@ def test_full_grids_of_every_block_size(monkeypatch, num_seqs, warps):
 
 @pytest.mark.parametrize("num_kv_heads, head_warps", [(2, True), (4, True), (3, False)])
 def test_one_warp_full_grids_run_a_block_per_sequence_of_a_warp_per_kv_head(monkeypatch, num_kv_heads, head_warps):
-    """A full grid past two warps a block (the simulator's one SM: more than 8 blocks) runs a block
-    per sequence whose warp w takes kv head w's pages and writes its heads' output straight from its
-    registers, where the kv heads divide the SM's 16 warp slots; else a block per (kv head, sequence)
-    of one warp. Every head of every sequence within the bound (lengths around the page edges)."""
+    """A full grid past two warps a block (one SM: more than 8 blocks) runs a block per sequence whose
+    warp w takes kv head w's pages and writes its heads' output straight from its registers, where
+    the kv heads divide the SM's 16 warp slots; else a block per (kv head, sequence) of one warp.
+    Every head of every sequence within the bound (lengths around the page edges)."""
+    one_sm(monkeypatch)
     grids = record_grids(monkeypatch)
     lengths = (LENGTHS * 2)[:12]
     check_tc(np.random.default_rng(27), lengths, 2, num_kv_heads, 64)

@@ -14,6 +14,8 @@ from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.embedding import embedding
 from numba_vllm.loading.bf16 import BF16, upload_bf16
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 gpu = pytest.mark.gpu
 
 

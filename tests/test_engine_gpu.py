@@ -18,6 +18,7 @@ from numba_vllm import LLM, SamplingParams
 from numba_vllm.kernels import gemm_wgmma, matmul
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model.reference import KVCache, ReferenceModel
+from tests.helpers import GPU_TEST_MEMORY_SHARE
 from tests.helpers.smollm2 import REF, needs_smollm2
 from tests.helpers.tiny_llama import tiny_checkpoint
 
@@ -43,7 +44,7 @@ def test_tiny_model_on_cuda_follows_the_reference(tmp_path, heads, kv_heads, hea
     path = tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                            intermediate_size=512, vocab_size=512, max_position_embeddings=512)  # fmt: skip
     gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False,
-              prefill_attention=prefill_attention)  # fmt: skip
+              prefill_attention=prefill_attention, gpu_memory_utilization=GPU_TEST_MEMORY_SHARE)  # fmt: skip
     logits = _record_sampled_logits(gpu.engine.runner)
     outs = gpu.generate(PAGE_EDGE_PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     _assert_follows_the_reference(load_checkpoint(path), PAGE_EDGE_PROMPTS, outs, logits)
@@ -56,7 +57,8 @@ def test_prefix_cache_on_cuda_follows_the_reference(tmp_path):
     match the float32 reference over the whole sequence, as in the test above."""
     path = tiny_checkpoint(tmp_path, hidden_size=256, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
                            intermediate_size=512, vocab_size=512, max_position_embeddings=512)  # fmt: skip
-    gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False)
+    gpu = LLM(str(path), backend="cuda", max_num_seqs=4, max_num_batched_tokens=64, async_scheduling=False,
+              gpu_memory_utilization=GPU_TEST_MEMORY_SHARE)
     logits = _record_sampled_logits(gpu.engine.runner)
     shared = list(range(2, 50))  # 48 tokens: 3 full pages
     prompts = [shared + [60 + i] * n for i, n in enumerate((1, 15, 16, 17))] + [shared + [60]]
@@ -169,7 +171,7 @@ def _record_sampled_logits(runner) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(backend="cuda", max_num_seqs=8)
+    return LLM(backend="cuda", max_num_seqs=8, gpu_memory_utilization=GPU_TEST_MEMORY_SHARE)
 
 
 def _conv(case):
@@ -193,7 +195,7 @@ def test_smollm2_on_cuda_gives_the_reference_tokens_from_cached_prefixes(llm):
     assert all(o.num_cached_tokens > 0 for o in outs)
     for out, case in zip(outs, REF["prompts"], strict=True):
         assert out.outputs[0].token_ids == case["greedy_ids"][:FIRST], (case["prompt"], out.outputs[0].text)
-    uncached = LLM(backend="cuda", max_num_seqs=8, enable_prefix_caching=False)
+    uncached = LLM(backend="cuda", max_num_seqs=8, enable_prefix_caching=False, gpu_memory_utilization=GPU_TEST_MEMORY_SHARE)
     outs = uncached.chat([_conv(c) for c in REF["prompts"]], SamplingParams(temperature=0, max_tokens=FIRST))
     assert all(o.num_cached_tokens == 0 for o in outs) and uncached.engine.stats().num_prefix_cache_hits == 0
     for out, case in zip(outs, REF["prompts"], strict=True):

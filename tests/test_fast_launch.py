@@ -15,6 +15,8 @@ from numba_vllm.kernels import _fast_launch as fast_launch
 from numba_vllm.kernels._launch import launch
 from numba_vllm.kernels.jit import kernel
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 
 def fake_device_array(shape, dtype=np.float32, pointer=4096, c_contiguous=True):
     host = np.zeros(shape, dtype)

@@ -7,6 +7,8 @@ from numba import cuda
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.gather import gather_rows
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 
 @pytest.mark.parametrize("dtype, width", [(np.float32, 300), (np.int32, 1)])
 def test_gather_rows_copies_the_chosen_rows_exactly(dtype, width):

@@ -14,6 +14,8 @@ import pytest
 from numba_vllm.kernels.gemm import gemm
 from tests.helpers.products import PREFILL_GPU_CASES, run_product
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 SIM_CASES = [
     (17, 33, 72, False),
     (3, 70, 100, True),

@@ -32,6 +32,8 @@ from numba_vllm.kernels.vector_load import SHARED_ALIGN
 from numba_vllm.loading.bf16 import BF16
 from tests.helpers.products import PREFILL_GPU_CASES, check_product, launch_case
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 # One mma of random values against float64: 16 products + C, each addend may lose up to ~1 ulp
 # (2^-23) of the largest one on a tensor core: 17 * 2^-23 ~ 2e-6 of the sum of magnitudes.
 MMA_RTOL = 4e-6

@@ -53,6 +53,8 @@ from numba_vllm.loading.bf16 import BF16, bf16_bits, to_bf16, upload_bf16
 from tests.helpers import ptx as ptx_check
 from tests.helpers.products import check_product, launch_case, random_case, wgmma_conversion
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 TILING_IDS = ["large", "small", "small_deep", "tiny", "tiny_shallow", "medium", "tall"]  # gw.TILE_CONFIGS
 PROBE_N = 16
 PROBE_K = 64
@@ -362,6 +364,7 @@ def test_gemm_wgmma_multicast_shares_tile_copies_in_a_cluster(monkeypatch, confi
     launches = []
     monkeypatch.setattr(gw, "launch", lambda kernel_, grid, *a, **kw: (launches.append((grid, kw.get("cluster"))),
                                                                         launch(kernel_, grid, *a, **kw)))  # fmt: skip
+    monkeypatch.setattr(gw, "max_active_clusters", lambda *a: 1)  # (as the simulator has; on a GPU too)
     m, n, k, accumulate = shape
     mc = multicast[0] * multicast[1]
     run_gemm_wgmma(m, n, k, accumulate, seed=mc, launcher=functools.partial(gw.gemm_wgmma, config=config, multicast=multicast))

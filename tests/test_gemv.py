@@ -33,6 +33,8 @@ from numba_vllm.kernels.vector_load import (
 from numba_vllm.loading.bf16 import BF16, upload_bf16
 from tests.helpers.products import run_product
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 # (M, N, K, accumulate): N = 33, 70 are not multiples of 32 or 16 rows per block.
 SIM_CASES = [
     (1, 33, 72, False),  # batch 1, 1 token a block; 9 chunks: lanes 9..31 idle

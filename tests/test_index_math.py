@@ -12,6 +12,8 @@ from numba import cuda
 from numba_vllm.kernels.index_math import div, mod
 from numba_vllm.kernels.jit import kernel
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 DIVISORS = (1, 3, 4, 16, 32, 128, 1000)
 
 

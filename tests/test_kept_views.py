@@ -6,11 +6,14 @@ import gc
 import weakref
 
 import numpy as np
+import pytest
 from numba import cuda
 
 from numba_vllm.kernels import kept_views
 from numba_vllm.kernels.kept_views import flat_bits, kept, leading_block
-from numba_vllm.loading.bf16 import BF16
+from numba_vllm.loading.bf16 import BF16, upload_bf16
+
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
 
 
 def test_made_once_per_array_and_key():
@@ -26,7 +29,7 @@ def test_made_once_per_array_and_key():
 def test_entry_goes_with_its_array():
     """A device array's view does not hold the array object (only its memory), so the entry goes when
     the array is collected: a dropped engine's caches are freed."""
-    cache = cuda.to_device(np.zeros((2, 16, 3), np.float32).astype(BF16))
+    cache = upload_bf16(np.zeros((2, 16, 3), np.float32))
     flat_bits(cache)
     key, alive = (id(cache), "flat_bits"), weakref.ref(cache)
     assert key in kept_views._kept
@@ -42,10 +45,10 @@ def test_a_new_array_at_a_reused_id_gets_its_own_view():
 
 
 def test_flat_bits_and_leading_block_on_device_arrays():
-    """The simulator's device arrays: the cache's bits flattened, the workspace's first elements shaped;
-    both share their array's memory."""
+    """Device arrays: the cache's bits flattened, the workspace's first elements shaped; both share
+    their array's memory."""
     cache = np.arange(2 * 16 * 3, dtype=np.float32).reshape(2, 16, 3).astype(BF16)
-    d_cache = cuda.to_device(cache)
+    d_cache = upload_bf16(cache)
     bits = flat_bits(d_cache)
     assert bits.shape == (cache.size,) and bits.dtype == np.uint16
     np.testing.assert_array_equal(bits.copy_to_host(), cache.view(np.uint16).reshape(-1))

@@ -20,6 +20,7 @@ from numba_vllm.executor.cuda_graph import DecodeGraphs
 from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
 from numba_vllm.loading.checkpoint import load_checkpoint
 from numba_vllm.model.reference import KVCache, ReferenceModel
+from tests.helpers import GPU_TEST_MEMORY_SHARE
 from tests.helpers.tiny_llama import tiny_checkpoint
 
 PROMPT = [5, 6, 7, 8, 6]
@@ -154,7 +155,7 @@ def test_penalties_and_bias_on_the_gpu_with_graphs_beside_plain_rows(tmp_path):
                                intermediate_size=512, vocab_size=512, max_position_embeddings=512))  # fmt: skip
     p = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, **EDITS)
     plain = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    gpu = LLM(path, backend="cuda", max_num_seqs=4)
+    gpu = LLM(path, backend="cuda", max_num_seqs=4, gpu_memory_utilization=GPU_TEST_MEMORY_SHARE)
     prompts = [PROMPT, PROMPT, PROMPT[:3]]
     outs = gpu.generate(prompts, [p, plain, plain], use_tqdm=False)
     ckpt = load_checkpoint(path)

@@ -6,10 +6,13 @@ rows not listed must come back untouched, bit for bit.
 """
 
 import numpy as np
+import pytest
 from numba import cuda
 
 from numba_vllm.engine.logits_edits import MASKED, SEEN
 from numba_vllm.kernels.logits_edits import edit_logits
+
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
 
 
 def test_edits_match_the_formula_and_leave_other_rows_alone():

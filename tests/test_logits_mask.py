@@ -14,6 +14,8 @@ from numba_vllm.kernels import logits_mask as logits_mask_module
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.logits_mask import apply_token_bitmask
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 gpu = pytest.mark.gpu
 
 

@@ -14,6 +14,7 @@ import pytest
 from numba_vllm import LLM, SamplingParams
 from numba_vllm.executor.cuda_graph import DecodeGraphs
 from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
+from tests.helpers import GPU_TEST_MEMORY_SHARE
 from tests.helpers.hf_tiny import hf_tiny_case
 from tests.helpers.tiny_llama import write_checkpoint
 
@@ -108,7 +109,7 @@ def test_gpu_matches_transformers(case):
     """The cuda backend: prompt logprobs through the head in chunks, sampled tokens' logprobs from
     replayed decode graphs, with a request without logprobs beside it."""
     path, prompt, log_softmax = case
-    llm = LLM(path, backend="cuda", max_num_seqs=4)
+    llm = LLM(path, backend="cuda", max_num_seqs=4, gpu_memory_utilization=GPU_TEST_MEMORY_SHARE)
     p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=K, prompt_logprobs=K)
     out, plain = llm.generate([prompt, prompt], [p, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)], use_tqdm=False)
     _check(out, prompt, log_softmax, atol=0.05, gap=0.1)

@@ -14,6 +14,8 @@ from numba import cuda
 from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.logprobs import logprobs
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 
 def _reference(logits, rows, tokens, k):
     z = logits[rows].astype(np.float64)  # (R, V)

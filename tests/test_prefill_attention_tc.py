@@ -41,6 +41,8 @@ from numba_vllm.model.config import PAGE_SIZE
 from tests.helpers import ptx as ptx_check
 from tests.helpers.attention import EDGE_SEQS, PREFILL_SEQS, check_prefill
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 check_prefill_tc = functools.partial(check_prefill, prefill_attention_tc)
 
 

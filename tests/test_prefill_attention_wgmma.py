@@ -48,9 +48,12 @@ from numba_vllm.kernels.wgmma import WARPGROUP_THREADS
 from numba_vllm.loading.bf16 import upload_bf16
 from numba_vllm.model import llama
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
+from numba_vllm.sim.warp import simulator_enabled
 from tests.helpers import ptx as ptx_check
 from tests.helpers.attention import EDGE_SEQS, PREFILL_SEQS, check_prefill
 from tests.helpers.tiny_llama import random_weights, tiny_checkpoint, tiny_config_dict
+
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
 
 check_prefill_wgmma = functools.partial(check_prefill, prefill_attention_wgmma)
 
@@ -157,7 +160,7 @@ def test_launcher_rejects_head_dims_without_whole_panels():
 def test_an_engine_asking_for_it_on_an_unsupported_head_dim_is_refused_when_built(tmp_path):
     path = tiny_checkpoint(tmp_path, head_dim=16)
     with pytest.raises(KernelError, match="head_dim 16 not supported .*'tensor_cores'"):
-        LLM(str(path), backend="sim", prefill_attention="wgmma")
+        LLM(str(path), backend="sim" if simulator_enabled() else "cuda", prefill_attention="wgmma")
 
 
 @pytest.mark.parametrize("on_hopper, head_dim, want", [(False, 64, "prefill_attention_tc"), (True, 64, "prefill_attention_wgmma"),

@@ -17,6 +17,8 @@ from numba import cuda, float32
 from numba_vllm.kernels.jit import kernel
 from numba_vllm.kernels.reductions import block_max, block_sum, warp_max, warp_sum, warp_sums
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 BLOCK_SIZES = [32, 64, 96, 128, 256, 1024]
 NUM_ROWS = 5
 NUM_COLS = 700

@@ -23,6 +23,8 @@ from numba_vllm.loading.bf16 import bf16_bits, bf16_from_bits, to_bf16, upload_b
 from numba_vllm.model import reference
 from tests.helpers.products import wgmma_conversion
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 gpu = pytest.mark.gpu
 EPS = 1e-5
 RTOL = 2e-6

@@ -31,6 +31,8 @@ from numba_vllm.model import reference
 from numba_vllm.model.config import PAGE_SIZE, ModelConfig
 from numba_vllm.model.rope_scaling import rope_cos_sin, rope_inv_freq
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 gpu = pytest.mark.gpu
 
 LLAMA_3_2_1B_DIR = Path(__file__).parent / "data" / "llama-3.2-1b-instruct"  # the published config

@@ -23,6 +23,8 @@ from numba_vllm.kernels._launch import KernelError
 from numba_vllm.kernels.sample import argmax, gumbel_noise, sample_gumbel
 from numba_vllm.sim.warp import simulator_enabled
 
+pytestmark = pytest.mark.gpu_too  # `make test-gpu` runs these on the GPU as well
+
 gpu = pytest.mark.gpu
 slow = pytest.mark.slow  # the larger simulated launches: `make test` runs them, `make test-fast` does not
 VOCAB = 128256

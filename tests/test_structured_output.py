@@ -23,6 +23,7 @@ from numba_vllm.engine.sampling import SamplingParams
 from numba_vllm.engine.structured import GrammarError, StructuredOutputsParams
 from numba_vllm.executor.cuda_graph import DecodeGraphs
 from numba_vllm.executor.piecewise_graphs import PiecewiseGraphs
+from tests.helpers import GPU_TEST_MEMORY_SHARE
 from tests.helpers.smollm2 import needs_smollm2
 from tests.helpers.tiny_llama import write_chat_checkpoint
 
@@ -250,7 +251,7 @@ def test_the_simulated_kernels_mask_as_numpy_does(one_layer_dir, graphs):
 def test_on_cuda_every_sequence_follows_its_constraint(tiny_dir, enforce_eager):
     """The cuda backend (bf16: its tokens need not be NumPy's): greedy, device-sampled and host-sampled
     (top-k) rows under each kind of constraint, with unconstrained rows beside, eager and replayed."""
-    gpu = LLM(tiny_dir, backend="cuda", max_num_seqs=8, enforce_eager=enforce_eager)
+    gpu = LLM(tiny_dir, backend="cuda", max_num_seqs=8, enforce_eager=enforce_eager, gpu_memory_utilization=GPU_TEST_MEMORY_SHARE)
     lark = 'start: "(" num ("," num)* ")"\nnum: /[0-9]{1,2}/'
     checks = {  # the pattern the text must match: its constraint
         REGEX: StructuredOutputsParams(regex=REGEX),

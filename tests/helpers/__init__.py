@@ -10,3 +10,7 @@
 from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[1] / "data"  # tests/data: reference outputs and configs
+# The share of the free GPU memory a GPU test's engine takes for its KV cache (instead of the 0.9
+# default): `make test-gpu` runs several test processes on one GPU, and an engine holding most of its
+# memory would leave the others none.
+GPU_TEST_MEMORY_SHARE = 0.05
