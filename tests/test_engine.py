@@ -25,6 +25,14 @@ def tiny_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def one_layer_dir(tmp_path_factory):
+    """tiny_dir's model with one layer, for the simulated runs of one kernel's path (the GQA test below
+    takes two layers through the simulator)."""
+    return tiny_checkpoint(tmp_path_factory.mktemp("one_layer"), num_attention_heads=4, num_key_value_heads=2,
+                           num_hidden_layers=1, max_position_embeddings=128)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
 def alone(tiny_dir):
     llm = LLM(str(tiny_dir), backend="numpy")
     return [llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0].token_ids for p in PAGE_EDGE_PROMPTS]
@@ -195,11 +203,13 @@ def test_a_tiny_temperature_is_greedy(tiny_dir, alone):
 
 
 @pytest.mark.slow  # three prefill steps of the whole model in the simulator
-def test_simulated_chunk_steps_that_sample_nothing(tiny_dir, alone):
+def test_simulated_chunk_steps_that_sample_nothing(one_layer_dir):
     """A prompt longer than the token budget, alone: its first chunks sample no token (no logits)."""
-    sim = LLM(str(tiny_dir), backend="sim", max_num_seqs=1, max_num_batched_tokens=16, num_pages=8)
-    out = sim.generate([PAGE_EDGE_PROMPTS[4]], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))[0]
-    assert out.outputs[0].token_ids == alone[4][:1]  # 33 tokens: chunks of 16 and 16 (no sample), then 1
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    want = LLM(str(one_layer_dir), backend="numpy").generate([PAGE_EDGE_PROMPTS[4]], params, use_tqdm=False)[0]
+    sim = LLM(str(one_layer_dir), backend="sim", max_num_seqs=1, max_num_batched_tokens=16, num_pages=8)
+    out = sim.generate([PAGE_EDGE_PROMPTS[4]], params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want.outputs[0].token_ids  # 33 tokens: chunks of 16 and 16 (no sample), then 1
 
 
 @pytest.mark.slow  # five prompts through the whole model in the simulator: ~90 s on 2 cores
@@ -213,20 +223,21 @@ def test_simulated_kernels_match_numpy_across_page_edges_with_gqa(tiny_dir, alon
 
 @pytest.mark.slow  # prefill steps through the wgmma attention (288-thread blocks) in the simulator
 def test_simulated_wgmma_prefill_attention_gives_numpy_tokens(tmp_path):
-    """prefill_attention_wgmma (whole 64-dim panels: a head dim of 64) in the engine: prompts across
-    page edges, one chunked after its first 16 tokens, give NumPy's greedy tokens."""
+    """prefill_attention_wgmma (whole 64-dim panels: a head dim of 64) in the engine, beside gemm_wgmma's
+    products as on a Hopper GPU: prompts across page edges, one chunked after its first 16 tokens,
+    give NumPy's greedy tokens."""
     path = tiny_checkpoint(tmp_path, hidden_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                           max_position_embeddings=128)  # fmt: skip
+                           num_hidden_layers=1, max_position_embeddings=128)  # fmt: skip
     prompts = [[5], list(range(3, 19)), list(range(1, 34))]
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     want = [o.outputs[0].token_ids for o in LLM(str(path), backend="numpy").generate(prompts, params, use_tqdm=False)]
-    sim = LLM(str(path), backend="sim", prefill_attention="wgmma", max_num_seqs=4, max_num_batched_tokens=32,
-              num_pages=16)  # fmt: skip
+    sim = LLM(str(path), backend="sim", prefill_attention="wgmma", prefill_gemm="wgmma", max_num_seqs=4,
+              max_num_batched_tokens=32, num_pages=16)  # fmt: skip
     assert [o.outputs[0].token_ids for o in sim.generate(prompts, params, use_tqdm=False)] == want
 
 
 @pytest.mark.slow  # three steps of 9 sequences through the whole model in the simulator
-def test_simulated_wgmma_products_give_numpy_tokens_with_bf16_x_from_norm_and_swiglu(tiny_dir, monkeypatch):
+def test_simulated_wgmma_products_give_numpy_tokens_with_bf16_x_from_norm_and_swiglu(one_layer_dir, monkeypatch):
     """gemm_wgmma (the Hopper GEMM, which the simulator runs when asked) on every product of more than 8
     tokens: a 27-token prefill step (3-token prompts) and decode steps of 9 sequences give NumPy's greedy tokens, and
     only the o products (x: the attention output) run the conversion pass; the norms and SwiGLU (in
@@ -241,10 +252,10 @@ def test_simulated_wgmma_products_give_numpy_tokens_with_bf16_x_from_norm_and_sw
     monkeypatch.setattr(gemm_wgmma, "launch", recording)
     prompts = [[3 + i, 40 + 2 * i, 90 - i] for i in range(9)]
     params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-    want = [o.outputs[0].token_ids for o in LLM(str(tiny_dir), backend="numpy").generate(prompts, params, use_tqdm=False)]
-    sim = LLM(str(tiny_dir), backend="sim", prefill_gemm="wgmma", max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
+    want = [o.outputs[0].token_ids for o in LLM(str(one_layer_dir), backend="numpy").generate(prompts, params, use_tqdm=False)]
+    sim = LLM(str(one_layer_dir), backend="sim", prefill_gemm="wgmma", max_num_seqs=16, max_num_batched_tokens=64, num_pages=24)
     assert [o.outputs[0].token_ids for o in sim.generate(prompts, params, use_tqdm=False)] == want
-    layers = load_checkpoint(tiny_dir).config.num_hidden_layers
+    layers = load_checkpoint(one_layer_dir).config.num_hidden_layers
     conversions = launches.count(gemm_wgmma._x_to_bf16_kernel)
     products = len(launches) - conversions  # (a K split sums its parts inside the product's kernel)
     assert products == 3 * (4 * layers + 1)  # 3 steps (prefill, 2 decodes): qkv, o, gate_up, down a layer; the head
