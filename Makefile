@@ -46,7 +46,8 @@ run: setup  ## run the default model on a sample question (pass more with ARGS="
 # day, 1,168 tests, after gemv's warp reduction took a fifth of the shuffles and prefill attention's
 # simulated blocks one warpgroup; 2026-12-04: 17.1 min in a fresh clone, 1,192 tests, after the
 # simulator's waits on mbarriers stopped polling, which took test_prefill_attention_wgmma.py from 456
-# to 66 s with two workers). The files go out in collection order (--no-loadscope-reorder), which puts
+# to 66 s with two workers; later 14.2 min, 16.1 with the setup, after test_engine's runs of one
+# kernel's path took one layer). The files go out in collection order (--no-loadscope-reorder), which puts
 # the longest first (tests/conftest.py).
 TEST_WORKERS ?= 3
 
