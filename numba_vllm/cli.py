@@ -721,10 +721,13 @@ def latency(model, load_format, random_weights, backend, seed, compare_hf, json_
               help="Every prompt starts with the same N tokens (then its own, of the prompt lengths above); "
               "implies --compare-prefix-caching.")  # fmt: skip
 @click.option("--compare-prefix-caching", is_flag=True, help="Run each scheduling mode with prefix caching on and off.")
+@click.option("--repeat", type=click.IntRange(1), default=1, show_default=True,
+              help="Runs of each mode, each on a fresh engine; the table shows the run of the median output tokens/s "
+              "and the range of all.")  # fmt: skip
 @_one_line_errors
 def throughput(model, load_format, random_weights, backend, seed, compare_hf, json_path, plot_path, num_requests, min_prompt_len,
                max_prompt_len, min_output_len, max_output_len, scheduling, shared_prefix_len, compare_prefix_caching,
-               **engine_args):  # fmt: skip
+               repeat, **engine_args):  # fmt: skip
     """Offline throughput: requests of mixed lengths submitted at once, continuous vs static batching
     (and prefix caching on vs off)."""
     from numba_vllm.bench.common import EngineOptions, write_json
@@ -743,7 +746,7 @@ def throughput(model, load_format, random_weights, backend, seed, compare_hf, js
         ckpt, desc, EngineOptions(backend=backend, **engine_args), num_requests=num_requests, seed=seed,
         prompt_range=(min_prompt_len, max_prompt_len), output_range=(min_output_len, max_output_len),
         scheduling=scheduling, shared_prefix_len=shared_prefix_len, compare_prefix_caching=compare_prefix_caching,
-        compare_hf=compare_hf, log=_log,
+        compare_hf=compare_hf, repeat=repeat, log=_log,
     )  # fmt: skip
     click.echo(format_throughput(result))
     write_json(json_path, result)

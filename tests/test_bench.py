@@ -5,6 +5,7 @@ and a missing transformers."""
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -162,6 +163,27 @@ def test_throughput_one_scheduling_mode(config_dir):
     assert r.exit_code == 0, r.output
     header = next(line for line in r.stdout.splitlines() if "static" in line and "requests" not in line)
     assert "continuous" not in header
+
+
+def test_throughput_repeats_report_the_median_run_and_every_run(config_dir, tmp_path):
+    """--repeat 3: each run on a fresh engine; the column is the run of the median tokens/s, and every
+    run's tokens/s, median step and TTFT p50 are kept beside it, their range in the table."""
+    out = tmp_path / "throughput.json"
+    r = bench("throughput", "--random-weights", str(config_dir), "--backend", "numpy", "--num-requests", "3",
+              "--min-prompt-len", "4", "--max-prompt-len", "6", "--min-output-len", "2", "--max-output-len", "3",
+              "--scheduling", "continuous", "--repeat", "3", "--json", str(out))  # fmt: skip
+    assert r.exit_code == 0, r.output
+    res = json.loads(out.read_text())
+    run = res["runs"]["continuous"]
+    rates = run["repeats"]["output_tokens_per_s"]
+    assert res["repeat"] == 3 and len(rates) == 3 and len(run["repeats"]["median_step_ms"]) == 3
+    assert run["output_tokens_per_s"] == sorted(rates)[1]
+    assert run["ttft_p50_ms"] == run["repeats"]["ttft_p50_ms"][rates.index(sorted(rates)[1])]  # one run's figures
+    assert run["repeats"]["spread"] == pytest.approx((max(rates) - min(rates)) / sorted(rates)[1])
+    assert "median output tokens/s of 3" in r.stdout
+    assert re.search(r"^output tokens/s, runs\s+[\d.,]+-[\d.,]+ \(\d+\.\d%\)$", r.stdout, re.M), r.stdout
+    r = bench("throughput", "--random-weights", str(config_dir), "--backend", "numpy", "--repeat", "0")
+    assert r.exit_code != 0 and "0 is not in the range x>=1" in r.output
 
 
 def test_workload_is_seeded_and_in_range():

@@ -22,6 +22,11 @@ driver's total - free, sampled every 10 steps: the KV cache is allocated up fron
 its size, set by --gpu-memory-utilization or --num-pages).
 Each run also keeps every step's end time, generated tokens and duration (`per_step`), which `--plot`
 draws: static batching's steps thin out as a batch drains, continuous batching's stay full.
+
+`--repeat N` runs each (mode, caching) N times, each with a fresh engine, and reports the run of the
+median output tokens/s (the lower middle one for even N), with every run's tokens/s, median step
+and TTFT p50 beside it (`repeats`) and their spread in the table: on an H200 one run of the default
+workload moves by about ±5% from start to start, more than many changes worth measuring.
 """
 
 from __future__ import annotations
@@ -116,12 +121,16 @@ def run_throughput(
     shared_prefix_len: int = 0,
     compare_prefix_caching: bool = False,
     compare_hf: bool = False,
+    repeat: int = 1,
     log: Log = log_stderr,
 ) -> dict:
     """Run the offline workload under each scheduling mode asked for (each with prefix caching on and
-    off when comparing: implied by a shared prefix); returns the JSON-ready result."""
+    off when comparing: implied by a shared prefix), ``repeat`` times each; returns the JSON-ready
+    result."""
     if scheduling not in SCHEDULING_CHOICES:
         raise BenchError(f"scheduling must be one of {', '.join(SCHEDULING_CHOICES)}, got {scheduling!r}")
+    if repeat < 1:
+        raise BenchError(f"repeat must be at least 1, got {repeat}")
     modes = ["continuous", "static"] if scheduling == "both" else [scheduling]
     compare = compare_prefix_caching or shared_prefix_len > 0
     cachings = [True, False] if compare else [options.enable_prefix_caching]
@@ -140,11 +149,15 @@ def run_throughput(
             log(f"[throughput] {label}: {workload.num_requests} requests, {workload.prompt_tokens} prompt tokens, "
                 f"{workload.output_tokens} output tokens")  # fmt: skip
             run_options = dataclasses.replace(options, enable_prefix_caching=caching)
-            run, backend = _run_engine(ckpt, run_options, workload, max_model_len, mode, log)
-            env = env or environment(backend)
-            runs[label] = run
-            log(f"[throughput] {label}: {run['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 {run['ttft_p50_ms']:.1f} ms, "
-                f"{run['steps']} steps, {run['preemptions']} preemptions")  # fmt: skip
+            trials = []
+            for i in range(repeat):
+                run, backend = _run_engine(ckpt, run_options, workload, max_model_len, mode, log)
+                env = env or environment(backend)
+                trials.append(run)
+                of = f" (run {i + 1} of {repeat})" if repeat > 1 else ""
+                log(f"[throughput] {label}{of}: {run['output_tokens_per_s']:.1f} output tokens/s, TTFT p50 "
+                    f"{run['ttft_p50_ms']:.1f} ms, {run['steps']} steps, {run['preemptions']} preemptions")  # fmt: skip
+            runs[label] = median_run(trials)
     result = {
         "benchmark": "throughput",
         "model": model_desc,
@@ -152,6 +165,7 @@ def run_throughput(
         "backend": backend,
         "environment": env,
         "engine": {**options.to_dict(), "max_model_len": max_model_len},
+        "repeat": repeat,
         "workload": {
             "num_requests": workload.num_requests,
             "seed": seed,
@@ -186,6 +200,23 @@ def run_throughput(
         for run in runs.values():
             run["ratio_vs_hf"] = ratio(run["output_tokens_per_s"], hf_run["output_tokens_per_s"])
     return result
+
+
+REPEATED = ("output_tokens_per_s", "median_step_ms", "ttft_p50_ms")  # each run's figures kept beside the median run
+
+
+def median_run(trials: list[dict]) -> dict:
+    """The run of the median output tokens/s (the lower middle one of an even count), so that every
+    figure reported comes from one run; with several runs, ``repeats`` holds each run's ``REPEATED``
+    figures (in run order) and ``spread``, (max - min) / median of their tokens/s."""
+    if len(trials) == 1:
+        return trials[0]
+    ranked = sorted(trials, key=lambda r: r["output_tokens_per_s"])
+    run = dict(ranked[(len(ranked) - 1) // 2])
+    rates = [r["output_tokens_per_s"] for r in trials]
+    run["repeats"] = {key: [r[key] for r in trials] for key in REPEATED}
+    run["repeats"]["spread"] = (max(rates) - min(rates)) / run["output_tokens_per_s"]
+    return run
 
 
 def run_label(mode: str, caching: bool | None) -> str:
@@ -301,15 +332,19 @@ def format_throughput(result: dict) -> str:
             rows.append([label] + [str(w["num_requests"])] * len(columns))
         else:
             rows.append([label] + [col.get(key) for _, col in columns])
+    if any("repeats" in run for run in runs.values()):  # the median run's figures above; every run's tokens/s here
+        rows.insert(4, ["output tokens/s, runs"] + [_runs_range(col) for _, col in columns])
     if hf is not None:
         rows.append(["ours / transformers"] + [runs[m].get("ratio_vs_hf") for m in runs] + ["1.00"])
     shared = f", after a shared prefix of {w['shared_prefix_len']} tokens" if w["shared_prefix_len"] else ""
+    repeat = result.get("repeat", 1)
+    median = f"; each column the run of the median output tokens/s of {repeat}" if repeat > 1 else ""
     lines = [
         f"throughput: {result['model']} ({count_text(result['num_parameters'])} parameters), backend {result['backend']} "
         f"({result['environment']['device']})",
         f"{w['num_requests']} requests, prompts {w['prompt_len_range'][0]}-{w['prompt_len_range'][1]} tokens "
         f"({w['prompt_tokens']} in all{shared}), outputs {w['output_len_range'][0]}-{w['output_len_range'][1]} tokens "
-        f"({w['output_tokens']} in all), seed {w['seed']}, greedy, EOS ignored, all submitted at once",
+        f"({w['output_tokens']} in all), seed {w['seed']}, greedy, EOS ignored, all submitted at once{median}",
         "",
         format_table(["", *[name for name, _ in columns]], rows),
     ]
@@ -325,3 +360,12 @@ def format_throughput(result: dict) -> str:
         if hf.get("note"):
             lines.append(f"note: {hf['note']}")
     return "\n".join(lines)
+
+
+def _runs_range(run: dict) -> str:
+    """A column's every-run tokens/s: "min-max (spread)", or "-" for a single run."""
+    repeats = run.get("repeats")
+    if repeats is None:
+        return "-"
+    rates = repeats["output_tokens_per_s"]
+    return f"{fmt(min(rates))}-{fmt(max(rates))} ({100 * repeats['spread']:.1f}%)"
