@@ -332,8 +332,9 @@ def format_throughput(result: dict) -> str:
             rows.append([label] + [str(w["num_requests"])] * len(columns))
         else:
             rows.append([label] + [col.get(key) for _, col in columns])
-    if any("repeats" in run for run in runs.values()):  # the median run's figures above; every run's tokens/s here
-        rows.insert(4, ["output tokens/s, runs"] + [_runs_range(col) for _, col in columns])
+    if any("repeats" in run for run in runs.values()):  # every run's tokens/s, under the median run's
+        below = 1 + [label for label, _ in ROWS].index("output tokens/s")
+        rows.insert(below, ["output tokens/s, runs"] + [_runs_range(col) for _, col in columns])
     if hf is not None:
         rows.append(["ours / transformers"] + [runs[m].get("ratio_vs_hf") for m in runs] + ["1.00"])
     shared = f", after a shared prefix of {w['shared_prefix_len']} tokens" if w["shared_prefix_len"] else ""
