@@ -11,7 +11,8 @@ around the page edges in one launch, GQA groups 1/3/4/8, head dims 64 and 128; s
 H200-sized GPU (``pretend_sms``) with one-warp blocks and one page a step, so ranges are one page.
 The simulator reports one multiprocessor, so a grid of 3+ blocks counts as full there and runs the
 one-page-a-step build (``FULL_GRID_*``) in blocks of 4, 2 or 1 warps (16 warp slots); smaller grids
-run the two-page one.
+run the two-page one. The same tests run on a GPU (``gpu_too``), where the launcher sizes its grids
+by the GPU's multiprocessors: the tests of the full grids pin one (``one_sm``).
 """
 
 from __future__ import annotations
