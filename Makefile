@@ -55,8 +55,9 @@ test: setup  ## the CPU suite, as CI runs it: kernels under the Numba CUDA simul
 	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder \
 		--durations=15
 
-# `make test-fast` on 2 cores (2026-12-03): 876 tests in 4.5 min with three workers, 8.2 in one process; 2026-12-04: 906 in 3.4
-# (14.3 before the whole-model runs and the largest simulated kernels' cases in it were marked `slow`).
+# `make test-fast` on 2 cores (2026-12-03): 876 tests in 4.5 min with three workers, 8.2 in one process
+# (14.3 before the whole-model runs and the largest simulated kernels' cases in it were marked `slow`);
+# 2026-12-04: 906 tests in 3.4 min with three workers.
 test-fast: setup  ## the CPU suite without the `slow` tests (SmolLM2, PTX, whole-model and large-kernel simulation)
 	NUMBA_ENABLE_CUDASIM=1 $(VPY) -m pytest -q -m "not gpu and not slow" -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
