@@ -335,3 +335,28 @@ def test_errors_name_the_thread_and_the_pool_recovers():
     out = launch(raising_kernel, 4, np.zeros(4, np.int32))[0]  # thread 5 does not exist here
     np.testing.assert_array_equal(out, np.ones(4))
 
+
+
+@pytest.mark.skipif(not sim_blocks.one_core, reason="no pinning: NUMBA_VLLM_SIM_ONE_CORE=0, or no sched_setaffinity here")
+def test_a_launchs_threads_run_on_the_launching_threads_core(monkeypatch):
+    """Only the thread holding the GIL runs, so the pool pins a launch's threads to the core the
+    launching thread runs on (hand-overs on one core skip cross-core wake-ups); the next launch from
+    another core moves them there."""
+    import os
+
+    taken = []  # the workers each launch plays its threads on
+    take = sim_blocks._POOL.take
+    monkeypatch.setattr(sim_blocks._POOL, "take", lambda count, core=None: taken.append(take(count, core)) or taken[-1])
+    allowed = sorted(os.sched_getaffinity(0))
+    try:
+        for core in (allowed[0], allowed[-1]):
+            os.sched_setaffinity(0, {core})  # the launching (this) thread on one core
+            assert sim_blocks._launching_core() == core
+            out = launch(many_rounds_kernel, 64, np.zeros(64, np.int32), 3)[0]
+            np.testing.assert_array_equal(out, 3003 + 96 * (np.arange(64) // 32))  # round r: 1000 r + its warp's lane r's id
+            assert len(taken[-1]) == 64
+            assert all(os.sched_getaffinity(w.native_id) == {core} for w in taken[-1]), core
+    finally:
+        os.sched_setaffinity(0, allowed)
+    monkeypatch.setattr(sim_blocks, "one_core", False)
+    assert sim_blocks._launching_core() is None

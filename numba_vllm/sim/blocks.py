@@ -40,6 +40,11 @@ spread out over the waiters: waking all of them at once (``threading.Condition``
 1024 threads fight over the GIL, which made a 1024-thread ``syncthreads`` ~3x slower. Block
 start-up works the same way: each worker starts the next thread before running its own.
 
+One core. Only the thread holding the GIL runs, so the simulated threads gain nothing from more
+than one core, and every hand-over between two of them on different cores costs a cross-core
+wake-up. The pool pins its workers to the core the launching thread runs on
+(``sched_setaffinity``, Linux; env ``NUMBA_VLLM_SIM_ONE_CORE=0`` leaves them to the OS).
+
 When a thread raises, the block aborts: every waiting thread is woken to unwind, and the launch
 re-raises the first error, prefixed with the thread's ``tid``/``ctaid`` as the stock simulator
 does.
@@ -71,6 +76,9 @@ WARP_SIZE = 32
 
 hang_timeout_s = float(os.environ.get("NUMBA_VLLM_SIM_HANG_TIMEOUT", "30"))
 """Longest a simulated thread may wait in one round before the launch fails (seconds)."""
+
+one_core = os.environ.get("NUMBA_VLLM_SIM_ONE_CORE", "1") != "0" and hasattr(os, "sched_setaffinity")
+"""Whether a launch's simulated threads run pinned to the launching thread's core (module docstring)."""
 
 
 class SimulatorDeadlockError(RuntimeError):
@@ -454,6 +462,7 @@ class _Worker(threading.Thread):
         super().__init__(daemon=True, name="cudasim-worker")
         self._pool = pool
         self._tasks = queue.SimpleQueue()  # (block, thread_id) to play next
+        self.core = None  # the core this thread is pinned to (None: any the process may use)
         self.block = None
         self.threadIdx = None
         self.blockIdx = None
@@ -462,6 +471,16 @@ class _Worker(threading.Thread):
     def assign(self, block, thread_id):
         """Hand this idle worker the CUDA thread ``thread_id`` of ``block``."""
         self._tasks.put((block, thread_id))
+
+    def pin(self, core):
+        """Run this (started) thread on ``core`` alone, unless it already does; None: leave it."""
+        if core is None or core == self.core:
+            return
+        try:
+            os.sched_setaffinity(self.native_id, {core})  # a thread id: this thread alone (Linux)
+        except OSError:  # a core the process may no longer use: leave the thread where it is
+            return
+        self.core = core
 
     def run(self):
         from numba.cuda.simulator.kernelapi import Dim3
@@ -518,13 +537,16 @@ class _WorkerPool:
         self._idle = []
         self._lock = threading.Lock()
 
-    def take(self, count):
+    def take(self, count, core=None):
+        """``count`` idle workers (started if the pool has too few), pinned to ``core`` (None: as they are)."""
         with self._lock:
             workers = [self._idle.pop() for _ in range(min(count, len(self._idle)))]
         while len(workers) < count:
             worker = _Worker(self)
             worker.start()
             workers.append(worker)
+        for worker in workers:
+            worker.pin(core)
         return workers
 
     def put_back(self, worker):
@@ -667,10 +689,24 @@ def _poison(dynamic_shared):
     dynamic_shared.fill(-1)
 
 
+def _launching_core():
+    """The core the calling thread runs on (``/proc/thread-self/stat``'s field 39), where the launch's
+    simulated threads go (``one_core``); None when pinning is off or the system does not say."""
+    if not one_core:
+        return None
+    try:
+        with open("/proc/thread-self/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+        return int(fields[39 - 3])  # fields[0] is field 3 (the state)
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _run_blocks(blocks):
     """Run ``blocks`` at once; re-raise the first error, by rank."""
+    core = _launching_core()
     for block in blocks:
-        block.workers = _POOL.take(block.num_threads)
+        block.workers = _POOL.take(block.num_threads, core)
     for block in blocks:
         block.start_thread(0)
     for block in blocks:
