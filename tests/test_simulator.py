@@ -360,3 +360,22 @@ def test_a_launchs_threads_run_on_the_launching_threads_core(monkeypatch):
         os.sched_setaffinity(0, allowed)
     monkeypatch.setattr(sim_blocks, "one_core", False)
     assert sim_blocks._launching_core() is None
+
+
+def test_a_refused_pin_turns_pinning_off_and_the_launch_runs(monkeypatch):
+    """Where the system refuses sched_setaffinity (a sandbox), the launch runs unpinned and later
+    launches stop asking."""
+    import os
+
+    def refuse(pid, cores):
+        raise PermissionError("not allowed here")
+
+    monkeypatch.setattr(sim_blocks, "one_core", True)
+    monkeypatch.setattr(sim_blocks, "_launching_core", lambda: 0 if sim_blocks.one_core else None)
+    monkeypatch.setattr(os, "sched_setaffinity", refuse, raising=False)
+    for worker in list(sim_blocks._POOL._idle):
+        monkeypatch.setattr(worker, "core", None)  # so that each asks again
+    out = launch(many_rounds_kernel, 64, np.zeros(64, np.int32), 3)[0]
+    np.testing.assert_array_equal(out, 3003 + 96 * (np.arange(64) // 32))
+    assert sim_blocks.one_core is False
+

@@ -473,14 +473,16 @@ class _Worker(threading.Thread):
         self._tasks.put((block, thread_id))
 
     def pin(self, core):
-        """Run this (started) thread on ``core`` alone, unless it already does; None: leave it."""
+        """Run this (started) thread on ``core`` alone, unless it already does; None: leave it.
+        Returns False if the system refused (a sandbox without the right, a core taken away)."""
         if core is None or core == self.core:
-            return
+            return True
         try:
             os.sched_setaffinity(self.native_id, {core})  # a thread id: this thread alone (Linux)
-        except OSError:  # a core the process may no longer use: leave the thread where it is
-            return
+        except OSError:
+            return False
         self.core = core
+        return True
 
     def run(self):
         from numba.cuda.simulator.kernelapi import Dim3
@@ -538,15 +540,17 @@ class _WorkerPool:
         self._lock = threading.Lock()
 
     def take(self, count, core=None):
-        """``count`` idle workers (started if the pool has too few), pinned to ``core`` (None: as they are)."""
+        """``count`` idle workers (started if the pool has too few), pinned to ``core`` (None: as they
+        are); a refused pin turns pinning off for the process (``one_core``)."""
+        global one_core
         with self._lock:
             workers = [self._idle.pop() for _ in range(min(count, len(self._idle)))]
         while len(workers) < count:
             worker = _Worker(self)
             worker.start()
             workers.append(worker)
-        for worker in workers:
-            worker.pin(core)
+        if not all(worker.pin(core) for worker in workers):
+            one_core = False  # refused once, refused again: stop asking at every launch
         return workers
 
     def put_back(self, worker):
