@@ -5,6 +5,7 @@ that undefined behaviour is made loud (NaN, WarpSyncError, SimulatorDeadlockErro
 Simulator only: skipped when the tests run on a GPU.
 """
 
+import os
 import time
 
 import numpy as np
@@ -336,14 +337,15 @@ def test_errors_name_the_thread_and_the_pool_recovers():
     np.testing.assert_array_equal(out, np.ones(4))
 
 
+# many_rounds_kernel's output for 64 threads and 3 rounds: round r adds 1000 r + the id of its warp's lane r
+THREE_ROUNDS_OF_64 = 3003 + 96 * (np.arange(64) // 32)
+
 
 @pytest.mark.skipif(not sim_blocks.one_core, reason="no pinning: NUMBA_VLLM_SIM_ONE_CORE=0, or no sched_setaffinity here")
 def test_a_launchs_threads_run_on_the_launching_threads_core(monkeypatch):
     """Only the thread holding the GIL runs, so the pool pins a launch's threads to the core the
     launching thread runs on (hand-overs on one core skip cross-core wake-ups); the next launch from
     another core moves them there."""
-    import os
-
     taken = []  # the workers each launch plays its threads on
     take = sim_blocks._POOL.take
     monkeypatch.setattr(sim_blocks._POOL, "take", lambda count, core=None: taken.append(take(count, core)) or taken[-1])
@@ -353,7 +355,7 @@ def test_a_launchs_threads_run_on_the_launching_threads_core(monkeypatch):
             os.sched_setaffinity(0, {core})  # the launching (this) thread on one core
             assert sim_blocks._launching_core() == core
             out = launch(many_rounds_kernel, 64, np.zeros(64, np.int32), 3)[0]
-            np.testing.assert_array_equal(out, 3003 + 96 * (np.arange(64) // 32))  # round r: 1000 r + its warp's lane r's id
+            np.testing.assert_array_equal(out, THREE_ROUNDS_OF_64)
             assert len(taken[-1]) == 64
             assert all(os.sched_getaffinity(w.native_id) == {core} for w in taken[-1]), core
     finally:
@@ -365,7 +367,6 @@ def test_a_launchs_threads_run_on_the_launching_threads_core(monkeypatch):
 def test_a_refused_pin_turns_pinning_off_and_the_launch_runs(monkeypatch):
     """Where the system refuses sched_setaffinity (a sandbox), the launch runs unpinned and later
     launches stop asking."""
-    import os
 
     def refuse(pid, cores):
         raise PermissionError("not allowed here")
@@ -376,6 +377,5 @@ def test_a_refused_pin_turns_pinning_off_and_the_launch_runs(monkeypatch):
     for worker in list(sim_blocks._POOL._idle):
         monkeypatch.setattr(worker, "core", None)  # so that each asks again
     out = launch(many_rounds_kernel, 64, np.zeros(64, np.int32), 3)[0]
-    np.testing.assert_array_equal(out, 3003 + 96 * (np.arange(64) // 32))
+    np.testing.assert_array_equal(out, THREE_ROUNDS_OF_64)
     assert sim_blocks.one_core is False
-
